@@ -1,0 +1,162 @@
+"""Training step time of TinyGPT under DDP, torch's ZeroRedundancyOptimizer and zero_py.
+
+Launch one process per rank with torchrun (gloo, CPU), from the repository root:
+
+    torchrun --nproc-per-node 2 benchmarks/step_time.py [--json step_time.json]
+
+Every configuration trains its own copy of the same model (same initial weights, same batches
+on a given rank: the demo's byte-level corpus of the standard library):
+
+    (a) DDP + torch.optim.AdamW
+    (b) DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+    (c) zero_py.ZeroOptimizer(AdamW, stage=1), model not wrapped
+    (d) zero_py.ZeroOptimizer(AdamW, stage=2), model not wrapped
+
+A step is forward, backward, optimizer.step() and zero_grad(). After warm-up the configurations
+take turns, round after round (the starting configuration rotates), each running a few steps
+between two barriers; a sample is that time divided by the steps. Rank 0 prints the median,
+quartiles and ratio to (a) as a markdown table, and the largest difference between each
+configuration's parameters and (a)'s at the end (they saw the same batches, so it shows only
+rounding). Each rank uses one intra-op thread (torch.set_num_threads(1)).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import zero_py
+from zero_py.demo import TinyGPT, get_batch, load_corpus
+
+CONFIGS = ("DDP + AdamW", "DDP + ZeroRedundancyOptimizer", "zero_py stage 1", "zero_py stage 2")
+
+
+class Run:
+    """One configuration: the model, what forward is called on, its optimizer and batches."""
+
+    def __init__(self, name, vocab_size, args, rank):
+        torch.manual_seed(args.seed)
+        self.model = TinyGPT(vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+                             d_model=args.d_model, block_size=args.block_size)
+        self.forward = self.model
+        hyper = dict(lr=1e-3, weight_decay=0.1)
+        if name == "DDP + AdamW":
+            self.forward = DistributedDataParallel(self.model)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), **hyper)
+        elif name == "DDP + ZeroRedundancyOptimizer":
+            self.forward = DistributedDataParallel(self.model)
+            self.optimizer = ZeroRedundancyOptimizer(
+                self.model.parameters(), optimizer_class=torch.optim.AdamW, **hyper)
+        else:
+            self.optimizer = zero_py.ZeroOptimizer(
+                self.model.parameters(), torch.optim.AdamW, stage=int(name[-1]), **hyper)
+        self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+        self.samples = []
+
+    def step(self, tokens, args):
+        x, y = get_batch(tokens, args.batch_size, args.block_size, self.generator)
+        _, loss = self.forward(x, y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def timed(run, tokens, args):
+    """Seconds per step over args.steps_per_round steps, between barriers."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps_per_round):
+        run.step(tokens, args)
+    dist.barrier()
+    return (time.perf_counter() - start) / args.steps_per_round
+
+
+@torch.no_grad()
+def max_param_diff(model, reference):
+    """Largest absolute difference between the two models' parameters on any rank."""
+    diff = max((p - q).abs().max() for p, q in zip(model.parameters(), reference.parameters()))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()
+
+
+def table(runs, param_diffs):
+    base = statistics.median(runs[CONFIGS[0]].samples)
+    rows = ["| configuration | median ms/step | p25 | p75 | vs DDP + AdamW | max abs param diff vs (a) |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name in CONFIGS:
+        q1, q2, q3 = statistics.quantiles(runs[name].samples, n=4)
+        med = statistics.median(runs[name].samples)
+        rows.append(f"| {name} | {med * 1e3:.1f} | {q1 * 1e3:.1f} | {q3 * 1e3:.1f} "
+                    f"| {med / base:.3f} | {param_diffs[name]:.2e} |")
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--warmup", type=int, default=5, help="steps per configuration")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps-per-round", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the results here (rank 0)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, _, vocab = load_corpus()
+    runs = {name: Run(name, len(vocab), args, rank) for name in CONFIGS}
+    n_params = sum(p.numel() for p in runs[CONFIGS[0]].model.parameters())
+    if rank == 0:
+        print(f"TinyGPT n_layer={args.n_layer} d_model={args.d_model} n_head={args.n_head}: "
+              f"{n_params / 1e6:.2f}M parameters; {world} ranks x {args.batch_size}x"
+              f"{args.block_size} tokens per step; torch {torch.__version__}, 1 thread per rank; "
+              f"zero_py fused C AdamW: {runs[CONFIGS[-1]].optimizer.uses_fused_kernel}")
+
+    for run in runs.values():
+        for _ in range(args.warmup):
+            run.step(train, args)
+    for r in range(args.rounds):
+        for name in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
+            runs[name].samples.append(timed(runs[name], train, args))
+
+    param_diffs = {name: max_param_diff(run.model, runs[CONFIGS[0]].model)
+                   for name, run in runs.items()}
+
+    if rank == 0:
+        print(f"\n{args.rounds} rounds x {args.steps_per_round} steps per configuration, "
+              f"after {args.warmup} warm-up steps:\n")
+        print(table(runs, param_diffs))
+        if args.json:
+            base = statistics.median(runs[CONFIGS[0]].samples)
+            result = {
+                "world_size": world, "torch": torch.__version__, "threads_per_rank": 1,
+                "model": {"n_layer": args.n_layer, "n_head": args.n_head,
+                          "d_model": args.d_model, "block_size": args.block_size,
+                          "vocab_size": len(vocab), "parameters": n_params},
+                "batch_size_per_rank": args.batch_size, "warmup_steps": args.warmup,
+                "rounds": args.rounds, "steps_per_round": args.steps_per_round,
+                "configurations": {
+                    name: {"median_s": statistics.median(run.samples),
+                           "ratio_to_ddp": statistics.median(run.samples) / base,
+                           "samples_s": run.samples,
+                           "max_abs_param_diff_vs_ddp": param_diffs[name]}
+                    for name, run in runs.items()},
+            }
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+            print(f"\nwrote {args.json}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

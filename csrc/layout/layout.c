@@ -1,0 +1,236 @@
+/* layout.c - zp_layout_plan: buckets, alignment padding and per-rank shard ranges.
+ *
+ * Two passes. The first walks parameters from last to first and appends each to the open
+ * bucket of its (group, buffer) key, closing that bucket when the next parameter would not
+ * fit; this keeps a bucket's parameters close in backward order. The second sorts buckets by
+ * their lowest parameter index, highest first, and assigns flat and shard offsets in that
+ * order. */
+#include "layout/layout.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t zp_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+void zp_layout_free(zp_layout *layout) {
+  if (layout == NULL)
+    return;
+  free(layout->param_bucket);
+  free(layout->param_offset);
+  free(layout->bucket_group);
+  free(layout->bucket_buffer);
+  free(layout->bucket_numel);
+  free(layout->bucket_shard_numel);
+  free(layout->bucket_flat_offset);
+  free(layout->bucket_shard_offset);
+  free(layout->bucket_param_start);
+  free(layout->bucket_params);
+  free(layout->buffer_numel);
+  free(layout);
+}
+
+static zp_status zp_layout_check(const zp_param_desc *params, int32_t n_params,
+                                 int32_t world_size, int64_t align_bytes, int64_t bucket_bytes) {
+  if (n_params < 1 || params == NULL)
+    return zp_fail(ZP_ERR_INVALID, "layout: no parameters to lay out (n_params=%d)", n_params);
+  if (world_size < 1)
+    return zp_fail(ZP_ERR_INVALID, "layout: world_size must be >= 1, got %d", world_size);
+  if (align_bytes < 1 || (align_bytes & (align_bytes - 1)) != 0)
+    return zp_fail(ZP_ERR_INVALID, "layout: align_bytes must be a power of two, got %lld",
+                   (long long)align_bytes);
+  if (bucket_bytes < 1)
+    return zp_fail(ZP_ERR_INVALID, "layout: bucket_bytes must be >= 1, got %lld",
+                   (long long)bucket_bytes);
+  for (int32_t i = 0; i < n_params; i++) {
+    const zp_param_desc *p = &params[i];
+    if (p->numel < 1)
+      return zp_fail(ZP_ERR_INVALID,
+                     "layout: parameter %d has %lld elements; leave empty parameters out", i,
+                     (long long)p->numel);
+    if (p->group < 0)
+      return zp_fail(ZP_ERR_INVALID, "layout: parameter %d has group %d; groups are >= 0", i,
+                     p->group);
+    if (p->buffer < 0 || p->buffer >= n_params)
+      return zp_fail(ZP_ERR_INVALID,
+                     "layout: parameter %d has buffer %d; buffer ids are dense, in [0, n_params)", i,
+                     p->buffer);
+    if (p->elem_size != 1 && p->elem_size != 2 && p->elem_size != 4 && p->elem_size != 8)
+      return zp_fail(ZP_ERR_INVALID, "layout: parameter %d has element size %d; use 1, 2, 4 or 8",
+                     i, p->elem_size);
+    if (align_bytes % p->elem_size != 0)
+      return zp_fail(ZP_ERR_INVALID,
+                     "layout: align_bytes=%lld is not a multiple of parameter %d's element size %d",
+                     (long long)align_bytes, i, p->elem_size);
+  }
+  return ZP_OK;
+}
+
+/* A bucket while pass 1 is filling it. */
+typedef struct {
+  int32_t group, buffer, elem_size;
+  int32_t min_param; /* lowest parameter index so far: the last one appended */
+  int64_t fill;      /* elements used, each parameter rounded up to the alignment */
+} zp_draft_bucket;
+
+/* qsort has no context argument in C11, so drafts are sorted through an index array that
+ * carries the sort key with it. */
+typedef struct {
+  int32_t min_param;
+  int32_t draft;
+} zp_draft_key;
+
+static int zp_cmp_key_desc(const void *a, const void *b) {
+  const zp_draft_key *x = a, *y = b;
+  return (x->min_param < y->min_param) - (x->min_param > y->min_param);
+}
+
+static zp_status zp_layout_alloc(zp_layout *l, int32_t n_params, int32_t n_buckets,
+                                 int32_t n_buffers) {
+  l->param_bucket = calloc((size_t)n_params, sizeof *l->param_bucket);
+  l->param_offset = calloc((size_t)n_params, sizeof *l->param_offset);
+  l->bucket_group = calloc((size_t)n_buckets, sizeof *l->bucket_group);
+  l->bucket_buffer = calloc((size_t)n_buckets, sizeof *l->bucket_buffer);
+  l->bucket_numel = calloc((size_t)n_buckets, sizeof *l->bucket_numel);
+  l->bucket_shard_numel = calloc((size_t)n_buckets, sizeof *l->bucket_shard_numel);
+  l->bucket_flat_offset = calloc((size_t)n_buckets, sizeof *l->bucket_flat_offset);
+  l->bucket_shard_offset = calloc((size_t)n_buckets, sizeof *l->bucket_shard_offset);
+  l->bucket_param_start = calloc((size_t)n_buckets + 1, sizeof *l->bucket_param_start);
+  l->bucket_params = calloc((size_t)n_params, sizeof *l->bucket_params);
+  l->buffer_numel = calloc((size_t)n_buffers, sizeof *l->buffer_numel);
+  if (!l->param_bucket || !l->param_offset || !l->bucket_group || !l->bucket_buffer ||
+      !l->bucket_numel || !l->bucket_shard_numel || !l->bucket_flat_offset ||
+      !l->bucket_shard_offset || !l->bucket_param_start || !l->bucket_params || !l->buffer_numel)
+    return zp_fail(ZP_ERR_NOMEM, "layout: out of memory for %d parameters", n_params);
+  return ZP_OK;
+}
+
+zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t world_size,
+                         int64_t align_bytes, int64_t bucket_bytes, zp_layout **out) {
+  if (out == NULL)
+    return zp_fail(ZP_ERR_INVALID, "layout: out must not be NULL");
+  *out = NULL;
+  ZP_TRY(zp_layout_check(params, n_params, world_size, align_bytes, bucket_bytes));
+
+  zp_status status = ZP_OK;
+  zp_draft_bucket *drafts = calloc((size_t)n_params, sizeof *drafts);
+  int32_t *draft_of = calloc((size_t)n_params, sizeof *draft_of); /* param -> draft bucket */
+  int32_t *open = calloc((size_t)n_params, sizeof *open);         /* open draft per key */
+  int32_t *final_of = calloc((size_t)n_params, sizeof *final_of); /* draft -> final bucket */
+  zp_draft_key *keys = calloc((size_t)n_params, sizeof *keys);
+  int64_t *buffer_elem = calloc((size_t)n_params, sizeof *buffer_elem);
+  int64_t *cursor = NULL;
+  zp_layout *l = calloc(1, sizeof *l);
+  if (!drafts || !draft_of || !open || !final_of || !keys || !buffer_elem || !l) {
+    status = zp_fail(ZP_ERR_NOMEM, "layout: out of memory for %d parameters", n_params);
+    goto done;
+  }
+
+  /* Pass 1: from the last parameter to the first, fill one open bucket per (group, buffer). */
+  int32_t n_drafts = 0, n_open = 0, n_buffers = 0;
+  for (int32_t i = n_params - 1; i >= 0; i--) {
+    const zp_param_desc *p = &params[i];
+    if (buffer_elem[p->buffer] == 0)
+      buffer_elem[p->buffer] = p->elem_size;
+    if (buffer_elem[p->buffer] != p->elem_size) {
+      status = zp_fail(ZP_ERR_INVALID,
+                       "layout: buffer %d holds elements of %lld and %d bytes; one dtype per buffer",
+                       p->buffer, (long long)buffer_elem[p->buffer], p->elem_size);
+      goto done;
+    }
+    if (p->buffer + 1 > n_buffers)
+      n_buffers = p->buffer + 1;
+    int64_t align_elems = align_bytes / p->elem_size;
+    int64_t rounded = zp_round_up(p->numel, align_elems);
+    int32_t k = 0;
+    while (k < n_open && !(drafts[open[k]].group == p->group && drafts[open[k]].buffer == p->buffer))
+      k++;
+    int32_t d = k < n_open ? open[k] : -1;
+    if (d >= 0 && (drafts[d].fill + p->numel) * p->elem_size > bucket_bytes)
+      d = -1; /* full: this key starts a new bucket */
+    if (d < 0) {
+      d = n_drafts++;
+      drafts[d] = (zp_draft_bucket){p->group, p->buffer, p->elem_size, i, 0};
+      if (k == n_open)
+        n_open++;
+      open[k] = d;
+    }
+    drafts[d].fill += rounded;
+    drafts[d].min_param = i;
+    draft_of[i] = d;
+  }
+
+  /* Pass 2: bucket order is by lowest parameter, highest first. */
+  for (int32_t d = 0; d < n_drafts; d++)
+    keys[d] = (zp_draft_key){drafts[d].min_param, d};
+  qsort(keys, (size_t)n_drafts, sizeof *keys, zp_cmp_key_desc);
+  for (int32_t b = 0; b < n_drafts; b++)
+    final_of[keys[b].draft] = b;
+
+  status = zp_layout_alloc(l, n_params, n_drafts, n_buffers);
+  if (status != ZP_OK)
+    goto done;
+  l->n_params = n_params;
+  l->n_buckets = n_drafts;
+  l->n_buffers = n_buffers;
+  l->world_size = world_size;
+  l->align_bytes = align_bytes;
+
+  /* Pass 3: bucket membership (ascending parameters), offsets inside buckets, then offsets of
+   * buckets inside their flat buffer and inside the shard space. */
+  for (int32_t i = 0; i < n_params; i++) {
+    l->param_bucket[i] = final_of[draft_of[i]];
+    l->bucket_param_start[l->param_bucket[i] + 1]++;
+  }
+  for (int32_t b = 0; b < n_drafts; b++)
+    l->bucket_param_start[b + 1] += l->bucket_param_start[b];
+  cursor = calloc((size_t)n_drafts, sizeof *cursor);
+  if (cursor == NULL) {
+    status = zp_fail(ZP_ERR_NOMEM, "layout: out of memory for %d buckets", n_drafts);
+    goto done;
+  }
+  for (int32_t i = 0; i < n_params; i++) {
+    int32_t b = l->param_bucket[i];
+    l->bucket_params[l->bucket_param_start[b] + cursor[b]++] = i;
+  }
+  int64_t shard_offset = 0, used = 0;
+  for (int32_t b = 0; b < n_drafts; b++) {
+    const zp_draft_bucket *draft = &drafts[keys[b].draft];
+    int64_t align_elems = align_bytes / draft->elem_size;
+    int64_t end = 0;
+    for (int32_t j = l->bucket_param_start[b]; j < l->bucket_param_start[b + 1]; j++) {
+      int32_t i = l->bucket_params[j];
+      int64_t offset = zp_round_up(end, align_elems);
+      l->param_offset[i] = offset;
+      end = offset + params[i].numel;
+      used += params[i].numel;
+    }
+    l->bucket_group[b] = draft->group;
+    l->bucket_buffer[b] = draft->buffer;
+    l->bucket_numel[b] = zp_round_up(end, (int64_t)world_size * align_elems);
+    l->bucket_shard_numel[b] = l->bucket_numel[b] / world_size;
+    l->bucket_flat_offset[b] = l->buffer_numel[draft->buffer];
+    l->buffer_numel[draft->buffer] += l->bucket_numel[b];
+    l->bucket_shard_offset[b] = shard_offset;
+    shard_offset += l->bucket_shard_numel[b];
+  }
+  int64_t total = 0;
+  for (int32_t k = 0; k < n_buffers; k++)
+    total += l->buffer_numel[k];
+  l->shard_numel = shard_offset;
+  l->padding_numel = total - used;
+
+done:
+  free(drafts);
+  free(draft_of);
+  free(open);
+  free(final_of);
+  free(keys);
+  free(buffer_elem);
+  free(cursor);
+  if (status == ZP_OK) {
+    *out = l;
+  } else {
+    zp_layout_free(l);
+  }
+  return status;
+}

@@ -1,0 +1,367 @@
+/* module.c - zero_py._C: the thin, private CPython binding of the C core.
+ *
+ * Parses arguments, calls one core function, and turns a failing zp_status into an exception
+ * in one place (zp_raise). Keyword arguments, defaults, docstrings and validation of tensors
+ * live in Python (zero_py/); tensors arrive here as addresses the Python side took from
+ * tensors it owns and checked (contiguous, dtype, device). The only C file that includes
+ * Python.h. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/parallel.h"
+#include "kernels/cpu/adamw.h"
+#include "layout/layout.h"
+#include "schedule/schedule.h"
+
+/* The one place where core statuses become Python exceptions. */
+static PyObject *zp_raise(zp_status status) {
+  PyObject *type;
+  switch (status) {
+  case ZP_ERR_NOMEM:
+    type = PyExc_MemoryError;
+    break;
+  case ZP_ERR_INVALID:
+    type = PyExc_ValueError;
+    break;
+  case ZP_ERR_RANGE:
+    type = PyExc_IndexError;
+    break;
+  case ZP_ERR_STATE:
+  case ZP_ERR_SYSTEM:
+  default:
+    type = PyExc_RuntimeError;
+    break;
+  }
+  PyErr_SetString(type, zp_last_error());
+  return NULL;
+}
+
+/* Reads a sequence of Python ints into a new int64 array (caller frees). */
+static int64_t *zp_int64_array(PyObject *seq, const char *what, Py_ssize_t *n_out) {
+  PyObject *fast = PySequence_Fast(seq, what);
+  if (fast == NULL)
+    return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  int64_t *values = malloc((size_t)(n > 0 ? n : 1) * sizeof *values);
+  if (values == NULL) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (v == -1 && PyErr_Occurred()) {
+      free(values);
+      Py_DECREF(fast);
+      return NULL;
+    }
+    values[i] = v;
+  }
+  Py_DECREF(fast);
+  *n_out = n;
+  return values;
+}
+
+static PyObject *zp_list_i32(const int32_t *v, Py_ssize_t n) {
+  PyObject *list = PyList_New(n);
+  for (Py_ssize_t i = 0; list != NULL && i < n; i++)
+    PyList_SET_ITEM(list, i, PyLong_FromLong(v[i]));
+  return list;
+}
+
+static PyObject *zp_list_i64(const int64_t *v, Py_ssize_t n) {
+  PyObject *list = PyList_New(n);
+  for (Py_ssize_t i = 0; list != NULL && i < n; i++)
+    PyList_SET_ITEM(list, i, PyLong_FromLongLong(v[i]));
+  return list;
+}
+
+/* layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes) */
+static PyObject *zp_py_layout_plan(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *numels_o, *groups_o, *buffers_o, *elems_o;
+  int world_size;
+  long long align_bytes, bucket_bytes;
+  if (!PyArg_ParseTuple(args, "OOOOiLL:layout_plan", &numels_o, &groups_o, &buffers_o, &elems_o,
+                        &world_size, &align_bytes, &bucket_bytes))
+    return NULL;
+  Py_ssize_t n = 0, n_groups = 0, n_buffers = 0, n_elems = 0;
+  int64_t *numels = zp_int64_array(numels_o, "numels must be a sequence", &n);
+  int64_t *groups = numels ? zp_int64_array(groups_o, "groups must be a sequence", &n_groups) : NULL;
+  int64_t *buffers = groups ? zp_int64_array(buffers_o, "buffers must be a sequence", &n_buffers) : NULL;
+  int64_t *elems = buffers ? zp_int64_array(elems_o, "elem_sizes must be a sequence", &n_elems) : NULL;
+  zp_param_desc *descs = NULL;
+  PyObject *result = NULL;
+  if (elems == NULL)
+    goto done;
+  if (n_groups != n || n_buffers != n || n_elems != n || n > INT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "layout_plan: numels, groups, buffers and elem_sizes must "
+                                      "have one entry per parameter");
+    goto done;
+  }
+  descs = malloc((size_t)(n > 0 ? n : 1) * sizeof *descs);
+  if (descs == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (groups[i] > INT32_MAX || buffers[i] > INT32_MAX || elems[i] > INT32_MAX ||
+        groups[i] < INT32_MIN || buffers[i] < INT32_MIN || elems[i] < INT32_MIN) {
+      PyErr_Format(PyExc_ValueError, "layout_plan: parameter %zd has an id out of range", i);
+      goto done;
+    }
+    descs[i] = (zp_param_desc){numels[i], (int32_t)groups[i], (int32_t)buffers[i],
+                               (int32_t)elems[i]};
+  }
+  zp_layout *l = NULL;
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status =
+      zp_layout_plan(descs, (int32_t)n, world_size, align_bytes, bucket_bytes, &l);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) {
+    zp_raise(status);
+    goto done;
+  }
+  Py_ssize_t nb = l->n_buckets;
+  result = Py_BuildValue(
+      "{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:L,s:L,s:i,s:L}",
+      "param_bucket", zp_list_i32(l->param_bucket, n), "param_offset",
+      zp_list_i64(l->param_offset, n), "bucket_group", zp_list_i32(l->bucket_group, nb),
+      "bucket_buffer", zp_list_i32(l->bucket_buffer, nb), "bucket_numel",
+      zp_list_i64(l->bucket_numel, nb), "bucket_shard_numel", zp_list_i64(l->bucket_shard_numel, nb),
+      "bucket_flat_offset", zp_list_i64(l->bucket_flat_offset, nb), "bucket_shard_offset",
+      zp_list_i64(l->bucket_shard_offset, nb), "bucket_param_start",
+      zp_list_i32(l->bucket_param_start, nb + 1), "bucket_params",
+      zp_list_i32(l->bucket_params, n), "buffer_numel", zp_list_i64(l->buffer_numel, l->n_buffers),
+      "shard_numel", (long long)l->shard_numel, "padding_numel", (long long)l->padding_numel,
+      "world_size", l->world_size, "align_bytes", (long long)l->align_bytes);
+  zp_layout_free(l);
+done:
+  free(numels);
+  free(groups);
+  free(buffers);
+  free(elems);
+  free(descs);
+  return result;
+}
+
+/* adamw_step(segments, groups, n_threads): segments is a buffer of int64 rows
+ * (param, grad, exp_avg, exp_avg_sq addresses, numel, step, group, unused); groups a buffer of
+ * float64 rows (lr, beta1, beta2, eps, weight_decay, grad_scale). */
+#define ZP_SEG_FIELDS 8
+#define ZP_GROUP_FIELDS 6
+static PyObject *zp_py_adamw_step(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer seg_buf, group_buf;
+  int n_threads;
+  if (!PyArg_ParseTuple(args, "y*y*i:adamw_step", &seg_buf, &group_buf, &n_threads))
+    return NULL;
+  PyObject *result = NULL;
+  zp_adamw_segment *segs = NULL;
+  zp_adamw_group *groups = NULL;
+  if (seg_buf.len % (ZP_SEG_FIELDS * 8) != 0 || group_buf.len % (ZP_GROUP_FIELDS * 8) != 0) {
+    PyErr_SetString(PyExc_ValueError, "adamw_step: segments must be int64 rows of 8 and groups "
+                                      "float64 rows of 6");
+    goto done;
+  }
+  Py_ssize_t n_segs = seg_buf.len / (ZP_SEG_FIELDS * 8);
+  Py_ssize_t n_groups = group_buf.len / (ZP_GROUP_FIELDS * 8);
+  segs = malloc((size_t)(n_segs > 0 ? n_segs : 1) * sizeof *segs);
+  groups = malloc((size_t)(n_groups > 0 ? n_groups : 1) * sizeof *groups);
+  if (segs == NULL || groups == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t s = 0; s < n_segs; s++) {
+    int64_t row[ZP_SEG_FIELDS];
+    memcpy(row, (const char *)seg_buf.buf + s * sizeof row, sizeof row);
+    segs[s] = (zp_adamw_segment){(float *)(uintptr_t)row[0], (const float *)(uintptr_t)row[1],
+                                 (float *)(uintptr_t)row[2], (float *)(uintptr_t)row[3],
+                                 row[4], row[5], (int32_t)row[6]};
+  }
+  for (Py_ssize_t k = 0; k < n_groups; k++) {
+    double row[ZP_GROUP_FIELDS];
+    memcpy(row, (const char *)group_buf.buf + k * sizeof row, sizeof row);
+    groups[k] = (zp_adamw_group){row[0], row[1], row[2], row[3], row[4], row[5]};
+  }
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status =
+      zp_adamw_step_cpu(segs, (int32_t)n_segs, groups, (int32_t)n_groups, n_threads);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) zp_raise(status);
+  else result = Py_NewRef(Py_None);
+done:
+  free(segs);
+  free(groups);
+  PyBuffer_Release(&seg_buf);
+  PyBuffer_Release(&group_buf);
+  return result;
+}
+
+static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
+  (void)self;
+  (void)args;
+  return PyUnicode_FromString(zp_adamw_isa());
+}
+
+static PyObject *zp_py_default_threads(PyObject *self, PyObject *args) {
+  (void)self;
+  (void)args;
+  return PyLong_FromLong(zp_default_threads());
+}
+
+/* ---- Schedule: a Python object owning one zp_schedule ---- */
+
+typedef struct {
+  PyObject_HEAD zp_schedule *schedule;
+  int32_t *out; /* n_buckets slots for released bucket ids */
+} zp_py_schedule;
+
+static PyObject *zp_schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  PyObject *map_o;
+  static char *kwlist[] = {"param_bucket", "n_buckets", NULL};
+  int n_buckets;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oi:Schedule", kwlist, &map_o, &n_buckets))
+    return NULL;
+  Py_ssize_t n = 0;
+  int64_t *map64 = zp_int64_array(map_o, "param_bucket must be a sequence", &n);
+  if (map64 == NULL)
+    return NULL;
+  int32_t *map = malloc((size_t)(n > 0 ? n : 1) * sizeof *map);
+  if (map == NULL) {
+    free(map64);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    map[i] = map64[i] < INT32_MIN || map64[i] > INT32_MAX ? -1 : (int32_t)map64[i];
+  free(map64);
+  zp_schedule *schedule = NULL;
+  zp_status status = zp_schedule_create(map, (int32_t)n, n_buckets, &schedule);
+  free(map);
+  if (status != ZP_OK)
+    return zp_raise(status);
+  zp_py_schedule *obj = (zp_py_schedule *)type->tp_alloc(type, 0);
+  if (obj == NULL) {
+    zp_schedule_destroy(schedule);
+    return NULL;
+  }
+  obj->schedule = schedule;
+  obj->out = malloc((size_t)n_buckets * sizeof *obj->out);
+  if (obj->out == NULL) {
+    Py_DECREF(obj);
+    return PyErr_NoMemory();
+  }
+  return (PyObject *)obj;
+}
+
+static void zp_schedule_dealloc(zp_py_schedule *self) {
+  PyTypeObject *type = Py_TYPE(self);
+  zp_schedule_destroy(self->schedule);
+  free(self->out);
+  type->tp_free((PyObject *)self);
+  Py_DECREF(type);
+}
+
+static PyObject *zp_released_tuple(zp_py_schedule *self, zp_status status, int32_t n_out) {
+  if (status != ZP_OK)
+    return zp_raise(status);
+  PyObject *tuple = PyTuple_New(n_out);
+  for (int32_t i = 0; tuple != NULL && i < n_out; i++)
+    PyTuple_SET_ITEM(tuple, i, PyLong_FromLong(self->out[i]));
+  return tuple;
+}
+
+static PyObject *zp_schedule_grad_ready_py(zp_py_schedule *self, PyObject *arg) {
+  long param = PyLong_AsLong(arg);
+  if (param == -1 && PyErr_Occurred())
+    return NULL;
+  if (param < INT32_MIN || param > INT32_MAX)
+    param = -1;
+  int32_t n_out = 0;
+  int32_t cap = zp_schedule_n_buckets(self->schedule);
+  zp_status status = zp_schedule_grad_ready(self->schedule, (int32_t)param, self->out, cap, &n_out);
+  return zp_released_tuple(self, status, n_out);
+}
+
+static PyObject *zp_schedule_flush_py(zp_py_schedule *self, PyObject *args) {
+  (void)args;
+  int32_t n_out = 0;
+  int32_t cap = zp_schedule_n_buckets(self->schedule);
+  zp_status status = zp_schedule_flush(self->schedule, self->out, cap, &n_out);
+  return zp_released_tuple(self, status, n_out);
+}
+
+static PyObject *zp_schedule_reset_py(zp_py_schedule *self, PyObject *args) {
+  (void)args;
+  zp_schedule_reset(self->schedule);
+  Py_RETURN_NONE;
+}
+
+static PyObject *zp_schedule_is_ready_py(zp_py_schedule *self, PyObject *arg) {
+  long param = PyLong_AsLong(arg);
+  if (param == -1 && PyErr_Occurred())
+    return NULL;
+  int32_t r = zp_schedule_is_ready(self->schedule, param < 0 || param > INT32_MAX ? -1 : (int32_t)param);
+  if (r < 0)
+    return PyErr_Format(PyExc_IndexError, "Schedule.is_ready: parameter %ld out of range", param);
+  return PyBool_FromLong(r);
+}
+
+static PyObject *zp_schedule_released_get(zp_py_schedule *self, void *closure) {
+  (void)closure;
+  return PyLong_FromLong(zp_schedule_released(self->schedule));
+}
+
+static PyMethodDef zp_schedule_methods[] = {
+    {"grad_ready", (PyCFunction)zp_schedule_grad_ready_py, METH_O,
+     "grad_ready(param) -> tuple of bucket ids released by this event"},
+    {"flush", (PyCFunction)zp_schedule_flush_py, METH_NOARGS,
+     "flush() -> tuple of every bucket id not yet released"},
+    {"reset", (PyCFunction)zp_schedule_reset_py, METH_NOARGS, "start a new pass"},
+    {"is_ready", (PyCFunction)zp_schedule_is_ready_py, METH_O,
+     "is_ready(param) -> whether it was reported in this pass"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef zp_schedule_getset[] = {
+    {"released", (getter)zp_schedule_released_get, NULL, "buckets released in this pass", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot zp_schedule_slots[] = {
+    {Py_tp_new, zp_schedule_new},
+    {Py_tp_dealloc, zp_schedule_dealloc},
+    {Py_tp_methods, zp_schedule_methods},
+    {Py_tp_getset, zp_schedule_getset},
+    {Py_tp_doc, "Schedule(param_bucket, n_buckets): in-order release of gradient buckets"},
+    {0, NULL}};
+
+static PyType_Spec zp_schedule_spec = {"zero_py._C.Schedule", sizeof(zp_py_schedule), 0,
+                                       Py_TPFLAGS_DEFAULT, zp_schedule_slots};
+
+/* ---- module ---- */
+
+static PyMethodDef zp_methods[] = {
+    {"layout_plan", zp_py_layout_plan, METH_VARARGS,
+     "layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes)"},
+    {"adamw_step", zp_py_adamw_step, METH_VARARGS, "adamw_step(segments, groups, n_threads)"},
+    {"cpu_isa", zp_py_cpu_isa, METH_NOARGS, "instruction set the CPU kernels dispatch to"},
+    {"default_threads", zp_py_default_threads, METH_NOARGS, "threads the CPU kernels use"},
+    {NULL, NULL, 0, NULL}};
+
+static int zp_exec(PyObject *module) {
+  PyObject *type = PyType_FromModuleAndSpec(module, &zp_schedule_spec, NULL);
+  if (type == NULL)
+    return -1;
+  int rc = PyModule_AddObjectRef(module, "Schedule", type);
+  Py_DECREF(type);
+  return rc;
+}
+
+static PyModuleDef_Slot zp_slots[] = {{Py_mod_exec, zp_exec}, {0, NULL}};
+
+static struct PyModuleDef zp_module = {PyModuleDef_HEAD_INIT, "zero_py._C",
+                                       "C core of zero_py (private: use the zero_py package)", 0,
+                                       zp_methods, zp_slots, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&zp_module); }

@@ -1,0 +1,13 @@
+"""zero_py: ZeRO (Zero Redundancy Optimizer) for PyTorch, with a C core.
+
+    import zero_py
+    optimizer = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=3e-4)
+
+See README.md for the quick start and docs/architecture.md for how the code is organised.
+"""
+
+from zero_py import kernels
+from zero_py.optimizer import ZeroOptimizer
+
+__version__ = "0.1.0"
+__all__ = ["ZeroOptimizer", "kernels", "__version__"]

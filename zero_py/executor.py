@@ -1,0 +1,99 @@
+"""The torch.distributed executor: carries out the schedule's collectives on any ProcessGroup.
+
+Every call is asynchronous and returns a handle with wait(); the caller decides when to wait,
+so reductions overlap with backward. Works with gloo (CPU), NCCL and MPI groups. Where a
+backend lacks reduce_scatter_tensor (gloo before torch 2.5), it is emulated with an
+all-reduce of the whole input followed by a copy of this rank's chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Pending:
+    """A collective in flight; wait() finishes it and runs the follow-up, once."""
+
+    __slots__ = ("_work", "_then")
+
+    def __init__(self, work, then: Optional[Callable[[], None]] = None):
+        self._work = work
+        self._then = then
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+class TorchDistExecutor:
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
+                "(e.g. under torchrun) before building the optimizer"
+            )
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._native_reduce_scatter = True
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """output = this rank's chunk of the sum of `input` over ranks."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Pending(None)
+        if self._native_reduce_scatter:
+            try:
+                return Pending(dist.reduce_scatter_tensor(output, input, group=self.group,
+                                                          async_op=True))
+            except (RuntimeError, NotImplementedError) as exc:
+                if "support" not in str(exc).lower():
+                    raise
+                self._native_reduce_scatter = False
+        n = output.numel()
+        lo = self.rank * n
+        work = dist.all_reduce(input, group=self.group, async_op=True)
+        return Pending(work, lambda: output.copy_(input[lo:lo + n]))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Pending(None)
+        return Pending(dist.all_gather_into_tensor(output, input, group=self.group,
+                                                   async_op=True))
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> Pending:
+        if self.world_size == 1:
+            return Pending(None)
+        return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                       async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        if self.world_size == 1:
+            return Pending(None)
+        return Pending(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
+                                      async_op=True))
+
+    def gather_object(self, obj, dst: int = 0):
+        """The list of every rank's `obj` on group rank `dst`, None elsewhere."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
+        return out

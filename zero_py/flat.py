@@ -1,0 +1,138 @@
+"""Flat parameter buffers: parameters rewired as views into one buffer per dtype, per the C plan.
+
+After construction every managed parameter's .data is a view into `buffers[k]`, laid out as
+zero_py._C.layout_plan decided (see csrc/layout/layout.h). This module answers the questions
+that follow from the plan: where bucket b lives, which piece of it this rank owns, and which
+slice of each parameter falls into this rank's pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from zero_py._native import _C
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of one parameter that lies in this rank's piece of its bucket.
+
+    Elements [param_lo, param_hi) of the flattened parameter sit at [piece_lo, piece_hi) of
+    the piece (piece coordinates) and at shard_lo .. of the rank's shard space."""
+
+    param: int  # index into FlatParams.params
+    bucket: int
+    param_lo: int
+    param_hi: int
+    piece_lo: int
+    shard_lo: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_hi - self.param_lo
+
+    @property
+    def piece_hi(self) -> int:
+        return self.piece_lo + self.numel
+
+
+class FlatParams:
+    """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
+                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
+        self.params = list(params)
+        self.world_size = world_size
+        self.rank = rank
+        dtypes: List[torch.dtype] = []
+        for p in self.params:
+            if p.dtype not in dtypes:
+                dtypes.append(p.dtype)
+        self.dtypes = dtypes
+        buffer_of = [dtypes.index(p.dtype) for p in self.params]
+        plan = _C.layout_plan([p.numel() for p in self.params], list(groups), buffer_of,
+                              [p.element_size() for p in self.params], world_size, align_bytes,
+                              bucket_bytes)
+        self.param_bucket: List[int] = plan["param_bucket"]
+        self.param_offset: List[int] = plan["param_offset"]
+        self.bucket_group: List[int] = plan["bucket_group"]
+        self.bucket_buffer: List[int] = plan["bucket_buffer"]
+        self.bucket_numel: List[int] = plan["bucket_numel"]
+        self.bucket_shard_numel: List[int] = plan["bucket_shard_numel"]
+        self.bucket_flat_offset: List[int] = plan["bucket_flat_offset"]
+        self.bucket_shard_offset: List[int] = plan["bucket_shard_offset"]
+        starts = plan["bucket_param_start"]
+        self.bucket_params: List[List[int]] = [
+            plan["bucket_params"][starts[b]:starts[b + 1]] for b in range(len(self.bucket_numel))]
+        self.shard_numel: int = plan["shard_numel"]
+        self.padding_numel: int = plan["padding_numel"]
+        self.n_buckets = len(self.bucket_numel)
+
+        device = self.params[0].device
+        self.buffers = [torch.zeros(n, dtype=dtypes[k], device=device)
+                        for k, n in enumerate(plan["buffer_numel"])]
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.param_view(i)
+                view.copy_(p.data.reshape(-1))
+                p.data = view.view_as(p)
+        self.slices: List[ShardSlice] = self._shard_slices()
+        self.slices_of_bucket: Dict[int, List[ShardSlice]] = {b: [] for b in range(self.n_buckets)}
+        for s in self.slices:
+            self.slices_of_bucket[s.bucket].append(s)
+        self.slice_of_param: Dict[int, ShardSlice] = {s.param: s for s in self.slices}
+
+    # -- where things live --------------------------------------------------------------------
+
+    def bucket_region(self, b: int) -> torch.Tensor:
+        """Bucket b inside its flat buffer (all ranks' pieces)."""
+        lo = self.bucket_flat_offset[b]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.bucket_numel[b]]
+
+    def bucket_piece(self, b: int) -> torch.Tensor:
+        """This rank's piece of bucket b, a view into the flat buffer."""
+        n = self.bucket_shard_numel[b]
+        return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
+
+    def shard_range(self, b: int) -> range:
+        """Where bucket b's piece sits in the rank's shard space."""
+        lo = self.bucket_shard_offset[b]
+        return range(lo, lo + self.bucket_shard_numel[b])
+
+    def param_view(self, i: int) -> torch.Tensor:
+        """Parameter i as a 1-D view into its flat buffer."""
+        b = self.param_bucket[i]
+        lo = self.bucket_flat_offset[b] + self.param_offset[i]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.params[i].numel()]
+
+    def _shard_slices(self) -> List[ShardSlice]:
+        out = []
+        for b in range(self.n_buckets):
+            n = self.bucket_shard_numel[b]
+            piece_lo, piece_hi = self.rank * n, (self.rank + 1) * n
+            for i in self.bucket_params[b]:
+                lo = self.param_offset[i]
+                hi = lo + self.params[i].numel()
+                a, z = max(lo, piece_lo), min(hi, piece_hi)
+                if a < z:
+                    out.append(ShardSlice(i, b, a - lo, z - lo, a - piece_lo,
+                                          self.bucket_shard_offset[b] + a - piece_lo))
+        return out
+
+    # -- collectives over the whole layout -----------------------------------------------------
+
+    def all_gather(self, executor, buckets: Sequence[int]) -> None:
+        """Every rank's updated pieces of `buckets` into every rank's flat buffers."""
+        pending = [executor.all_gather(self.bucket_region(b), self.bucket_piece(b))
+                   for b in buckets]
+        for work in pending:
+            work.wait()
+
+    def broadcast(self, executor, src: int = 0) -> None:
+        """Make every rank's parameters equal to rank `src`'s."""
+        pending = [executor.broadcast(buf, src) for buf in self.buffers]
+        for work in pending:
+            work.wait()

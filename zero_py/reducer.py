@@ -1,0 +1,183 @@
+"""Gradient reduction for stages 1 and 2: gradients into bucket buffers, reduce-scatter, shard.
+
+The C schedule (zero_py._C.Schedule) decides when each bucket may be reduced; this module
+feeds it events and carries out its answers through the executor.
+
+Stage 2 registers a post-accumulate-grad hook on every managed parameter: the gradient is
+divided by the world size into its slot of a bucket buffer (as DDP averages), param.grad is
+dropped, and every bucket the schedule releases is reduce-scattered at once, asynchronously,
+while backward goes on. A callback queued on the autograd engine ends the pass: gradients
+that arrived outside hooks (accumulated under no_sync()) are copied in, and the rest of the
+buckets are flushed in order. Stage 1 runs the same pass from step(), over param.grad, which
+it leaves in place.
+
+The gradient shard (the rank's piece of every bucket, in shard space) accumulates over passes
+until zero_grad(). Which parameters got a gradient is tracked per rank and combined with a MAX
+all-reduce, so a parameter that no rank used is skipped by the optimizer exactly as
+torch.optim skips a None gradient under DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from zero_py._native import _C
+from zero_py.executor import Pending, TorchDistExecutor
+from zero_py.flat import FlatParams
+
+# Reductions in flight before the backward thread waits for the oldest: bounds the memory held
+# by bucket buffers (a stage-2 rank never holds more than this many buckets of gradients).
+MAX_BUCKETS_IN_FLIGHT = 4
+
+
+class GradReducer:
+    def __init__(self, flat: FlatParams, executor: TorchDistExecutor, stage: int):
+        self.flat = flat
+        self.executor = executor
+        self.stage = stage
+        self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
+        device = flat.buffers[0].device
+        self.grad_shard = torch.zeros(flat.shard_numel, dtype=torch.float32, device=device)
+        self.grad_shard_valid = False  # False: the next reduction overwrites instead of adding
+        self.sync_enabled = True       # False inside no_sync()
+        self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
+        self._global_used: Optional[torch.Tensor] = None
+        self._used_pending: Optional[Pending] = None
+        self._open: Dict[int, torch.Tensor] = {}  # bucket -> buffer being filled
+        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []
+        self._live_bucket_bytes = 0
+        self.peak_bucket_bytes = 0
+        self._pass_open = False
+        self.passes_since_step = 0
+        self._hooks = []
+        if stage == 2:
+            for i, p in enumerate(flat.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.sync_enabled:
+                return
+            if not self._pass_open:
+                self._begin_pass()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+            with torch.no_grad():
+                self._copy_in(i)
+                for b in self.schedule.grad_ready(i):
+                    self._launch(b)
+        return hook
+
+    def _begin_pass(self) -> None:
+        self._pass_open = True
+        self.schedule.reset()
+
+    def _end_pass(self) -> None:
+        """Copies gradients no hook reported (no_sync leftovers; all of them in stage 1), then
+        releases every remaining bucket in order."""
+        with torch.no_grad():
+            for i, p in enumerate(self.flat.params):
+                if p.grad is not None and not self.schedule.is_ready(i):
+                    self._copy_in(i)
+            for b in self.schedule.flush():
+                self._launch(b)
+            self.grad_shard_valid = True
+            used = self._local_used.clone()
+            self._used_pending = self.executor.all_reduce_max(used)
+            self._global_used = used
+        self._pass_open = False
+        self.passes_since_step += 1
+
+    def reduce_now(self) -> None:
+        """A whole pass outside backward: stage 1's reduction, or stage 2's when this rank ran
+        no backward since the last step (its peers did, and wait for its collectives)."""
+        if self.stage == 1:
+            self.grad_shard_valid = False  # param.grad holds the full sum: overwrite
+            self._local_used.zero_()
+        self._begin_pass()
+        self._end_pass()
+
+    # -- buckets --------------------------------------------------------------------------------
+
+    def _bucket_buffer(self, b: int) -> torch.Tensor:
+        buf = self._open.get(b)
+        if buf is None:
+            buf = torch.zeros(self.flat.bucket_numel[b], dtype=torch.float32,
+                              device=self.grad_shard.device)
+            self._open[b] = buf
+            self._live_bucket_bytes += buf.numel() * buf.element_size()
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self._live_bucket_bytes)
+        return buf
+
+    def _copy_in(self, i: int) -> None:
+        p = self.flat.params[i]
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(f"zero_py: parameter {i} has a sparse gradient; sparse gradients "
+                               "are not supported (use a dense nn.Embedding)")
+        b = self.flat.param_bucket[i]
+        lo = self.flat.param_offset[i]
+        slot = self._bucket_buffer(b)[lo:lo + p.numel()]
+        ws = self.executor.world_size
+        if ws > 1:
+            torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
+        else:
+            slot.copy_(g.reshape(-1))
+        self._local_used[i] = 1
+        if self.stage == 2:
+            p.grad = None
+
+    def _launch(self, b: int) -> None:
+        buf = self._bucket_buffer(b)
+        del self._open[b]
+        r = self.flat.shard_range(b)
+        piece = self.grad_shard[r.start:r.stop]
+        if not self.grad_shard_valid:
+            work = self.executor.reduce_scatter(piece, buf)
+        else:
+            tmp = torch.empty_like(piece)
+            work = self.executor.reduce_scatter(tmp, buf)
+            work = Pending(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
+        self._in_flight.append((work, buf))
+        self._retire(block_over=MAX_BUCKETS_IN_FLIGHT)
+
+    def _retire(self, block_over: int) -> None:
+        """Finishes completed reductions in order, and waits while more than `block_over` are
+        in flight."""
+        while self._in_flight and (len(self._in_flight) > block_over
+                                   or self._in_flight[0][0].is_completed()):
+            work, buf = self._in_flight.pop(0)
+            work.wait()
+            self._live_bucket_bytes -= buf.numel() * buf.element_size()
+
+    # -- what the optimizer asks -------------------------------------------------------------
+
+    def finish(self) -> Optional[torch.Tensor]:
+        """Waits for every reduction; returns the per-parameter 'some rank had a gradient' mask
+        (uint8), or None when this rank holds no reduced gradient."""
+        if self.stage == 1 or self.passes_since_step == 0:
+            self.reduce_now()
+        self._retire(block_over=0)
+        if self._used_pending is not None:
+            self._used_pending.wait()
+            self._used_pending = None
+        return self._global_used if self.grad_shard_valid else None
+
+    def after_step(self) -> None:
+        self.passes_since_step = 0
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self._retire(block_over=0)
+        self.grad_shard_valid = False
+        self._local_used.zero_()
+        self._global_used = None
+        if not set_to_none:
+            self.grad_shard.zero_()
