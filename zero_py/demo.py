@@ -210,6 +210,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--bucket-kib", type=int, default=256,
+                        help="gradient bucket size; the library default (25 MiB) exceeds this model")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -219,7 +221,8 @@ def main():
     torch.manual_seed(args.seed)
     model = TinyGPT(len(vocab), block_size=block_size)
     optimizer = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=args.stage,
-                                      lr=args.lr, weight_decay=0.1)
+                                      bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
+                                      weight_decay=0.1)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -227,7 +230,7 @@ def main():
     log(f"TinyGPT {n_params / 1e6:.2f}M parameters, vocab {len(vocab)} bytes, "
         f"{len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val tokens")
     log(f"{world} rank(s), ZeRO stage {args.stage}, batch {args.batch_size}x{block_size} per rank, "
-        f"fused C AdamW: {optimizer.uses_fused_kernel}")
+        f"{args.bucket_kib} KiB buckets, fused C AdamW: {optimizer.uses_fused_kernel}")
     val_before = evaluate(model, val, args.batch_size, block_size, 10, generator)
 
     bar = ProgressBar(args.steps) if rank == 0 else None

@@ -50,10 +50,9 @@ static zp_status zp_layout_check(const zp_param_desc *params, int32_t n_params,
     if (p->group < 0)
       return zp_fail(ZP_ERR_INVALID, "layout: parameter %d has group %d; groups are >= 0", i,
                      p->group);
-    if (p->buffer < 0 || p->buffer >= n_params)
-      return zp_fail(ZP_ERR_INVALID,
-                     "layout: parameter %d has buffer %d; buffer ids are dense, in [0, n_params)", i,
-                     p->buffer);
+    if (p->buffer < 0 || p->buffer >= ZP_LAYOUT_MAX_BUFFERS)
+      return zp_fail(ZP_ERR_INVALID, "layout: parameter %d has buffer %d; buffer ids are in [0, %d)",
+                     i, p->buffer, ZP_LAYOUT_MAX_BUFFERS);
     if (p->elem_size != 1 && p->elem_size != 2 && p->elem_size != 4 && p->elem_size != 8)
       return zp_fail(ZP_ERR_INVALID, "layout: parameter %d has element size %d; use 1, 2, 4 or 8",
                      i, p->elem_size);
@@ -117,7 +116,7 @@ zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t 
   int32_t *open = calloc((size_t)n_params, sizeof *open);         /* open draft per key */
   int32_t *final_of = calloc((size_t)n_params, sizeof *final_of); /* draft -> final bucket */
   zp_draft_key *keys = calloc((size_t)n_params, sizeof *keys);
-  int64_t *buffer_elem = calloc((size_t)n_params, sizeof *buffer_elem);
+  int64_t *buffer_elem = calloc(ZP_LAYOUT_MAX_BUFFERS, sizeof *buffer_elem);
   int64_t *cursor = NULL;
   zp_layout *l = calloc(1, sizeof *l);
   if (!drafts || !draft_of || !open || !final_of || !keys || !buffer_elem || !l) {

@@ -22,11 +22,14 @@
 
 #include "common/status.h"
 
+/* Flat buffers are one per dtype, so a handful; ids beyond this are refused. */
+#define ZP_LAYOUT_MAX_BUFFERS 64
+
 /* What the planner needs to know of one parameter. */
 typedef struct {
   int64_t numel;     /* elements, >= 1 */
   int32_t group;     /* param group index, >= 0 */
-  int32_t buffer;    /* flat buffer (one per dtype) it lives in, >= 0 */
+  int32_t buffer;    /* flat buffer (one per dtype) it lives in, in [0, ZP_LAYOUT_MAX_BUFFERS) */
   int32_t elem_size; /* bytes per element of that buffer: 1, 2, 4 or 8 */
 } zp_param_desc;
 
