@@ -55,3 +55,22 @@ def gpt_loss(model, batch):
 
 
 MODELS = {"mlp": (MLP, mlp_batch, mlp_loss), "gpt": (tiny_gpt, gpt_batch, gpt_loss)}
+
+
+class Branchy(nn.Module):
+    """A model with a frozen layer, a branch some ranks skip, and a layer nobody uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.trunk = nn.Linear(16, 32)
+        self.branch = nn.Linear(32, 32)
+        self.never = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.trunk(self.frozen(x)))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)

@@ -374,7 +374,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 1:
             grads += psi * 4
         states = self.optimizer_state_bytes()
-        local = sum(s.numel for s in fp.slices)
+        # state per element: the fused path keeps it over the whole shard, padding included;
+        # torch.optim keeps it per parameter slice
+        local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
         per_elem = states / local if local else 0.0
         return {"params": params, "grads": grads, "optimizer_states": states,
                 "padding": fp.padding_numel * 4,
