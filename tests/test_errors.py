@@ -1,0 +1,88 @@
+"""Bad input to ZeroOptimizer gets an exception whose message says what to change."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_py
+
+
+def test_needs_an_initialized_process_group():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zero_py.ZeroOptimizer(nn.Linear(2, 2).parameters())
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(stage=3), ValueError, "stage must be 1 or 2"),
+    (dict(optimizer_class=nn.Linear), TypeError, "torch.optim.Optimizer subclass"),
+    (dict(bucket_bytes=0), ValueError, "bucket_bytes"),
+    (dict(align_bytes=48), ValueError, "power of two"),
+    (dict(lr=-1.0), ValueError, "Invalid learning rate"),
+    (dict(no_such_option=1), TypeError, "no_such_option"),
+])
+def test_bad_arguments(single_rank_group, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), **kwargs)
+
+
+def test_bad_parameters(single_rank_group):
+    with pytest.raises(ValueError, match="dtype torch.bfloat16"):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).to(torch.bfloat16).parameters())
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        zero_py.ZeroOptimizer(frozen.parameters())
+
+
+def test_param_groups_are_fixed_after_construction(single_rank_group):
+    opt = zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters())
+    with pytest.raises(RuntimeError, match="after construction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+
+
+def test_state_dict_of_another_layout_is_refused(single_rank_group):
+    opt = zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters())
+    sd = opt.state_dict()
+    sd["zero_py"]["world_size"] = 2
+    with pytest.raises(ValueError, match="consolidate_state_dict"):
+        opt.load_state_dict(sd)
+    other = zero_py.ZeroOptimizer(nn.Linear(4, 5).parameters())
+    sd = other.state_dict()
+    sd["param_groups"][0]["params"].append(9)
+    with pytest.raises(ValueError, match="model differs"):
+        opt.load_state_dict(sd)
+
+
+def test_single_rank_training_matches_torch(single_rank_group):
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    b = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    b.load_state_dict(a.state_dict())
+    za = zero_py.ZeroOptimizer(a.parameters(), lr=1e-2)
+    tb = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for _ in range(10):
+        for model, opt in ((a, za), (b, tb)):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_step_with_closure_returns_the_loss(single_rank_group):
+    model = nn.Linear(4, 1)
+    opt = zero_py.ZeroOptimizer(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    before = model.weight.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert not torch.equal(before, model.weight)
