@@ -6,8 +6,9 @@
  *   p  = p * (1 - lr * weight_decay)                    (decoupled weight decay)
  *   m  = lerp(m, g, 1 - beta1)
  *   v  = v * beta2 + (1 - beta2) * g * g
- *   p  = p - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
- * which is torch.optim.AdamW (amsgrad=False, maximize=False) evaluated in the same order.
+ *   p  = p - lr / (1 - beta1^step) * m / (sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps)
+ * which is torch.optim.AdamW (amsgrad=False, maximize=False) in the same order, but for the
+ * reciprocal of the bias correction (about one ulp apart).
  * Moves 28 bytes per element (p, g, m, v read; p, m, v written). */
 #ifndef ZP_ADAMW_H
 #define ZP_ADAMW_H
