@@ -79,6 +79,7 @@ class FlatParams:
                 view = self.param_view(i)
                 view.copy_(p.data.reshape(-1))
                 p.data = view.view_as(p)
+        self.bucket_gaps: List[List[tuple]] = [self._gaps(b) for b in range(self.n_buckets)]
         self.slices: List[ShardSlice] = self._shard_slices()
         self.slices_of_bucket: Dict[int, List[ShardSlice]] = {b: [] for b in range(self.n_buckets)}
         for s in self.slices:
@@ -107,6 +108,17 @@ class FlatParams:
         b = self.param_bucket[i]
         lo = self.bucket_flat_offset[b] + self.param_offset[i]
         return self.buffers[self.bucket_buffer[b]][lo:lo + self.params[i].numel()]
+
+    def _gaps(self, b: int) -> List[tuple]:
+        """Element ranges of bucket b that belong to no parameter (alignment and tail padding)."""
+        gaps, end = [], 0
+        for i in self.bucket_params[b]:
+            if self.param_offset[i] > end:
+                gaps.append((end, self.param_offset[i]))
+            end = self.param_offset[i] + self.params[i].numel()
+        if end < self.bucket_numel[b]:
+            gaps.append((end, self.bucket_numel[b]))
+        return gaps
 
     def _shard_slices(self) -> List[ShardSlice]:
         out = []

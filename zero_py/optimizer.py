@@ -232,7 +232,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 emit(run)
         groups = [kernels.adamw_group_row(g["lr"], g["betas"][0], g["betas"][1], g["eps"],
                                           g["weight_decay"]) for g in self.param_groups]
-        kernels.adamw_step_segments(rows, groups)
+        kernels.adamw_step_segments(rows, groups, n_threads=torch.get_num_threads())
 
     def _generic_step(self, used: List[int]) -> None:
         if self._inner is None:

@@ -45,10 +45,15 @@ class GradReducer:
         self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
         self._global_used: Optional[torch.Tensor] = None
         self._used_pending: Optional[Pending] = None
-        self._open: Dict[int, torch.Tensor] = {}  # bucket -> buffer being filled
-        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []
-        self._live_bucket_bytes = 0
+        self._open: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (pooled, view)
+        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, pooled buffer)
+        # Bucket buffers are recycled (each as large as the largest bucket): a new pass costs no
+        # allocation and no full memset, only zeroing the slots that receive no gradient.
+        self._max_bucket_numel = max(flat.bucket_numel)
+        self._pool: List[torch.Tensor] = []
+        self._buffers_made = 0
         self.peak_bucket_bytes = 0
+        self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
         self.passes_since_step = 0
         self._hooks = []
@@ -79,6 +84,7 @@ class GradReducer:
     def _begin_pass(self) -> None:
         self._pass_open = True
         self.schedule.reset()
+        self._copied = bytearray(len(self.flat.params))
 
     def _end_pass(self) -> None:
         """Copies gradients no hook reported (no_sync leftovers; all of them in stage 1), then
@@ -108,14 +114,19 @@ class GradReducer:
     # -- buckets --------------------------------------------------------------------------------
 
     def _bucket_buffer(self, b: int) -> torch.Tensor:
-        buf = self._open.get(b)
-        if buf is None:
-            buf = torch.zeros(self.flat.bucket_numel[b], dtype=torch.float32,
-                              device=self.grad_shard.device)
-            self._open[b] = buf
-            self._live_bucket_bytes += buf.numel() * buf.element_size()
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self._live_bucket_bytes)
-        return buf
+        entry = self._open.get(b)
+        if entry is None:
+            if not self._pool:
+                self._pool.append(torch.empty(self._max_bucket_numel, dtype=torch.float32,
+                                              device=self.grad_shard.device))
+                self._buffers_made += 1
+                self.peak_bucket_bytes = self._buffers_made * self._max_bucket_numel * 4
+            pooled = self._pool.pop()
+            view = pooled[:self.flat.bucket_numel[b]]
+            for lo, hi in self.flat.bucket_gaps[b]:
+                view[lo:hi].zero_()
+            entry = self._open[b] = (pooled, view)
+        return entry[1]
 
     def _copy_in(self, i: int) -> None:
         p = self.flat.params[i]
@@ -132,12 +143,17 @@ class GradReducer:
         else:
             slot.copy_(g.reshape(-1))
         self._local_used[i] = 1
+        self._copied[i] = 1
         if self.stage == 2:
             p.grad = None
 
     def _launch(self, b: int) -> None:
         buf = self._bucket_buffer(b)
-        del self._open[b]
+        pooled = self._open.pop(b)[0]
+        for i in self.flat.bucket_params[b]:
+            if not self._copied[i]:  # no gradient on this rank: reduce zeros
+                lo = self.flat.param_offset[i]
+                buf[lo:lo + self.flat.params[i].numel()].zero_()
         r = self.flat.shard_range(b)
         piece = self.grad_shard[r.start:r.stop]
         if not self.grad_shard_valid:
@@ -146,7 +162,7 @@ class GradReducer:
             tmp = torch.empty_like(piece)
             work = self.executor.reduce_scatter(tmp, buf)
             work = Pending(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
-        self._in_flight.append((work, buf))
+        self._in_flight.append((work, pooled))
         self._retire(block_over=MAX_BUCKETS_IN_FLIGHT)
 
     def _retire(self, block_over: int) -> None:
@@ -154,9 +170,9 @@ class GradReducer:
         in flight."""
         while self._in_flight and (len(self._in_flight) > block_over
                                    or self._in_flight[0][0].is_completed()):
-            work, buf = self._in_flight.pop(0)
+            work, pooled = self._in_flight.pop(0)
             work.wait()
-            self._live_bucket_bytes -= buf.numel() * buf.element_size()
+            self._pool.append(pooled)
 
     # -- what the optimizer asks -------------------------------------------------------------
 
