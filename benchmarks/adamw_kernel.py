@@ -4,19 +4,27 @@ Single process, run from anywhere once zero_py is installed:
 
     python benchmarks/adamw_kernel.py [--sizes 10,30,100] [--reps 15] [--json adamw.json]
 
-For each size N (millions of fp32 elements) it times, interleaved repetition after repetition:
+For each size N (millions of fp32 elements) it times these candidates, taking turns repetition
+after repetition; each timed call directly follows an untimed call of the same candidate, so that
+none pays for the one before it (torch's OpenMP workers spin for a while after each parallel
+region and slow down threads started right then, such as zero_py's):
 
-    zero_py        zero_py.kernels.adamw_step_flat on flat p, g, m, v (its own threads)
+    zero_py        zero_py.kernels.adamw_step_flat(p, g, m, v, ...)
     torch fused    torch.optim.AdamW(fused=True).step() on one parameter of numel N
-    torch foreach  torch.optim.AdamW(foreach=True).step() on the same parameter
-    copy           dst.copy_(src)                          8 bytes/element (read + write)
-    triad          torch.add(b, c, alpha=s, out=a)         12 bytes/element
+    torch foreach  torch.optim.AdamW(foreach=True).step() on that parameter
+    copy           dst.copy_(src)                             8 bytes/element (read + write)
+    triad          torch.add(src, other, alpha=0.5, out=dst)  12 bytes/element (2 reads + write)
 
-AdamW moves 28 bytes per element (reads p, g, m, v; writes p, m, v). Each row reports the
-median time, bytes moved / median time in GB/s (1e9 bytes), and that bandwidth as a percentage
-of the copy's. torch runs on os.cpu_count() intra-op threads; zero_py picks its own count
-(ZP_NUM_THREADS, else the CPUs it may run on). Before timing, the script checks one zero_py
-step against torch.optim.AdamW on 1M elements and prints the largest difference.
+The three AdamWs update the same p with the same gradient g (the parameter is p, its .grad is
+g); each keeps its own m and v. AdamW moves 28 bytes per element (reads p, g, m, v; writes p,
+m, v). Each row reports the median time, bytes moved / median time in GB/s (1e9 bytes), and
+that bandwidth as a percentage of the copy's. The copy and the triad write to memory they do
+not read, which costs the CPU an extra read per written cache line that their 8 and 12 bytes
+leave out; AdamW writes only what it has read, so it can exceed 100% of the copy.
+
+torch runs on os.cpu_count() intra-op threads; zero_py picks its own count (ZP_NUM_THREADS,
+else the CPUs it may run on). Before timing, the script checks one zero_py step against
+torch.optim.AdamW on 1M elements and prints the largest difference.
 """
 
 import argparse
@@ -79,19 +87,20 @@ def candidates(numel, gen):
         steps[0] += 1
         zero_py_step(p, g, m, v, steps[0])
 
-    src, dst = torch.randn(numel, generator=gen), torch.empty(numel)
-    b, c, a = src, torch.randn(numel, generator=gen), dst
+    src, other, dst = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen), \
+        torch.empty(numel)
     return {
         "zero_py": zero_py_rep,
         "torch fused": fused.step,
         "torch foreach": foreach.step,
         "copy": lambda: dst.copy_(src),
-        "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
+        "triad": lambda: torch.add(src, other, alpha=0.5, out=dst),
     }
 
 
 def measure(numel, reps, warmup):
-    """name -> seconds of each repetition, candidates interleaved."""
+    """name -> seconds of each timed repetition. Candidates take turns; each timed call follows
+    an untimed call of the same candidate."""
     runs = candidates(numel, torch.Generator().manual_seed(numel))
     for fn in runs.values():
         for _ in range(warmup):
@@ -99,6 +108,7 @@ def measure(numel, reps, warmup):
     times = {name: [] for name in runs}
     for _ in range(reps):
         for name, fn in runs.items():
+            fn()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

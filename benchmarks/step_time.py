@@ -16,8 +16,10 @@ A step is forward, backward, optimizer.step() and zero_grad(). After warm-up the
 take turns, round after round (the starting configuration rotates), each running a few steps
 between two barriers; a sample is that time divided by the steps. Rank 0 prints the median,
 quartiles and ratio to (a) as a markdown table, and the largest difference between each
-configuration's parameters and (a)'s at the end (they saw the same batches, so it shows only
-rounding). Each rank uses one intra-op thread (torch.set_num_threads(1)).
+configuration's parameters and (a)'s at the end. They saw the same batches, so that difference
+is rounding, which training amplifies (AdamW divides by sqrt(v) + eps, so gradients near eps
+magnify it); torch's own fused and for-loop AdamW drift apart as fast. Each rank uses one
+intra-op thread (torch.set_num_threads(1)).
 """
 
 import argparse

@@ -18,6 +18,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Pending:
     """A collective in flight; wait() finishes it and runs the follow-up, once."""
@@ -67,8 +71,8 @@ class TorchDistExecutor:
                 if self._chunked_reduce_scatter:
                     return Pending(dist.reduce_scatter(output, list(input.chunk(self.world_size)),
                                                        group=self.group, async_op=True))
-                return Pending(dist.reduce_scatter_tensor(output, input, group=self.group,
-                                                          async_op=True))
+                return Pending(_reduce_scatter_flat(output, input, group=self.group,
+                                                    async_op=True))
             except (RuntimeError, NotImplementedError) as exc:
                 if "support" not in str(exc).lower():
                     raise
@@ -84,8 +88,7 @@ class TorchDistExecutor:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None)
-        return Pending(dist.all_gather_into_tensor(output, input, group=self.group,
-                                                   async_op=True))
+        return Pending(_all_gather_flat(output, input, group=self.group, async_op=True))
 
     def all_reduce_max(self, tensor: torch.Tensor) -> Pending:
         if self.world_size == 1:

@@ -364,7 +364,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         params: flat parameter buffers (padding included) and frozen parameters; grads: the
         gradient shard plus the most bucket buffers live at once (and, in stage 1, the full
-        param.grad); optimizer_states: state tensors of this rank's shard."""
+        param.grad); optimizer_states: state tensors of this rank's shard. ddp_grads counts
+        param.grad and the flat copy DDP's reducer keeps in its buckets by default
+        (gradient_as_bucket_view=False)."""
         fp = self._flat
         psi = sum(p.numel() for p in fp.params)
         ids = {id(p) for p in fp.params}
@@ -380,7 +382,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         per_elem = states / local if local else 0.0
         return {"params": params, "grads": grads, "optimizer_states": states,
                 "padding": fp.padding_numel * 4,
-                "ddp_params": psi * 4 + frozen, "ddp_grads": psi * 4,
+                "ddp_params": psi * 4 + frozen, "ddp_grads": 2 * psi * 4,
                 "ddp_optimizer_states": int(round(per_elem * psi))}
 
     def optimizer_state_bytes(self) -> int:

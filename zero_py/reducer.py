@@ -28,8 +28,8 @@ from zero_py.executor import Pending, TorchDistExecutor
 from zero_py.flat import FlatParams
 
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
-# by bucket buffers (a stage-2 rank never holds more than this many buckets of gradients).
-MAX_BUCKETS_IN_FLIGHT = 4
+# by bucket buffers to this many, plus the buckets being filled.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class GradReducer:
@@ -87,13 +87,14 @@ class GradReducer:
         self._copied = bytearray(len(self.flat.params))
 
     def _end_pass(self) -> None:
-        """Copies gradients no hook reported (no_sync leftovers; all of them in stage 1), then
-        releases every remaining bucket in order."""
+        """Releases every remaining bucket in order, first copying in the gradients no hook
+        reported (no_sync leftovers; all of them in stage 1). Copying bucket by bucket keeps at
+        most a few bucket buffers alive, as during backward."""
         with torch.no_grad():
-            for i, p in enumerate(self.flat.params):
-                if p.grad is not None and not self.schedule.is_ready(i):
-                    self._copy_in(i)
             for b in self.schedule.flush():
+                for i in self.flat.bucket_params[b]:
+                    if not self._copied[i] and self.flat.params[i].grad is not None:
+                        self._copy_in(i)
                 self._launch(b)
             self.grad_shard_valid = True
             used = self._local_used.clone()
