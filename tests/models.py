@@ -35,14 +35,7 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def tiny_gpt(vocab=32, block=16):
     from zero_py.demo import TinyGPT
 
-    model = TinyGPT(vocab, n_layer=2, n_head=2, d_model=32, block_size=block)
-    # The key bias has an exactly-zero gradient in exact arithmetic (softmax ignores a constant
-    # added to every score of a row), so its gradient is rounding noise, which Adam scales up to
-    # lr-sized steps: any two correct implementations drift apart there. GPT-2-style models
-    # without attention biases avoid it, and so does this one.
-    for block_ in model.blocks:
-        block_.attn.qkv.bias = None
-    return model
+    return TinyGPT(vocab, n_layer=2, n_head=2, d_model=32, block_size=block)
 
 
 def gpt_batch(gen: torch.Generator, batch=4, vocab=32, block=16):

@@ -38,7 +38,11 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_head ({n_head})")
         self.n_head = n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # No bias on q, k, v: the key bias has an exactly-zero gradient in exact arithmetic
+        # (softmax ignores a constant added to a row of scores), so its gradient is rounding
+        # noise, which Adam scales up to lr-sized steps, and two correct implementations
+        # (even torch's own fused and for-loop AdamW) drift apart there.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
         self.resid_drop = nn.Dropout(dropout)
 
