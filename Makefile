@@ -18,6 +18,7 @@ all: build
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install pytest
+	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PYTHON) -m pip install "setuptools>=64"
 
 # Editable install, without dependencies (torch is handled above) and without build
 # isolation (the build needs only setuptools, which is already here).
