@@ -263,8 +263,8 @@ def main():
     log(f"val loss: {val_before:.3f} -> {val_after:.3f}; "
         f"{args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.2f} steps/s)")
 
-    reports = [None] * world
-    dist.all_gather_object(reports, optimizer.memory_report())
+    # torch's *_object collectives need NumPy, which a torch install does not bring
+    reports = optimizer.executor.gather_object(optimizer.memory_report(), dst=0)
     if rank == 0:
         print(f"\nMemory per rank, zero_py stage {args.stage} vs DDP + torch.optim.AdamW:")
         print(memory_table(reports, args.stage))

@@ -13,7 +13,9 @@ copy of this rank's chunk.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import ctypes
+import io
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -102,10 +104,26 @@ class TorchDistExecutor:
         return Pending(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
                                       async_op=True))
 
-    def gather_object(self, obj, dst: int = 0):
-        """The list of every rank's `obj` on group rank `dst`, None elsewhere."""
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        """The list of every rank's `obj` on group rank `dst`, None elsewhere.
+
+        Objects travel as torch.save bytes in uint8 tensors and are read back with
+        weights_only=True (tensors, numbers, strings, containers: nothing that runs code).
+        torch.distributed.gather_object is not used because it needs NumPy."""
         if self.world_size == 1:
             return [obj]
-        out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
-        return out
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        sizes[self.rank] = payload.numel()
+        dist.all_reduce(sizes, group=self.group)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        out = [torch.empty_like(padded) for _ in range(self.world_size)] \
+            if self.rank == dst else None
+        dist.gather(padded, out, dst=self.global_rank(dst), group=self.group)
+        if out is None:
+            return None
+        return [torch.load(io.BytesIO(ctypes.string_at(t.data_ptr(), int(n))), weights_only=True)
+                for t, n in zip(out, sizes.tolist())]

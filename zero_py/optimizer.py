@@ -195,6 +195,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reducer.after_step()
         return loss
 
+    def _runs(self, b: int, used: List[int]):
+        """Bucket b's piece as (piece_lo, piece_hi, step) runs for the fused kernel: maximal
+        stretches of parameter slices that got a gradient and share a step count. A run spans
+        the padding between its slices, which is zero in p, g, m and v and stays zero."""
+        run = None
+        for s in self._flat.slices_of_bucket[b]:
+            if not used[s.param]:
+                if run is not None:
+                    yield run
+                run = None
+                continue
+            step = self._step_count[s.param]
+            if run is not None and run[2] == step:
+                run = (run[0], s.piece_hi, step)
+            else:
+                if run is not None:
+                    yield run
+                run = (s.piece_lo, s.piece_hi, step)
+        if run is not None:
+            yield run
+
     def _fused_step(self, used: List[int]) -> None:
         flat, grad = self._flat, self._reducer.grad_shard
         if self._exp_avg is None:
@@ -206,30 +227,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in range(flat.n_buckets):
             p_base = flat.bucket_piece(b).data_ptr()
             shard_lo = flat.bucket_shard_offset[b]
-            group = flat.bucket_group[b]
-            run = None  # [piece_lo, piece_hi, step]: slices sharing a step, with padding between
-
-            def emit(run):
-                lo, hi, step = run
-                s = (shard_lo + lo) * 4
-                rows.extend((p_base + lo * 4, g_base + s, m_base + s, v_base + s, hi - lo, step,
-                             group, 0))
-
-            for s in flat.slices_of_bucket[b]:
-                if not used[s.param]:
-                    if run is not None:
-                        emit(run)
-                    run = None
-                    continue
-                step = self._step_count[s.param]
-                if run is not None and run[2] == step:
-                    run[1] = s.piece_hi
-                else:
-                    if run is not None:
-                        emit(run)
-                    run = [s.piece_lo, s.piece_hi, step]
-            if run is not None:
-                emit(run)
+            for lo, hi, step in self._runs(b, used):
+                at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space tensors
+                rows.extend((p_base + lo * 4, g_base + at, m_base + at, v_base + at, hi - lo,
+                             step, flat.bucket_group[b], 0))
         groups = [kernels.adamw_group_row(g["lr"], g["betas"][0], g["betas"][1], g["eps"],
                                           g["weight_decay"]) for g in self.param_groups]
         kernels.adamw_step_segments(rows, groups, n_threads=torch.get_num_threads())
