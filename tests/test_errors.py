@@ -28,11 +28,38 @@ def test_bad_arguments(single_rank_group, kwargs, exc, match):
 
 
 def test_bad_parameters(single_rank_group):
-    with pytest.raises(ValueError, match="dtype torch.bfloat16"):
-        zero_py.ZeroOptimizer(nn.Linear(4, 4).to(torch.bfloat16).parameters())
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).double().parameters())
     frozen = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         zero_py.ZeroOptimizer(frozen.parameters())
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(grad_reduce_dtype=torch.float64), ValueError, "grad_reduce_dtype"),
+    (dict(loss_scaler=2.0**16), TypeError, "zero_py.LossScaler"),
+    (dict(optimizer_class=torch.optim.RMSprop, stochastic_rounding=True), ValueError,
+     "stochastic_rounding needs a fused optimizer"),
+])
+def test_bad_precision_options(single_rank_group, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(init_scale=0.0), "init_scale"),
+                                          (dict(growth_factor=1.0), "growth_factor"),
+                                          (dict(backoff_factor=1.5), "backoff_factor"),
+                                          (dict(growth_interval=0), "growth_interval"),
+                                          (dict(min_scale=-1.0), "min_scale")])
+def test_bad_loss_scaler(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        zero_py.LossScaler(**kwargs)
+
+
+def test_clip_rejects_bad_norm_type(single_rank_group):
+    opt = zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters())
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type=-1.0)
 
 
 def test_param_groups_are_fixed_after_construction(single_rank_group):

@@ -7,7 +7,9 @@ See README.md for the quick start and docs/architecture.md for how the code is o
 """
 
 from zero_py import kernels
+from zero_py.lion import Lion
+from zero_py.loss_scaler import LossScaler
 from zero_py.optimizer import ZeroOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["ZeroOptimizer", "kernels", "__version__"]
+__all__ = ["ZeroOptimizer", "LossScaler", "Lion", "kernels", "__version__"]

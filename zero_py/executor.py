@@ -92,11 +92,13 @@ class TorchDistExecutor:
             return Pending(None)
         return Pending(_all_gather_flat(output, input, group=self.group, async_op=True))
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
         if self.world_size == 1:
             return Pending(None)
-        return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
-                                       async_op=True))
+        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> Pending:
+        return self.all_reduce(tensor, dist.ReduceOp.MAX)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         if self.world_size == 1:

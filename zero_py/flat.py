@@ -9,7 +9,7 @@ slice of each parameter falls into this rank's pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -103,6 +103,9 @@ class FlatParams:
         lo = self.bucket_shard_offset[b]
         return range(lo, lo + self.bucket_shard_numel[b])
 
+    def bucket_dtype(self, b: int) -> torch.dtype:
+        return self.dtypes[self.bucket_buffer[b]]
+
     def param_view(self, i: int) -> torch.Tensor:
         """Parameter i as a 1-D view into its flat buffer."""
         b = self.param_bucket[i]
@@ -148,3 +151,38 @@ class FlatParams:
         pending = [executor.broadcast(buf, src) for buf in self.buffers]
         for work in pending:
             work.wait()
+
+
+class PieceStore:
+    """One tensor of a rank's piece per bucket, packed into one compact tensor per dtype.
+
+    `dtype_of(b)` says the dtype of bucket b's piece, or None for no piece: gradients use it
+    with the reduction dtype of each bucket, fp32 masters with the buckets whose parameters
+    are not fp32 (an fp32 parameter piece is its own master)."""
+
+    def __init__(self, flat: FlatParams, dtype_of: Callable[[int], Optional[torch.dtype]],
+                 device: torch.device):
+        self.dtype_of = [dtype_of(b) for b in range(flat.n_buckets)]
+        sizes: Dict[torch.dtype, int] = {}
+        self._offset: List[int] = []
+        for b, dtype in enumerate(self.dtype_of):
+            self._offset.append(sizes.get(dtype, 0))
+            if dtype is not None:
+                sizes[dtype] = sizes.get(dtype, 0) + flat.bucket_shard_numel[b]
+        self.tensors = {dtype: torch.zeros(n, dtype=dtype, device=device)
+                        for dtype, n in sizes.items()}
+        self._numel = flat.bucket_shard_numel
+
+    def piece(self, b: int) -> Optional[torch.Tensor]:
+        dtype = self.dtype_of[b]
+        if dtype is None:
+            return None
+        lo = self._offset[b]
+        return self.tensors[dtype][lo:lo + self._numel[b]]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def zero_(self) -> None:
+        for t in self.tensors.values():
+            t.zero_()

@@ -1,41 +1,33 @@
 """ZeroOptimizer: a torch.optim.Optimizer that shards optimizer states (stage 1) and gradients
-(stage 2) across the ranks of a process group.
+(stage 2) across the ranks of a process group, in fp32 or mixed precision.
 
 Reading order: FlatParams (flat.py) lays the parameters out; GradReducer (reducer.py) brings
-each rank the averaged gradient of its shard; this class runs the update on the shard (the C
-AdamW, or any torch.optim class on views of the shard) and all-gathers the new parameters.
+each rank the averaged gradient of its shard; this class checks it (overflow, global norm),
+has the update (update.py: the C kernel family, or any torch.optim class) run on the fp32
+master shard, and all-gathers the new parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from array import array
-from typing import Dict, List, Optional, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
 from zero_py import kernels, state_dict as sd_util
 from zero_py.executor import TorchDistExecutor
-from zero_py.flat import FlatParams
+from zero_py.flat import FlatParams, PieceStore
+from zero_py.loss_scaler import LossScaler
 from zero_py.reducer import GradReducer
+from zero_py.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_ALIGN_BYTES = 64
-_AFFINE_DTYPES = (torch.float32,)
-
-
-def _fused_adamw_ok(optimizer_class, group: dict) -> bool:
-    """Whether the C AdamW computes exactly what `optimizer_class` would for this group."""
-    if optimizer_class is not torch.optim.AdamW:
-        return False
-    flags = ("amsgrad", "maximize", "capturable", "differentiable")
-    if any(group.get(f, False) for f in flags):
-        return False
-    if group.get("decoupled_weight_decay", True) is False:
-        return False
-    scalars = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
-    return all(isinstance(v, (int, float)) for v in scalars)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -55,16 +47,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         process_group: the data-parallel group (default: the world).
         bucket_bytes: gradient bucket size; a bucket is one reduce-scatter.
         align_bytes: alignment of every parameter and shard in the flat buffers.
+        grad_reduce_dtype: dtype gradients are reduced in (default: the parameters' own);
+            torch.float32 gives bf16/fp16 models an fp32 sum.
+        loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
+            scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
+        stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
+            (fused optimizers only) instead of to nearest even.
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
-    Parameters with requires_grad=False at construction are kept as they are (never updated);
-    float32 CPU parameters are supported (mixed precision and CUDA come in later releases).
+    Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
+    non-fp32 parameters get an fp32 master copy of this rank's shard. AdamW, Adam, SGD,
+    Adagrad and zero_py.Lion run in the fused C kernels. Parameters with requires_grad=False at
+    construction are kept as they are (never updated). CPU tensors (the CUDA path comes later).
     """
 
     def __init__(self, params, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
                  *, stage: int = 2, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 align_bytes: int = DEFAULT_ALIGN_BYTES, **optimizer_kwargs):
+                 align_bytes: int = DEFAULT_ALIGN_BYTES,
+                 grad_reduce_dtype: Optional[torch.dtype] = None,
+                 loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
+                 **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r} (stage 3 is not available yet)")
         if not (isinstance(optimizer_class, type)
@@ -78,6 +81,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if (not isinstance(align_bytes, int) or align_bytes < 4
                 or align_bytes & (align_bytes - 1)):
             raise ValueError(f"align_bytes must be a power of two >= 4, got {align_bytes!r}")
+        if grad_reduce_dtype not in (None, *_PARAM_DTYPES):
+            raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                             f"torch.float16, got {grad_reduce_dtype!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         # The optimizer class validates its own keyword arguments and supplies the defaults.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
         self._constructing = True
@@ -105,17 +113,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 align_bytes, bucket_bytes)
         self._flat.broadcast(self.executor, src=0)
         self._broadcast_frozen(managed)
-        self._reducer = GradReducer(self._flat, self.executor, stage)
+        self._reducer = GradReducer(self._flat, self.executor, stage, grad_reduce_dtype)
         self._step_count = [0] * len(managed)  # per managed parameter, as torch's state["step"]
+        fp = self._flat
+        self._masters = PieceStore(
+            fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
+            fp.buffers[0].device)
+        self.sync_master_from_params()
 
-        self.uses_fused_kernel = all(_fused_adamw_ok(optimizer_class, g)
-                                     for g in self.param_groups)
-        self._exp_avg: Optional[torch.Tensor] = None  # fused path: flat state over the shard
-        self._exp_avg_sq: Optional[torch.Tensor] = None
-        self._views: Dict[int, torch.Tensor] = {}
-        self._inner: Optional[torch.optim.Optimizer] = None
-        if not self.uses_fused_kernel:
-            self._build_inner(optimizer_kwargs)
+        self.loss_scaler = loss_scaler
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._clip_coef: Optional[float] = None  # from clip_grad_norm_, for the next step
+        self._nonfinite: Optional[bool] = None   # overflow check done for the next step
+        self._sr_seed = 0x5EED + 7919 * self.executor.rank
+        kind = fused_kind(optimizer_class, self.param_groups)
+        self.uses_fused_kernel = kind is not None
+        self._kind = kind
+        if kind is not None:
+            self._update = FusedUpdate(kind, fp, self._reducer.grads, self._masters,
+                                       self.param_groups)
+        else:
+            if self.stochastic_rounding:
+                raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                                 f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+            self._update = TorchUpdate(optimizer_class, fp, self._reducer.grads, self._masters,
+                                       self.param_groups)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -130,9 +154,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if p.device.type != "cpu":
             raise ValueError(f"parameter {i} is on {p.device}: this release of zero_py trains "
                              "CPU parameters (the CUDA path comes later); keep the model on CPU")
-        if p.dtype not in _AFFINE_DTYPES:
-            raise ValueError(f"parameter {i} has dtype {p.dtype}: this release trains float32 "
-                             "parameters; cast the model with model.float()")
+        if p.dtype not in _PARAM_DTYPES:
+            raise ValueError(f"parameter {i} has dtype {p.dtype}: zero_py trains float32, "
+                             "bfloat16 and float16 parameters; cast the model to one of them")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
         """Frozen parameters stay outside the flat buffers but start equal on every rank."""
@@ -144,18 +168,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self.executor.broadcast(buf, 0).wait()
                     p.copy_(buf)
 
-    def _build_inner(self, optimizer_kwargs: dict) -> None:
-        """The generic path: optimizer_class over 1-D views of this rank's shard, one view per
-        parameter slice, so torch.optim keeps per-parameter state and skips absent gradients."""
-        groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}}
-                  for g in self.param_groups]
-        for s in self._flat.slices:
-            piece = self._flat.bucket_piece(s.bucket)
-            view = piece[s.piece_lo:s.piece_hi]
-            self._views[s.param] = view
-            groups[self._flat.bucket_group[s.bucket]]["params"].append(view)
-        if self._views:
-            self._inner = self.optimizer_class(groups)
+    def sync_master_from_params(self) -> None:
+        """Copies the parameters into their fp32 masters. Construction does it; call it again
+        after loading weights into a bf16/fp16 model whose optimizer already exists (loading
+        the optimizer's state dict does it too, unless that dict carries the masters)."""
+        with torch.no_grad():
+            for b in range(self._flat.n_buckets):
+                master = self._masters.piece(b)
+                if master is not None:
+                    master.copy_(self._flat.bucket_piece(b))
 
     # -- training -------------------------------------------------------------------------------
 
@@ -172,95 +193,118 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        self._clip_coef, self._nonfinite = None, None
         self._reducer.zero_grad(set_to_none)
 
+    # -- loss scaling and clipping ----------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a loss scaler)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * loss_scale: call backward on this when a loss scaler is set."""
+        return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    def _grad_stats(self, norm_type: float) -> Tuple[float, bool]:
+        """Global sum of |g|^p (or max |g| for p = inf) over every rank's gradient shard, and
+        whether any rank holds an inf or nan; one read pass and one small all-reduce."""
+        flat, grads = self._flat, self._reducer.grads
+        total, nonfinite = 0.0, False
+        for dtype in grads.tensors:
+            rows = array("q")
+            for b in range(flat.n_buckets):
+                if grads.dtype_of[b] == dtype:  # only grad and numel of a row are read
+                    rows.extend((0, grads.piece(b).data_ptr(), 0, 0, 0, 0,
+                                 flat.bucket_shard_numel[b], 1, 0, 0))
+            part, bad = kernels.grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type,
+                                                    n_threads=torch.get_num_threads())
+            total = max(total, part) if math.isinf(norm_type) else total + part
+            nonfinite = nonfinite or bool(bad)
+        both = torch.tensor([total, float(nonfinite)], dtype=torch.float64)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        self.executor.all_reduce(both, op).wait()
+        return float(both[0]), bool(both[1] > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
+        DDP's full gradients, and returns the same total norm (of the unscaled gradients). The
+        clip coefficient is applied inside the next step()'s update, not as a pass of its own.
+        Call it after backward and before step()."""
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        with torch.no_grad():
+            self._reducer.finish()
+            sum_pow, nonfinite = self._grad_stats(norm_type)
+        self._nonfinite = nonfinite
+        if nonfinite:
+            total = float("nan")
+            if error_if_nonfinite:
+                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                                   "non-finite, so it cannot be clipped; set "
+                                   "error_if_nonfinite=False to go on")
+        else:
+            total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
+            total /= self.loss_scale
+        self._clip_coef = min(max_norm / (total + 1e-6), 1.0) if not nonfinite else None
+        return torch.tensor(total, dtype=torch.float32)
+
+    # -- the step -----------------------------------------------------------------------------
+
     def step(self, closure=None):
+        """Updates this rank's shard and all-gathers the parameters. With a loss scaler, a step
+        whose gradients overflow on any rank is skipped on every rank (last_step_skipped)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
             used = self._reducer.finish().tolist()
-            for i, u in enumerate(used):
-                if u:
-                    self._step_count[i] += 1
-            if any(used):
-                if self.uses_fused_kernel:
-                    self._fused_step(used)
-                else:
-                    self._generic_step(used)
-            touched = [b for b in range(self._flat.n_buckets)
-                       if any(used[i] for i in self._flat.bucket_params[b])]
-            self._flat.all_gather(self.executor, touched)
+            if self.loss_scaler is not None and self._nonfinite is None:
+                self._nonfinite = self._grad_stats(2.0)[1]
+            skip = bool(self._nonfinite) and self.loss_scaler is not None
+            if not skip:
+                self._apply_update(used)
+            self.last_step_skipped = skip
+            self.skipped_steps += int(skip)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(skip)
+            self._clip_coef, self._nonfinite = None, None
             self._reducer.after_step()
         return loss
 
-    def _runs(self, b: int, used: List[int]):
-        """Bucket b's piece as (piece_lo, piece_hi, step) runs for the fused kernel: maximal
-        stretches of parameter slices that got a gradient and share a step count. A run spans
-        the padding between its slices, which is zero in p, g, m and v and stays zero."""
-        run = None
-        for s in self._flat.slices_of_bucket[b]:
-            if not used[s.param]:
-                if run is not None:
-                    yield run
-                run = None
-                continue
-            step = self._step_count[s.param]
-            if run is not None and run[2] == step:
-                run = (run[0], s.piece_hi, step)
-            else:
-                if run is not None:
-                    yield run
-                run = (s.piece_lo, s.piece_hi, step)
-        if run is not None:
-            yield run
-
-    def _fused_step(self, used: List[int]) -> None:
-        flat, grad = self._flat, self._reducer.grad_shard
-        if self._exp_avg is None:
-            self._exp_avg = torch.zeros_like(grad)
-            self._exp_avg_sq = torch.zeros_like(grad)
-        rows = array("q")
-        g_base, m_base, v_base = (grad.data_ptr(), self._exp_avg.data_ptr(),
-                                  self._exp_avg_sq.data_ptr())
-        for b in range(flat.n_buckets):
-            p_base = flat.bucket_piece(b).data_ptr()
-            shard_lo = flat.bucket_shard_offset[b]
-            for lo, hi, step in self._runs(b, used):
-                at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space tensors
-                rows.extend((p_base + lo * 4, g_base + at, m_base + at, v_base + at, hi - lo,
-                             step, flat.bucket_group[b], 0))
-        groups = [kernels.adamw_group_row(g["lr"], g["betas"][0], g["betas"][1], g["eps"],
-                                          g["weight_decay"]) for g in self.param_groups]
-        kernels.adamw_step_segments(rows, groups, n_threads=torch.get_num_threads())
-
-    def _generic_step(self, used: List[int]) -> None:
-        if self._inner is None:
+    def _apply_update(self, used: List[int]) -> None:
+        for i, u in enumerate(used):
+            if u:
+                self._step_count[i] += 1
+        if not any(used):
             return
-        grad = self._reducer.grad_shard
-        for i, view in self._views.items():
-            s = self._flat.slice_of_param[i]
-            view.grad = grad[s.shard_lo:s.shard_lo + s.numel] if used[i] else None
-        for mine, inner in zip(self.param_groups, self._inner.param_groups):
-            inner.update({k: v for k, v in mine.items() if k != "params"})
-        self._inner.step()
+        grad_scale = (self._clip_coef or 1.0) / self.loss_scale
+        self._sr_seed += 1
+        self._update.step(used, self._step_count, grad_scale, self._sr_seed,
+                          self.stochastic_rounding)
+        touched = [b for b in range(self._flat.n_buckets)
+                   if any(used[i] for i in self._flat.bucket_params[b])]
+        self._flat.all_gather(self.executor, touched)
 
     # -- state dicts ----------------------------------------------------------------------------
 
-    def _slice_state(self, i: int) -> Optional[dict]:
-        """Managed parameter i's state on this rank (its slice), or None before its first step."""
-        s = self._flat.slice_of_param[i]
-        if self.uses_fused_kernel:
-            if self._exp_avg is None or self._step_count[i] == 0:
-                return None
-            r = slice(s.shard_lo, s.shard_lo + s.numel)
-            return {"step": torch.tensor(float(self._step_count[i]), dtype=torch.float32),
-                    "exp_avg": self._exp_avg[r].clone(), "exp_avg_sq": self._exp_avg_sq[r].clone()}
-        state = self._inner.state.get(self._views[i]) if self._inner is not None else None
-        if not state:
+    def _slice_state(self, s) -> Optional[dict]:
+        """Managed parameter s.param's state on this rank (its slice, flattened), or None
+        before its first step. Non-fp32 parameters carry their fp32 master as master_param."""
+        step = self._step_count[s.param]
+        if step == 0:
             return None
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        state = self._update.slice_state(s)
+        if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
+            state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
+        master = self._masters.piece(s.bucket)
+        if master is not None:
+            state["master_param"] = master[s.piece_lo:s.piece_hi].clone()
+        return state
 
     def _groups_for_dict(self) -> List[dict]:
         index = {id(p): k for k, p in enumerate(self._all_params)}
@@ -274,13 +318,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for s in self._flat.slices:
             index = self._managed_index[s.param]
             slices[index] = (s.param_lo, s.param_hi)
-            st = self._slice_state(s.param)
+            st = self._slice_state(s)
             if st is not None:
                 state[index] = st
         meta = {"format": sd_util.FORMAT_VERSION, "stage": self.stage,
                 "world_size": self.executor.world_size, "rank": self.executor.rank,
-                "optimizer": self.optimizer_class.__name__, "slices": slices}
-        return {"state": state, "param_groups": self._groups_for_dict(), "zero_py": meta}
+                "optimizer": self.optimizer_class.__name__, "slices": slices,
+                "rounding_seed": self._sr_seed}
+        return {"state": state, "param_groups": self._groups_for_dict(), "zero_py": meta,
+                "loss_scaler": self._scaler_state()}
+
+    def _scaler_state(self) -> Optional[dict]:
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
 
     def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
         """The full optimizer state dict, in torch.optim's own format (loadable by
@@ -292,6 +341,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shapes = {k: p.shape for k, p in enumerate(self._all_params)}
         full = sd_util.merge_shards(gathered, shapes)
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
+        full["loss_scaler"] = self._scaler_state()
         return full
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -314,85 +364,72 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "load the full dict to change world size or bucket settings")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        fused = all(_fused_adamw_ok(self.optimizer_class, g) for g in self.param_groups)
-        if fused != self.uses_fused_kernel:
-            raise ValueError("the loaded hyperparameters (e.g. amsgrad, maximize) need another "
-                             "update path than this optimizer was built with; construct "
+        if (fused_kind(self.optimizer_class, self.param_groups) is None) == self.uses_fused_kernel:
+            raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
+                             "another update path than this optimizer was built with; construct "
                              "ZeroOptimizer with the same options as the saved run")
+        keys = state_keys(self._kind, self.param_groups) if self.uses_fused_kernel else None
+        if keys is not None and keys != self._update.keys:
+            raise ValueError("the loaded hyperparameters need other optimizer state than this "
+                             "optimizer keeps (e.g. amsgrad or momentum switched on); construct "
+                             "ZeroOptimizer with the same options as the saved run")
+        if shard:
+            self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         self._step_count = [0] * len(self._step_count)
-        if self._exp_avg is not None:
-            self._exp_avg.zero_()
-            self._exp_avg_sq.zero_()
-        if self._inner is not None:
-            self._inner.state.clear()
+        self._update.reset()
+        self.sync_master_from_params()
         for s in self._flat.slices:
             st = saved_state.get(self._managed_index[s.param])
-            if st is None:
+            if not st:
                 continue
             if not shard:
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
                                               self._flat.params[s.param].numel())
-            self._install(s, st)
-
-    def _install(self, s, st: dict) -> None:
-        if self.uses_fused_kernel:
-            missing = {"step", "exp_avg", "exp_avg_sq"} - set(st)
-            if missing:
-                raise ValueError(f"state of parameter {self._managed_index[s.param]} lacks "
-                                 f"{sorted(missing)}; is it an AdamW state dict?")
-            if self._exp_avg is None:
-                self._exp_avg = torch.zeros_like(self._reducer.grad_shard)
-                self._exp_avg_sq = torch.zeros_like(self._reducer.grad_shard)
-            r = slice(s.shard_lo, s.shard_lo + s.numel)
-            self._exp_avg[r].copy_(st["exp_avg"].reshape(-1))
-            self._exp_avg_sq[r].copy_(st["exp_avg_sq"].reshape(-1))
-            self._step_count[s.param] = int(float(st["step"]))
-            return
-        view = self._views[s.param]
-        self._inner.state[view] = {
-            k: (v.detach().to(view.device, view.dtype if v.is_floating_point() and v.dim() > 0
-                              else v.dtype).clone()
-                if isinstance(v, torch.Tensor) else v)
-            for k, v in st.items()}
-        if "step" in st:
-            self._step_count[s.param] = int(float(st["step"]))
+            self._update.install(s, st)
+            self._step_count[s.param] = int(float(st.get("step", 1)))
+            master = self._masters.piece(s.bucket)
+            if master is not None and "master_param" in st:
+                master[s.piece_lo:s.piece_hi].copy_(st["master_param"].reshape(-1))
 
     # -- accounting -------------------------------------------------------------------------
 
     def memory_report(self) -> Dict[str, int]:
-        """Bytes this rank holds for model states, beside what DDP + torch.optim would hold.
+        """Bytes this rank holds for model states, beside what DDP + torch.optim would hold
+        with the same precision recipe (fp32 optimizer states and, for bf16/fp16 parameters,
+        fp32 masters).
 
         params: flat parameter buffers (padding included) and frozen parameters; grads: the
         gradient shard plus the most bucket buffers live at once (and, in stage 1, the full
-        param.grad); optimizer_states: state tensors of this rank's shard. ddp_grads counts
-        param.grad and the flat copy DDP's reducer keeps in its buckets by default
-        (gradient_as_bucket_view=False)."""
+        param.grad); optimizer_states: state tensors of this rank's shard and its fp32 masters.
+        ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
+        default (gradient_as_bucket_view=False)."""
         fp = self._flat
+        param_bytes = sum(p.numel() * p.element_size() for p in fp.params)
         psi = sum(p.numel() for p in fp.params)
+        master_psi = sum(p.numel() for p in fp.params if p.dtype != torch.float32)
         ids = {id(p) for p in fp.params}
         frozen = sum(p.numel() * p.element_size() for p in self._all_params if id(p) not in ids)
-        params = sum(b.numel() * b.element_size() for b in fp.buffers) + frozen
-        grads = self._reducer.grad_shard.numel() * 4 + self._reducer.peak_bucket_bytes
+        buffer_bytes = sum(b.numel() * b.element_size() for b in fp.buffers)
+        params = buffer_bytes + frozen
+        grads = self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
         if self.stage == 1:
-            grads += psi * 4
-        states = self.optimizer_state_bytes()
+            grads += param_bytes
+        states = self._update.state_bytes()
         # state per element: the fused path keeps it over the whole shard, padding included;
         # torch.optim keeps it per parameter slice
         local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
         per_elem = states / local if local else 0.0
-        return {"params": params, "grads": grads, "optimizer_states": states,
-                "padding": fp.padding_numel * 4,
-                "ddp_params": psi * 4 + frozen, "ddp_grads": 2 * psi * 4,
-                "ddp_optimizer_states": int(round(per_elem * psi))}
+        return {"params": params, "grads": grads,
+                "optimizer_states": states + self._masters.nbytes(),
+                "padding": buffer_bytes - param_bytes,
+                "ddp_params": param_bytes + frozen, "ddp_grads": 2 * param_bytes,
+                "ddp_optimizer_states": int(round(per_elem * psi)) + 4 * master_psi}
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state tensors on this rank (0 before the first step)."""
-        if self.uses_fused_kernel:
-            if self._exp_avg is None:
-                return 0
-            return 2 * self._exp_avg.numel() * 4
-        if self._inner is None:
-            return 0
-        return sum(v.numel() * v.element_size() for st in self._inner.state.values()
-                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        """Bytes of optimizer state tensors and fp32 masters on this rank (states are
+        allocated at the first step)."""
+        return self._update.state_bytes() + self._masters.nbytes()
+

@@ -11,10 +11,12 @@ that arrived outside hooks (accumulated under no_sync()) are copied in, and the 
 buckets are flushed in order. Stage 1 runs the same pass from step(), over param.grad, which
 it leaves in place.
 
-The gradient shard (the rank's piece of every bucket, in shard space) accumulates over passes
-until zero_grad(). Which parameters got a gradient is tracked per rank and combined with a MAX
-all-reduce, so a parameter that no rank used is skipped by the optimizer exactly as
-torch.optim skips a None gradient under DDP.
+Gradients are reduced in the parameters' dtype, or in `reduce_dtype` when given (fp32 for
+bf16/fp16 models that want an exact sum). The gradient shard (the rank's piece of every
+bucket, one compact tensor per reduction dtype) accumulates over passes until zero_grad().
+Which parameters got a gradient is tracked per rank and combined with a MAX all-reduce, so a
+parameter that no rank used is skipped by the optimizer exactly as torch.optim skips a None
+gradient under DDP.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from zero_py._native import _C
 from zero_py.executor import Pending, TorchDistExecutor
-from zero_py.flat import FlatParams
+from zero_py.flat import FlatParams, PieceStore
 
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
@@ -33,13 +35,14 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class GradReducer:
-    def __init__(self, flat: FlatParams, executor: TorchDistExecutor, stage: int):
+    def __init__(self, flat: FlatParams, executor: TorchDistExecutor, stage: int,
+                 reduce_dtype: Optional[torch.dtype] = None):
         self.flat = flat
         self.executor = executor
         self.stage = stage
         self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
         device = flat.buffers[0].device
-        self.grad_shard = torch.zeros(flat.shard_numel, dtype=torch.float32, device=device)
+        self.grads = PieceStore(flat, lambda b: reduce_dtype or flat.bucket_dtype(b), device)
         self.grad_shard_valid = False  # False: the next reduction overwrites instead of adding
         self.sync_enabled = True       # False inside no_sync()
         self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
@@ -47,14 +50,19 @@ class GradReducer:
         self._used_pending: Optional[Pending] = None
         self._open: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (pooled, view)
         self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, pooled buffer)
-        # Bucket buffers are recycled (each as large as the largest bucket): a new pass costs no
-        # allocation and no full memset, only zeroing the slots that receive no gradient.
-        self._max_bucket_numel = max(flat.bucket_numel)
-        self._pool: List[torch.Tensor] = []
-        self._buffers_made = 0
+        # Bucket buffers are recycled, one pool per dtype, each buffer as large as the largest
+        # bucket of that dtype: a new pass costs no allocation and no full memset, only zeroing
+        # the slots that receive no gradient.
+        self._max_numel: Dict[torch.dtype, int] = {}
+        for b in range(flat.n_buckets):
+            dtype = self.grads.dtype_of[b]
+            self._max_numel[dtype] = max(self._max_numel.get(dtype, 0), flat.bucket_numel[b])
+        self._pool: Dict[torch.dtype, List[torch.Tensor]] = {d: [] for d in self._max_numel}
+        self._device = device
         self.peak_bucket_bytes = 0
         self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
+        self._finished = False  # finish() ran since the last pass: its result stands
         self.passes_since_step = 0
         self._hooks = []
         if stage == 2:
@@ -83,6 +91,7 @@ class GradReducer:
 
     def _begin_pass(self) -> None:
         self._pass_open = True
+        self._finished = False
         self.schedule.reset()
         self._copied = bytearray(len(self.flat.params))
 
@@ -117,12 +126,12 @@ class GradReducer:
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         entry = self._open.get(b)
         if entry is None:
-            if not self._pool:
-                self._pool.append(torch.empty(self._max_bucket_numel, dtype=torch.float32,
-                                              device=self.grad_shard.device))
-                self._buffers_made += 1
-                self.peak_bucket_bytes = self._buffers_made * self._max_bucket_numel * 4
-            pooled = self._pool.pop()
+            dtype = self.grads.dtype_of[b]
+            pool = self._pool[dtype]
+            if not pool:
+                pool.append(torch.empty(self._max_numel[dtype], dtype=dtype, device=self._device))
+                self.peak_bucket_bytes += pool[0].numel() * pool[0].element_size()
+            pooled = pool.pop()
             view = pooled[:self.flat.bucket_numel[b]]
             for lo, hi in self.flat.bucket_gaps[b]:
                 view[lo:hi].zero_()
@@ -139,10 +148,12 @@ class GradReducer:
         lo = self.flat.param_offset[i]
         slot = self._bucket_buffer(b)[lo:lo + p.numel()]
         ws = self.executor.world_size
-        if ws > 1:
+        if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
         else:
-            slot.copy_(g.reshape(-1))
+            slot.copy_(g.reshape(-1))  # widened first when reducing in a wider dtype
+            if ws > 1:
+                slot.div_(ws)
         self._local_used[i] = 1
         self._copied[i] = 1
         if self.stage == 2:
@@ -155,8 +166,7 @@ class GradReducer:
             if not self._copied[i]:  # no gradient on this rank: reduce zeros
                 lo = self.flat.param_offset[i]
                 buf[lo:lo + self.flat.params[i].numel()].zero_()
-        r = self.flat.shard_range(b)
-        piece = self.grad_shard[r.start:r.stop]
+        piece = self.grads.piece(b)
         if not self.grad_shard_valid:
             work = self.executor.reduce_scatter(piece, buf)
         else:
@@ -173,28 +183,33 @@ class GradReducer:
                                    or self._in_flight[0][0].is_completed()):
             work, pooled = self._in_flight.pop(0)
             work.wait()
-            self._pool.append(pooled)
+            self._pool[pooled.dtype].append(pooled)
 
     # -- what the optimizer asks -------------------------------------------------------------
 
-    def finish(self) -> Optional[torch.Tensor]:
-        """Waits for every reduction; returns the per-parameter 'some rank had a gradient' mask
-        (uint8), or None when this rank holds no reduced gradient."""
+    def finish(self) -> torch.Tensor:
+        """Waits for every reduction; returns the per-parameter 'some rank had a gradient'
+        mask (uint8). Calling it again before the next pass or step returns the same."""
+        if self._finished:
+            return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
             self.reduce_now()
         self._retire(block_over=0)
         if self._used_pending is not None:
             self._used_pending.wait()
             self._used_pending = None
-        return self._global_used if self.grad_shard_valid else None
+        self._finished = True
+        return self._global_used
 
     def after_step(self) -> None:
         self.passes_since_step = 0
+        self._finished = False
 
     def zero_grad(self, set_to_none: bool) -> None:
+        self._finished = False
         self._retire(block_over=0)
         self.grad_shard_valid = False
         self._local_used.zero_()
         self._global_used = None
         if not set_to_none:
-            self.grad_shard.zero_()
+            self.grads.zero_()

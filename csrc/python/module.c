@@ -14,6 +14,7 @@
 
 #include "common/parallel.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/optim.h"
 #include "layout/layout.h"
 #include "schedule/schedule.h"
 
@@ -200,6 +201,124 @@ done:
   return result;
 }
 
+/* opt_step(segments, groups, n_threads): segments is a buffer of int64 rows (master, grad,
+ * state0, state1, state2, param_out addresses [0 = NULL], numel, step, group, unused); groups a
+ * buffer of float64 rows (kind, grad_dtype, param_dtype, flags, lr, beta1, beta2, eps,
+ * weight_decay, grad_scale, seed), the first four and seed integers stored as float64. */
+#define ZP_OPT_SEG_FIELDS 10
+#define ZP_OPT_GROUP_FIELDS 11
+
+/* Segment rows -> zp_opt_segment (caller frees *out). Sets a Python error and returns -1 on
+ * failure. */
+static Py_ssize_t zp_opt_segments(const Py_buffer *buf, const char *fn, zp_opt_segment **out) {
+  if (buf->len % (ZP_OPT_SEG_FIELDS * 8) != 0) {
+    PyErr_Format(PyExc_ValueError, "%s: segments must be int64 rows of %d", fn, ZP_OPT_SEG_FIELDS);
+    return -1;
+  }
+  Py_ssize_t n = buf->len / (ZP_OPT_SEG_FIELDS * 8);
+  if (n > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "%s: too many segments (%zd)", fn, n);
+    return -1;
+  }
+  zp_opt_segment *segs = malloc((size_t)(n > 0 ? n : 1) * sizeof *segs);
+  if (segs == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t s = 0; s < n; s++) {
+    int64_t row[ZP_OPT_SEG_FIELDS];
+    memcpy(row, (const char *)buf->buf + s * sizeof row, sizeof row);
+    int32_t group = row[8] < INT32_MIN || row[8] > INT32_MAX ? -1 : (int32_t)row[8];
+    segs[s] = (zp_opt_segment){(float *)(uintptr_t)row[0], (const void *)(uintptr_t)row[1],
+                               (float *)(uintptr_t)row[2], (float *)(uintptr_t)row[3],
+                               (float *)(uintptr_t)row[4], (void *)(uintptr_t)row[5],
+                               row[6], row[7], group};
+  }
+  *out = segs;
+  return n;
+}
+
+/* A float64 that must hold a small integer (kind, dtype, flags) -> int32, or -1 when it does
+ * not (the core then rejects it with a message naming the field). */
+static int32_t zp_small_int(double v) {
+  return v >= -1.0 && v <= 1048576.0 && v == (double)(int32_t)v ? (int32_t)v : -1;
+}
+
+static PyObject *zp_py_opt_step(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer seg_buf, group_buf;
+  int n_threads;
+  if (!PyArg_ParseTuple(args, "y*y*i:opt_step", &seg_buf, &group_buf, &n_threads))
+    return NULL;
+  PyObject *result = NULL;
+  zp_opt_segment *segs = NULL;
+  zp_opt_group *groups = NULL;
+  Py_ssize_t n_segs = zp_opt_segments(&seg_buf, "opt_step", &segs);
+  if (n_segs < 0)
+    goto done;
+  if (group_buf.len % (ZP_OPT_GROUP_FIELDS * 8) != 0 ||
+      group_buf.len / (ZP_OPT_GROUP_FIELDS * 8) > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "opt_step: groups must be float64 rows of %d",
+                 ZP_OPT_GROUP_FIELDS);
+    goto done;
+  }
+  Py_ssize_t n_groups = group_buf.len / (ZP_OPT_GROUP_FIELDS * 8);
+  groups = malloc((size_t)(n_groups > 0 ? n_groups : 1) * sizeof *groups);
+  if (groups == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t k = 0; k < n_groups; k++) {
+    double row[ZP_OPT_GROUP_FIELDS];
+    memcpy(row, (const char *)group_buf.buf + k * sizeof row, sizeof row);
+    if (!(row[10] >= 0.0 && row[10] <= 9007199254740992.0 && row[10] == (double)(uint64_t)row[10])) {
+      PyErr_Format(PyExc_ValueError, "opt_step: group %zd: seed must be an integer in "
+                   "[0, 2**53], got %g", k, row[10]);
+      goto done;
+    }
+    groups[k] = (zp_opt_group){zp_small_int(row[0]), zp_small_int(row[1]), zp_small_int(row[2]),
+                               zp_small_int(row[3]), row[4], row[5], row[6], row[7], row[8],
+                               row[9], (uint64_t)row[10]};
+  }
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status =
+      zp_opt_step_cpu(segs, (int32_t)n_segs, groups, (int32_t)n_groups, n_threads);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) zp_raise(status);
+  else result = Py_NewRef(Py_None);
+done:
+  free(segs);
+  free(groups);
+  PyBuffer_Release(&seg_buf);
+  PyBuffer_Release(&group_buf);
+  return result;
+}
+
+/* grad_stats(segments, grad_dtype, norm_type, n_threads) -> (sum_pow, nonfinite) with opt_step's
+ * segment rows (only grad and numel are read). */
+static PyObject *zp_py_grad_stats(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer seg_buf;
+  int grad_dtype, n_threads;
+  double norm_type;
+  if (!PyArg_ParseTuple(args, "y*idi:grad_stats", &seg_buf, &grad_dtype, &norm_type, &n_threads))
+    return NULL;
+  PyObject *result = NULL;
+  zp_opt_segment *segs = NULL;
+  Py_ssize_t n_segs = zp_opt_segments(&seg_buf, "grad_stats", &segs);
+  if (n_segs >= 0) {
+    double sum_pow = 0.0;
+    int32_t nonfinite = 0;
+    zp_status status;
+    Py_BEGIN_ALLOW_THREADS status = zp_grad_stats_cpu(segs, (int32_t)n_segs, grad_dtype, norm_type,
+                                                      n_threads, &sum_pow, &nonfinite);
+    Py_END_ALLOW_THREADS if (status != ZP_OK) zp_raise(status);
+    else result = Py_BuildValue("(dN)", sum_pow, PyBool_FromLong(nonfinite));
+  }
+  free(segs);
+  PyBuffer_Release(&seg_buf);
+  return result;
+}
+
 static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
@@ -345,6 +464,9 @@ static PyMethodDef zp_methods[] = {
     {"layout_plan", zp_py_layout_plan, METH_VARARGS,
      "layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes)"},
     {"adamw_step", zp_py_adamw_step, METH_VARARGS, "adamw_step(segments, groups, n_threads)"},
+    {"opt_step", zp_py_opt_step, METH_VARARGS, "opt_step(segments, groups, n_threads)"},
+    {"grad_stats", zp_py_grad_stats, METH_VARARGS,
+     "grad_stats(segments, grad_dtype, norm_type, n_threads) -> (sum_pow, nonfinite)"},
     {"cpu_isa", zp_py_cpu_isa, METH_NOARGS, "instruction set the CPU kernels dispatch to"},
     {"default_threads", zp_py_default_threads, METH_NOARGS, "threads the CPU kernels use"},
     {NULL, NULL, 0, NULL}};

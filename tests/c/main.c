@@ -21,7 +21,20 @@
   X(test_adamw_isa)                \
   X(test_adamw_matches_reference)  \
   X(test_adamw_threads_agree)      \
-  X(test_adamw_errors)
+  X(test_adamw_errors)                \
+  X(test_convert_isa)                 \
+  X(test_convert_f16_widen_exhaustive) \
+  X(test_convert_narrow_rne)          \
+  X(test_convert_nan)                 \
+  X(test_convert_stochastic_rounding) \
+  X(test_grad_stats_matches_reference) \
+  X(test_grad_stats_nonfinite)        \
+  X(test_grad_stats_empty_and_errors) \
+  X(test_grad_stats_fixed_order)      \
+  X(test_optim_matches_reference)     \
+  X(test_optim_isas_and_threads_agree) \
+  X(test_optim_adamw_bitwise_as_adamw_c) \
+  X(test_optim_errors)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)

@@ -1,11 +1,11 @@
 /* adamw.c - fused AdamW over flat fp32 segments: AVX-512, AVX2+FMA or scalar, picked at run time.
  *
  * Every variant performs the same float operations in the same order, so results do not
- * depend on the CPU or the thread count. They follow torch's CPU AdamW (single-tensor path):
- * the lerp of the first moment is one fused multiply-add, as in ATen's vectorized lerp; the
- * rest are separate multiplies and adds, except that sqrt(v) is multiplied by
- * 1/sqrt(1 - beta2^step) where torch divides (one division per element instead of two: the
- * divider, not memory, was the limit; the results differ from torch's by about one ulp).
+ * depend on the CPU or the thread count. The order is torch's CPU AdamW (single-tensor path,
+ * whose vectorized ATen kernels fuse): the lerp of the first moment is ATen's two-branch fused
+ * multiply-add, addcmul of the second moment is one fma, the bias correction of sqrt(v) a true
+ * division, and addcdiv is (value * m) / denom. The result equals torch's bit for bit but for
+ * sqrt (torch's CPU sqrt is off by one ulp on ~1% of inputs; this one is exact).
  * The build does not use -march: the SIMD bodies carry target attributes and are only
  * called after __builtin_cpu_supports says the CPU has them. */
 #include "kernels/cpu/adamw.h"
@@ -25,10 +25,12 @@
 typedef struct {
   float decay;      /* 1 - lr * weight_decay */
   float lerp_w;     /* 1 - beta1 */
+  float lerp_wm1;   /* ATen's other lerp branch, for lerp_w >= 0.5: g + (w - 1) * (g - m) */
+  int lerp_small;   /* lerp_w < 0.5 */
   float beta2;
   float one_minus_beta2;
   float neg_step;   /* -lr / (1 - beta1^step) */
-  float inv_bc2_sqrt; /* 1 / sqrt(1 - beta2^step) */
+  float bc2_sqrt;   /* sqrt(1 - beta2^step) */
   float eps;
   float grad_scale;
 } zp_adamw_coef;
@@ -55,10 +57,11 @@ static void zp_adamw_scalar(const zp_adamw_coef *c, float *restrict p, const flo
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * c->grad_scale;
     float pi = p[i] * c->decay;
-    float mi = fmaf(c->lerp_w, gi - m[i], m[i]);
-    float vi = v[i] * c->beta2 + c->one_minus_beta2 * gi * gi;
-    float denom = sqrtf(vi) * c->inv_bc2_sqrt + c->eps;
-    p[i] = pi + c->neg_step * (mi / denom);
+    float d = gi - m[i];
+    float mi = c->lerp_small ? fmaf(c->lerp_w, d, m[i]) : fmaf(c->lerp_wm1, d, gi);
+    float vi = fmaf(c->one_minus_beta2 * gi, gi, v[i] * c->beta2);
+    float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
+    p[i] = pi + (c->neg_step * mi) / denom;
     m[i] = mi;
     v[i] = vi;
   }
@@ -70,7 +73,9 @@ zp_adamw_avx2(const zp_adamw_coef *c, float *restrict p, const float *restrict g
               float *restrict v, int64_t n) {
   const __m256 decay = _mm256_set1_ps(c->decay), w = _mm256_set1_ps(c->lerp_w);
   const __m256 b2 = _mm256_set1_ps(c->beta2), omb2 = _mm256_set1_ps(c->one_minus_beta2);
-  const __m256 neg_step = _mm256_set1_ps(c->neg_step), inv_bc2 = _mm256_set1_ps(c->inv_bc2_sqrt);
+  const __m256 neg_step = _mm256_set1_ps(c->neg_step), bc2 = _mm256_set1_ps(c->bc2_sqrt);
+  const __m256 wm1 = _mm256_set1_ps(c->lerp_wm1);
+  const int small = c->lerp_small;
   const __m256 eps = _mm256_set1_ps(c->eps), scale = _mm256_set1_ps(c->grad_scale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -79,11 +84,12 @@ zp_adamw_avx2(const zp_adamw_coef *c, float *restrict p, const float *restrict g
     __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
     __m256 mi = _mm256_loadu_ps(m + i);
     __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-    mi = _mm256_fmadd_ps(w, _mm256_sub_ps(gi, mi), mi);
+    __m256 d = _mm256_sub_ps(gi, mi);
+    mi = small ? _mm256_fmadd_ps(w, d, mi) : _mm256_fmadd_ps(wm1, d, gi);
     __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v + i), b2);
-    vi = _mm256_add_ps(vi, _mm256_mul_ps(_mm256_mul_ps(omb2, gi), gi));
-    __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), inv_bc2), eps);
-    pi = _mm256_add_ps(pi, _mm256_mul_ps(neg_step, _mm256_div_ps(mi, denom)));
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, vi);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(neg_step, mi), denom));
     _mm256_storeu_ps(p + i, pi);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
@@ -98,11 +104,12 @@ zp_adamw_avx2(const zp_adamw_coef *c, float *restrict p, const float *restrict g
     __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i + (off)), scale);                          \
     __m512 mi = _mm512_loadu_ps(m + i + (off));                                                \
     __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i + (off)), decay);                          \
-    mi = _mm512_fmadd_ps(w, _mm512_sub_ps(gi, mi), mi);                                        \
+    __m512 d = _mm512_sub_ps(gi, mi);                                                          \
+    mi = small ? _mm512_fmadd_ps(w, d, mi) : _mm512_fmadd_ps(wm1, d, gi);                      \
     __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i + (off)), b2);                             \
-    vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));                        \
-    __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv_bc2), eps);           \
-    pi = _mm512_add_ps(pi, _mm512_mul_ps(neg_step, _mm512_div_ps(mi, denom)));                 \
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, vi);                                     \
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);                 \
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom));                 \
     _mm512_storeu_ps(p + i + (off), pi);                                                       \
     _mm512_storeu_ps(m + i + (off), mi);                                                       \
     _mm512_storeu_ps(v + i + (off), vi);                                                       \
@@ -113,7 +120,9 @@ zp_adamw_avx512(const zp_adamw_coef *c, float *restrict p, const float *restrict
                 float *restrict m, float *restrict v, int64_t n) {
   const __m512 decay = _mm512_set1_ps(c->decay), w = _mm512_set1_ps(c->lerp_w);
   const __m512 b2 = _mm512_set1_ps(c->beta2), omb2 = _mm512_set1_ps(c->one_minus_beta2);
-  const __m512 neg_step = _mm512_set1_ps(c->neg_step), inv_bc2 = _mm512_set1_ps(c->inv_bc2_sqrt);
+  const __m512 neg_step = _mm512_set1_ps(c->neg_step), bc2 = _mm512_set1_ps(c->bc2_sqrt);
+  const __m512 wm1 = _mm512_set1_ps(c->lerp_wm1);
+  const int small = c->lerp_small;
   const __m512 eps = _mm512_set1_ps(c->eps), scale = _mm512_set1_ps(c->grad_scale);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -241,7 +250,9 @@ zp_status zp_adamw_step_cpu(const zp_adamw_segment *segments, int32_t n_segments
         .beta2 = (float)g->beta2,
         .one_minus_beta2 = (float)(1.0 - g->beta2),
         .neg_step = (float)(-(g->lr / bc1)),
-        .inv_bc2_sqrt = (float)(1.0 / sqrt(bc2)),
+        .lerp_wm1 = (float)(1.0 - g->beta1) - 1.0f,
+        .lerp_small = fabsf((float)(1.0 - g->beta1)) < 0.5f,
+        .bc2_sqrt = (float)sqrt(bc2),
         .eps = (float)g->eps,
         .grad_scale = (float)g->grad_scale,
     };

@@ -1,0 +1,634 @@
+/* optim.c - the fused CPU optimizer family (optim.h): AdamW, Adam, SGD, Adagrad, Lion.
+ *
+ * Each segment is walked in chunks of ZP_OPT_CHUNK elements: a bf16/fp16 gradient is widened
+ * into a chunk buffer that stays in L1, the update body of the kind runs on fp32, and the new
+ * master is narrowed into param_out while it is still in L1, so memory is crossed once. An fp32
+ * gradient with no param_out skips the chunking (the body runs on the whole range).
+ *
+ * The bodies (scalar, AVX2+FMA, AVX-512F) perform the same float operations in the same order,
+ * and the C is compiled as ISO C11 (no floating-point contraction), so every body gives the same
+ * bits. The order is torch's (single-tensor CPU path; its AVX2/AVX-512 builds fuse a multiply
+ * into a following add, so `a.add(b, alpha=s)` is fma(s, b, a), addcmul is fma, and lerp is
+ * ATen's two-branch fma, and addcdiv is (value * t1) / t2). fp32 AdamW is bit-identical to
+ * zp_adamw_step_cpu, which follows the same order. */
+#include "kernels/cpu/optim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/parallel.h"
+#include "kernels/cpu/convert.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ZP_X86 1
+#endif
+
+#define ZP_OPT_CHUNK 1024 /* elements; chunks start at multiples of this within a segment */
+#define ZP_OPT_KINDS 5
+#define ZP_OPT_ALL_FLAGS \
+  (ZP_OPT_MAXIMIZE | ZP_OPT_AMSGRAD | ZP_OPT_NESTEROV | ZP_OPT_STOCHASTIC_ROUNDING)
+
+/* Per-segment constants, as the float values torch would use. Each kind reads its own. */
+typedef struct {
+  int32_t kind, grad_dtype, param_dtype, flags;
+  float scale;       /* grad_scale, negated for maximize */
+  float decay;       /* AdamW, Lion: 1 - lr * weight_decay; Adam: 1 */
+  float wd;          /* Adam, SGD, Adagrad: L2 term added to the gradient when use_l2 */
+  int use_l2;
+  float lerp_w;      /* Adam*: 1 - beta1, and ATen's other branch w - 1 when w >= 0.5 */
+  float lerp_wm1;
+  int lerp_small;
+  float b1, omb1;    /* Lion: beta1, 1 - beta1; SGD: b1 = momentum */
+  float b2, omb2;    /* Adam*, Lion: beta2, 1 - beta2; SGD: omb2 = 1 - dampening */
+  float neg_step;    /* Adam*: -lr / bc1; SGD, Lion: -lr; Adagrad: -clr */
+  float pos_lr;      /* Lion: lr */
+  float bc2_sqrt;    /* Adam*: sqrt(1 - beta2^step) */
+  float eps;
+  int amsgrad, momentum, first, nesterov;
+  uint64_t seed;
+} zp_opt_coef;
+
+typedef void (*zp_opt_body)(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                            float *restrict s0, float *restrict s1, float *restrict s2, int64_t n);
+
+/* ---- scalar bodies: the definition every SIMD body reproduces ---- */
+
+static void zp_adam_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                           float *restrict m, float *restrict v, float *restrict vmax, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float gi = g[i] * c->scale;
+    if (c->use_l2)
+      gi = fmaf(c->wd, p[i], gi);
+    float pi = p[i] * c->decay;
+    float d = gi - m[i];
+    float mi = c->lerp_small ? fmaf(c->lerp_w, d, m[i]) : fmaf(c->lerp_wm1, d, gi);
+    float vi = fmaf(c->omb2 * gi, gi, v[i] * c->b2);
+    float vv = vi;
+    if (c->amsgrad) {
+      vv = vmax[i] > vi ? vmax[i] : vi; /* as MAXPS(vmax, v) */
+      vmax[i] = vv;
+    }
+    float denom = sqrtf(vv) / c->bc2_sqrt + c->eps;
+    p[i] = pi + (c->neg_step * mi) / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+static void zp_sgd_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                          float *restrict buf, float *restrict s1, float *restrict s2, int64_t n) {
+  (void)s1, (void)s2;
+  for (int64_t i = 0; i < n; i++) {
+    float gi = g[i] * c->scale;
+    if (c->use_l2)
+      gi = fmaf(c->wd, p[i], gi);
+    if (c->momentum) {
+      float b = c->first ? gi : fmaf(c->omb2, gi, buf[i] * c->b1);
+      buf[i] = b;
+      gi = c->nesterov ? fmaf(c->b1, b, gi) : b;
+    }
+    p[i] = fmaf(c->neg_step, gi, p[i]);
+  }
+}
+
+static void zp_adagrad_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                              float *restrict sum, float *restrict s1, float *restrict s2,
+                              int64_t n) {
+  (void)s1, (void)s2;
+  for (int64_t i = 0; i < n; i++) {
+    float gi = g[i] * c->scale;
+    if (c->use_l2)
+      gi = fmaf(c->wd, p[i], gi);
+    float si = fmaf(gi, gi, sum[i]);
+    sum[i] = si;
+    p[i] = p[i] + (c->neg_step * gi) / (sqrtf(si) + c->eps);
+  }
+}
+
+static void zp_lion_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                           float *restrict m, float *restrict s1, float *restrict s2, int64_t n) {
+  (void)s1, (void)s2;
+  for (int64_t i = 0; i < n; i++) {
+    float gi = g[i] * c->scale;
+    float ci = fmaf(c->omb1, gi, m[i] * c->b1);
+    /* -lr * sign(c); sign(0) * -lr is -0, which leaves any p unchanged */
+    float u = ci > 0.0f ? c->neg_step : ci < 0.0f ? c->pos_lr : -0.0f;
+    p[i] = p[i] * c->decay + u;
+    m[i] = fmaf(c->omb2, gi, m[i] * c->b2);
+  }
+}
+
+#ifdef ZP_X86
+/* Software prefetch 2 KiB ahead, as adamw.c (a prefetch past the end of a buffer is harmless). */
+#define ZP_PF_DIST 512
+#define ZP_PF(ptr, at) _mm_prefetch((const char *)((ptr) + (at) + ZP_PF_DIST), _MM_HINT_T0)
+
+/* ---- AVX2 + FMA: 8 lanes ---- */
+#define ZP_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                                 float *restrict m, float *restrict v, float *restrict vmax,
+                                 int64_t n) {
+  const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
+  const __m256 decay = _mm256_set1_ps(c->decay), w = _mm256_set1_ps(c->lerp_w);
+  const __m256 wm1 = _mm256_set1_ps(c->lerp_wm1), b2 = _mm256_set1_ps(c->b2);
+  const __m256 omb2 = _mm256_set1_ps(c->omb2), neg_step = _mm256_set1_ps(c->neg_step);
+  const __m256 bc2 = _mm256_set1_ps(c->bc2_sqrt), eps = _mm256_set1_ps(c->eps);
+  const int l2 = c->use_l2, small = c->lerp_small, ams = c->amsgrad;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if ((i & 15) == 0) {
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
+      if (ams)
+        ZP_PF(vmax, i);
+    }
+    __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
+    if (l2)
+      gi = _mm256_fmadd_ps(wd, pi, gi);
+    __m256 mi = _mm256_loadu_ps(m + i);
+    __m256 d = _mm256_sub_ps(gi, mi);
+    mi = small ? _mm256_fmadd_ps(w, d, mi) : _mm256_fmadd_ps(wm1, d, gi);
+    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v + i), b2);
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, vi);
+    __m256 vv = vi;
+    if (ams) {
+      vv = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vi);
+      _mm256_storeu_ps(vmax + i, vv);
+    }
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2), eps);
+    pi = _mm256_add_ps(_mm256_mul_ps(pi, decay), _mm256_div_ps(_mm256_mul_ps(neg_step, mi), denom));
+    _mm256_storeu_ps(p + i, pi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+  }
+  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i);
+}
+
+ZP_AVX2 static void zp_sgd_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                                float *restrict buf, float *restrict s1, float *restrict s2,
+                                int64_t n) {
+  const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
+  const __m256 mom = _mm256_set1_ps(c->b1), omd = _mm256_set1_ps(c->omb2);
+  const __m256 neg_lr = _mm256_set1_ps(c->neg_step);
+  const int l2 = c->use_l2, momentum = c->momentum, first = c->first, nesterov = c->nesterov;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if ((i & 15) == 0) {
+      ZP_PF(p, i), ZP_PF(g, i);
+      if (momentum && !first)
+        ZP_PF(buf, i);
+    }
+    __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
+    if (l2)
+      gi = _mm256_fmadd_ps(wd, pi, gi);
+    if (momentum) {
+      __m256 b = first ? gi : _mm256_fmadd_ps(omd, gi, _mm256_mul_ps(_mm256_loadu_ps(buf + i), mom));
+      _mm256_storeu_ps(buf + i, b);
+      gi = nesterov ? _mm256_fmadd_ps(mom, b, gi) : b;
+    }
+    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(neg_lr, gi, pi));
+  }
+  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i);
+}
+
+ZP_AVX2 static void zp_adagrad_avx2(const zp_opt_coef *c, float *restrict p,
+                                    const float *restrict g, float *restrict sum,
+                                    float *restrict s1, float *restrict s2, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
+  const __m256 neg_clr = _mm256_set1_ps(c->neg_step), eps = _mm256_set1_ps(c->eps);
+  const int l2 = c->use_l2;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if ((i & 15) == 0)
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
+    __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
+    if (l2)
+      gi = _mm256_fmadd_ps(wd, pi, gi);
+    __m256 si = _mm256_fmadd_ps(gi, gi, _mm256_loadu_ps(sum + i));
+    _mm256_storeu_ps(sum + i, si);
+    __m256 std = _mm256_add_ps(_mm256_sqrt_ps(si), eps);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(neg_clr, gi), std)));
+  }
+  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i);
+}
+
+ZP_AVX2 static void zp_lion_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
+                                 float *restrict m, float *restrict s1, float *restrict s2,
+                                 int64_t n) {
+  const __m256 scale = _mm256_set1_ps(c->scale), decay = _mm256_set1_ps(c->decay);
+  const __m256 b1 = _mm256_set1_ps(c->b1), omb1 = _mm256_set1_ps(c->omb1);
+  const __m256 b2 = _mm256_set1_ps(c->b2), omb2 = _mm256_set1_ps(c->omb2);
+  const __m256 neg_lr = _mm256_set1_ps(c->neg_step), pos_lr = _mm256_set1_ps(c->pos_lr);
+  const __m256 zero = _mm256_setzero_ps(), neg_zero = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if ((i & 15) == 0)
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
+    __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
+    __m256 mi = _mm256_loadu_ps(m + i);
+    __m256 ci = _mm256_fmadd_ps(omb1, gi, _mm256_mul_ps(mi, b1));
+    __m256 u = _mm256_blendv_ps(neg_zero, pos_lr, _mm256_cmp_ps(ci, zero, _CMP_LT_OQ));
+    u = _mm256_blendv_ps(u, neg_lr, _mm256_cmp_ps(ci, zero, _CMP_GT_OQ));
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay), u));
+    _mm256_storeu_ps(m + i, _mm256_fmadd_ps(omb2, gi, _mm256_mul_ps(mi, b2)));
+  }
+  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i);
+}
+
+/* ---- AVX-512F: 16 lanes, two vectors per iteration (two independent div/sqrt chains) ---- */
+#define ZP_AVX512 __attribute__((target("avx512f")))
+#define ZP_INLINE512 __attribute__((target("avx512f"), always_inline)) static inline
+
+typedef struct {
+  __m512 scale, wd, decay, w, wm1, b1, omb1, b2, omb2, neg_step, pos_lr, bc2, eps;
+  int l2, small, ams, momentum, first, nesterov;
+} zp_coef512;
+
+ZP_INLINE512 zp_coef512 zp_coef512_load(const zp_opt_coef *c) {
+  return (zp_coef512){_mm512_set1_ps(c->scale),    _mm512_set1_ps(c->wd),
+                      _mm512_set1_ps(c->decay),    _mm512_set1_ps(c->lerp_w),
+                      _mm512_set1_ps(c->lerp_wm1), _mm512_set1_ps(c->b1),
+                      _mm512_set1_ps(c->omb1),     _mm512_set1_ps(c->b2),
+                      _mm512_set1_ps(c->omb2),     _mm512_set1_ps(c->neg_step),
+                      _mm512_set1_ps(c->pos_lr),   _mm512_set1_ps(c->bc2_sqrt),
+                      _mm512_set1_ps(c->eps),      c->use_l2,
+                      c->lerp_small,               c->amsgrad,
+                      c->momentum,                 c->first,
+                      c->nesterov};
+}
+
+ZP_INLINE512 void zp_adam16(const zp_coef512 *k, float *p, const float *g, float *m, float *v,
+                            float *vmax) {
+  __m512 pi = _mm512_loadu_ps(p);
+  __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), k->scale);
+  if (k->l2)
+    gi = _mm512_fmadd_ps(k->wd, pi, gi);
+  __m512 mi = _mm512_loadu_ps(m);
+  __m512 d = _mm512_sub_ps(gi, mi);
+  mi = k->small ? _mm512_fmadd_ps(k->w, d, mi) : _mm512_fmadd_ps(k->wm1, d, gi);
+  __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), k->b2);
+  vi = _mm512_fmadd_ps(_mm512_mul_ps(k->omb2, gi), gi, vi);
+  __m512 vv = vi;
+  if (k->ams) {
+    vv = _mm512_max_ps(_mm512_loadu_ps(vmax), vi);
+    _mm512_storeu_ps(vmax, vv);
+  }
+  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), k->bc2), k->eps);
+  pi = _mm512_add_ps(_mm512_mul_ps(pi, k->decay),
+                     _mm512_div_ps(_mm512_mul_ps(k->neg_step, mi), denom));
+  _mm512_storeu_ps(p, pi);
+  _mm512_storeu_ps(m, mi);
+  _mm512_storeu_ps(v, vi);
+}
+
+ZP_AVX512 static void zp_adam_avx512(const zp_opt_coef *c, float *restrict p,
+                                     const float *restrict g, float *restrict m,
+                                     float *restrict v, float *restrict vmax, int64_t n) {
+  const zp_coef512 k = zp_coef512_load(c);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
+    ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(m, i + 16), ZP_PF(v, i + 16);
+    if (k.ams)
+      ZP_PF(vmax, i), ZP_PF(vmax, i + 16);
+    zp_adam16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL);
+    zp_adam16(&k, p + i + 16, g + i + 16, m + i + 16, v + i + 16, k.ams ? vmax + i + 16 : NULL);
+  }
+  for (; i + 16 <= n; i += 16)
+    zp_adam16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL);
+  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i);
+}
+
+ZP_AVX512 static void zp_sgd_avx512(const zp_opt_coef *c, float *restrict p,
+                                    const float *restrict g, float *restrict buf,
+                                    float *restrict s1, float *restrict s2, int64_t n) {
+  const zp_coef512 k = zp_coef512_load(c);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    ZP_PF(p, i), ZP_PF(g, i);
+    if (k.momentum && !k.first)
+      ZP_PF(buf, i);
+    __m512 pi = _mm512_loadu_ps(p + i);
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k.scale);
+    if (k.l2)
+      gi = _mm512_fmadd_ps(k.wd, pi, gi);
+    if (k.momentum) {
+      __m512 b = k.first ? gi
+                         : _mm512_fmadd_ps(k.omb2, gi, _mm512_mul_ps(_mm512_loadu_ps(buf + i), k.b1));
+      _mm512_storeu_ps(buf + i, b);
+      gi = k.nesterov ? _mm512_fmadd_ps(k.b1, b, gi) : b;
+    }
+    _mm512_storeu_ps(p + i, _mm512_fmadd_ps(k.neg_step, gi, pi));
+  }
+  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i);
+}
+
+ZP_INLINE512 void zp_adagrad16(const zp_coef512 *k, float *p, const float *g, float *sum) {
+  __m512 pi = _mm512_loadu_ps(p);
+  __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), k->scale);
+  if (k->l2)
+    gi = _mm512_fmadd_ps(k->wd, pi, gi);
+  __m512 si = _mm512_fmadd_ps(gi, gi, _mm512_loadu_ps(sum));
+  _mm512_storeu_ps(sum, si);
+  __m512 std = _mm512_add_ps(_mm512_sqrt_ps(si), k->eps);
+  _mm512_storeu_ps(p, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(k->neg_step, gi), std)));
+}
+
+ZP_AVX512 static void zp_adagrad_avx512(const zp_opt_coef *c, float *restrict p,
+                                        const float *restrict g, float *restrict sum,
+                                        float *restrict s1, float *restrict s2, int64_t n) {
+  const zp_coef512 k = zp_coef512_load(c);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
+    ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(sum, i + 16);
+    zp_adagrad16(&k, p + i, g + i, sum + i);
+    zp_adagrad16(&k, p + i + 16, g + i + 16, sum + i + 16);
+  }
+  for (; i + 16 <= n; i += 16)
+    zp_adagrad16(&k, p + i, g + i, sum + i);
+  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i);
+}
+
+ZP_AVX512 static void zp_lion_avx512(const zp_opt_coef *c, float *restrict p,
+                                     const float *restrict g, float *restrict m,
+                                     float *restrict s1, float *restrict s2, int64_t n) {
+  const zp_coef512 k = zp_coef512_load(c);
+  const __m512 zero = _mm512_setzero_ps(), neg_zero = _mm512_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k.scale);
+    __m512 mi = _mm512_loadu_ps(m + i);
+    __m512 ci = _mm512_fmadd_ps(k.omb1, gi, _mm512_mul_ps(mi, k.b1));
+    __m512 u = _mm512_mask_mov_ps(neg_zero, _mm512_cmp_ps_mask(ci, zero, _CMP_LT_OQ), k.pos_lr);
+    u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(ci, zero, _CMP_GT_OQ), k.neg_step);
+    _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), k.decay), u));
+    _mm512_storeu_ps(m + i, _mm512_fmadd_ps(k.omb2, gi, _mm512_mul_ps(mi, k.b2)));
+  }
+  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i);
+}
+#endif
+
+/* Indexed by zp_isa, then zp_opt_kind (AdamW and Adam share a body). */
+static const zp_opt_body zp_opt_bodies[3][ZP_OPT_KINDS] = {
+    {zp_adam_scalar, zp_adam_scalar, zp_sgd_scalar, zp_adagrad_scalar, zp_lion_scalar},
+#ifdef ZP_X86
+    {zp_adam_avx2, zp_adam_avx2, zp_sgd_avx2, zp_adagrad_avx2, zp_lion_avx2},
+    {zp_adam_avx512, zp_adam_avx512, zp_sgd_avx512, zp_adagrad_avx512, zp_lion_avx512},
+#endif
+};
+
+typedef struct {
+  const zp_opt_segment *segments;
+  const zp_opt_coef *coefs;
+  const int64_t *starts; /* n_segments + 1 prefix sums of numel */
+  int32_t n_segments;
+  const zp_opt_body *bodies;
+  const zp_convert_ops *convert;
+} zp_opt_job;
+
+static float *zp_at(float *p, int64_t i) { return p ? p + i : NULL; }
+
+/* Elements [lo, hi) of segment s. */
+static void zp_opt_run_segment(const zp_opt_job *job, int32_t s, int64_t lo, int64_t hi) {
+  const zp_opt_segment *seg = &job->segments[s];
+  const zp_opt_coef *c = &job->coefs[s];
+  const zp_opt_body body = job->bodies[c->kind];
+  if (c->grad_dtype == ZP_F32 && seg->param_out == NULL) {
+    body(c, seg->master + lo, (const float *)seg->grad + lo, zp_at(seg->state0, lo),
+         zp_at(seg->state1, lo), zp_at(seg->state2, lo), hi - lo);
+    return;
+  }
+  float chunk[ZP_OPT_CHUNK];
+  for (int64_t j = lo, e; j < hi; j = e) {
+    e = (j / ZP_OPT_CHUNK + 1) * ZP_OPT_CHUNK;
+    e = e < hi ? e : hi;
+    const int64_t n = e - j;
+    const float *g = chunk;
+    if (c->grad_dtype == ZP_F32)
+      g = (const float *)seg->grad + j;
+    else if (c->grad_dtype == ZP_BF16)
+      job->convert->widen_bf16((const uint16_t *)seg->grad + j, chunk, n);
+    else
+      job->convert->widen_f16((const uint16_t *)seg->grad + j, chunk, n);
+    float *master = seg->master + j;
+    body(c, master, g, zp_at(seg->state0, j), zp_at(seg->state1, j), zp_at(seg->state2, j), n);
+    if (seg->param_out == NULL)
+      continue;
+    if (c->param_dtype == ZP_F32) {
+      float *out = (float *)seg->param_out + j;
+      if (out != master)
+        memcpy(out, master, (size_t)n * sizeof *out);
+    } else if (c->param_dtype == ZP_F16) {
+      job->convert->narrow_f16(master, (uint16_t *)seg->param_out + j, n);
+    } else if (c->flags & ZP_OPT_STOCHASTIC_ROUNDING) {
+      /* a chunk never crosses a multiple of 2^32: the high index bits go into the key */
+      job->convert->narrow_bf16_sr(master, (uint16_t *)seg->param_out + j, n,
+                                   zp_sr_key(c->seed, (uint64_t)s, (uint64_t)j >> 32),
+                                   (uint32_t)j);
+    } else {
+      job->convert->narrow_bf16(master, (uint16_t *)seg->param_out + j, n);
+    }
+  }
+}
+
+/* Runs the elements [begin, end) of the segments laid end to end. */
+static void zp_opt_range(void *ctx, int64_t begin, int64_t end) {
+  const zp_opt_job *job = ctx;
+  int32_t s = 0;
+  while (job->starts[s + 1] <= begin)
+    s++;
+  for (; s < job->n_segments && job->starts[s] < end; s++) {
+    int64_t lo = begin > job->starts[s] ? begin - job->starts[s] : 0;
+    int64_t hi = (end < job->starts[s + 1] ? end : job->starts[s + 1]) - job->starts[s];
+    if (hi > lo)
+      zp_opt_run_segment(job, s, lo, hi);
+  }
+}
+
+static const char *const zp_kind_names[ZP_OPT_KINDS] = {"adamw", "adam", "sgd", "adagrad", "lion"};
+
+/* Written so that NaN fails every check. */
+static zp_status zp_opt_check_group(const zp_opt_group *g, int32_t k) {
+  if (g->kind < 0 || g->kind >= ZP_OPT_KINDS)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d: unknown kind %d (0 adamw, 1 adam, 2 sgd, "
+                   "3 adagrad, 4 lion)", k, g->kind);
+  const char *kind = zp_kind_names[g->kind];
+  if (g->grad_dtype < ZP_F32 || g->grad_dtype > ZP_F16 || g->param_dtype < ZP_F32 ||
+      g->param_dtype > ZP_F16)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): unknown dtype (grad %d, param %d); "
+                   "use 0 fp32, 1 bf16, 2 fp16", k, kind, g->grad_dtype, g->param_dtype);
+  if (g->flags & ~ZP_OPT_ALL_FLAGS)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): unknown flag bits 0x%x", k, kind,
+                   (unsigned)(g->flags & ~ZP_OPT_ALL_FLAGS));
+  if ((g->flags & ZP_OPT_AMSGRAD) && g->kind != ZP_OPT_ADAMW && g->kind != ZP_OPT_ADAM)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): amsgrad is for adam/adamw only", k,
+                   kind);
+  if ((g->flags & ZP_OPT_NESTEROV) && g->kind != ZP_OPT_SGD)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): nesterov is for sgd only", k, kind);
+  if ((g->flags & ZP_OPT_STOCHASTIC_ROUNDING) && g->param_dtype != ZP_BF16)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): stochastic rounding needs a bf16 "
+                   "param_out (param_dtype %d)", k, kind, g->param_dtype);
+  if (!(g->lr >= 0.0 && isfinite(g->lr)))
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): lr must be finite and >= 0, got %g",
+                   k, kind, g->lr);
+  if (!(g->weight_decay >= 0.0 && isfinite(g->weight_decay)))
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): weight_decay must be finite and "
+                   ">= 0, got %g", k, kind, g->weight_decay);
+  if (!isfinite(g->grad_scale))
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): grad_scale must be finite, got %g", k,
+                   kind, g->grad_scale);
+  if (g->kind == ZP_OPT_SGD) {
+    if (!(g->beta1 >= 0.0 && isfinite(g->beta1)))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): momentum (beta1) must be finite "
+                     "and >= 0, got %g", k, g->beta1);
+    if (!isfinite(g->beta2))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): dampening (beta2) must be "
+                     "finite, got %g", k, g->beta2);
+    if ((g->flags & ZP_OPT_NESTEROV) && !(g->beta1 > 0.0 && g->beta2 == 0.0))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): nesterov needs momentum > 0 and "
+                     "dampening 0 (got %g, %g)", k, g->beta1, g->beta2);
+    return ZP_OK;
+  }
+  if (g->kind == ZP_OPT_ADAGRAD) {
+    if (!(g->beta1 >= 0.0 && isfinite(g->beta1)))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (adagrad): lr_decay (beta1) must be "
+                     "finite and >= 0, got %g", k, g->beta1);
+  } else {
+    if (!(g->beta1 >= 0.0 && g->beta1 < 1.0))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): beta1 must be in [0, 1), got %g", k,
+                     kind, g->beta1);
+    if (!(g->beta2 >= 0.0 && g->beta2 < 1.0))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): beta2 must be in [0, 1), got %g", k,
+                     kind, g->beta2);
+  }
+  if (g->kind != ZP_OPT_LION && !(g->eps >= 0.0 && isfinite(g->eps)))
+    return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (%s): eps must be finite and >= 0, got %g",
+                   k, kind, g->eps);
+  return ZP_OK;
+}
+
+static zp_status zp_opt_check_segment(const zp_opt_segment *seg, int32_t s,
+                                      const zp_opt_group *groups, int32_t n_groups) {
+  if (seg->group < 0 || seg->group >= n_groups)
+    return zp_fail(ZP_ERR_RANGE, "opt_step: segment %d names group %d, outside [0, %d)", s,
+                   seg->group, n_groups);
+  if (seg->numel < 0 || seg->step < 1)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d has numel %lld, step %lld; need >= 0, "
+                   ">= 1", s, (long long)seg->numel, (long long)seg->step);
+  if (seg->numel == 0)
+    return ZP_OK;
+  const zp_opt_group *g = &groups[seg->group];
+  const char *kind = zp_kind_names[g->kind];
+  if (seg->master == NULL || seg->grad == NULL)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d (%s) has a NULL %s", s, kind,
+                   seg->master == NULL ? "master" : "grad");
+  int adam = g->kind == ZP_OPT_ADAMW || g->kind == ZP_OPT_ADAM;
+  int need0 = g->kind != ZP_OPT_SGD || g->beta1 != 0.0;
+  if (need0 && seg->state0 == NULL)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d (%s) needs state0 (%s)", s, kind,
+                   adam || g->kind == ZP_OPT_LION ? "exp_avg"
+                   : g->kind == ZP_OPT_SGD        ? "momentum_buffer, as momentum != 0"
+                                                  : "sum");
+  if (adam && seg->state1 == NULL)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d (%s) needs state1 (exp_avg_sq)", s, kind);
+  if (adam && (g->flags & ZP_OPT_AMSGRAD) && seg->state2 == NULL)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d (%s, amsgrad) needs state2 "
+                   "(max_exp_avg_sq)", s, kind);
+  if (g->param_dtype != ZP_F32 && seg->param_out == NULL)
+    return zp_fail(ZP_ERR_INVALID, "opt_step: segment %d (%s) has param_dtype %d but no "
+                   "param_out; pass one, or param_dtype 0 (fp32) when the master is the param",
+                   s, kind, g->param_dtype);
+  return ZP_OK;
+}
+
+static zp_opt_coef zp_opt_coef_make(const zp_opt_group *g, int64_t step) {
+  zp_opt_coef c;
+  memset(&c, 0, sizeof c);
+  c.kind = g->kind, c.grad_dtype = g->grad_dtype, c.param_dtype = g->param_dtype;
+  c.flags = g->flags, c.seed = g->seed;
+  c.scale = (float)g->grad_scale;
+  if (g->flags & ZP_OPT_MAXIMIZE)
+    c.scale = -c.scale; /* -(g * s) == g * -s exactly */
+  c.decay = 1.0f;
+  c.wd = (float)g->weight_decay;
+  c.use_l2 = g->kind != ZP_OPT_ADAMW && g->kind != ZP_OPT_LION && g->weight_decay != 0.0;
+  c.eps = (float)g->eps;
+  switch (g->kind) {
+  case ZP_OPT_ADAMW:
+  case ZP_OPT_ADAM: {
+    double bc1 = 1.0 - pow(g->beta1, (double)step), bc2 = 1.0 - pow(g->beta2, (double)step);
+    if (g->kind == ZP_OPT_ADAMW)
+      c.decay = (float)(1.0 - g->lr * g->weight_decay);
+    c.lerp_w = (float)(1.0 - g->beta1);
+    c.lerp_wm1 = c.lerp_w - 1.0f;
+    c.lerp_small = fabsf(c.lerp_w) < 0.5f;
+    c.b2 = (float)g->beta2;
+    c.omb2 = (float)(1.0 - g->beta2);
+    c.neg_step = (float)(-(g->lr / bc1));
+    c.bc2_sqrt = (float)sqrt(bc2);
+    c.amsgrad = (g->flags & ZP_OPT_AMSGRAD) != 0;
+    break;
+  }
+  case ZP_OPT_SGD:
+    c.b1 = (float)g->beta1;
+    c.omb2 = (float)(1.0 - g->beta2);
+    c.neg_step = (float)(-g->lr);
+    c.momentum = g->beta1 != 0.0;
+    c.first = step == 1;
+    c.nesterov = (g->flags & ZP_OPT_NESTEROV) != 0;
+    break;
+  case ZP_OPT_ADAGRAD:
+    c.neg_step = (float)(-(g->lr / (1.0 + (double)(step - 1) * g->beta1)));
+    break;
+  default: /* ZP_OPT_LION */
+    c.decay = (float)(1.0 - g->lr * g->weight_decay);
+    c.b1 = (float)g->beta1, c.omb1 = (float)(1.0 - g->beta1);
+    c.b2 = (float)g->beta2, c.omb2 = (float)(1.0 - g->beta2);
+    c.neg_step = (float)(-g->lr), c.pos_lr = (float)g->lr;
+    break;
+  }
+  return c;
+}
+
+zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
+                          const zp_opt_group *groups, int32_t n_groups, int32_t n_threads) {
+  if (n_segments < 0 || n_groups < 0 || (n_segments > 0 && (segments == NULL || groups == NULL)))
+    return zp_fail(ZP_ERR_INVALID, "opt_step: bad segment list (n_segments=%d, n_groups=%d)",
+                   n_segments, n_groups);
+  for (int32_t k = 0; k < n_groups; k++)
+    ZP_TRY(zp_opt_check_group(&groups[k], k));
+  for (int32_t s = 0; s < n_segments; s++)
+    ZP_TRY(zp_opt_check_segment(&segments[s], s, groups, n_groups));
+  if (n_segments == 0)
+    return ZP_OK;
+
+  zp_opt_coef *coefs = malloc((size_t)n_segments * sizeof *coefs);
+  int64_t *starts = malloc(((size_t)n_segments + 1) * sizeof *starts);
+  if (coefs == NULL || starts == NULL) {
+    free(coefs);
+    free(starts);
+    return zp_fail(ZP_ERR_NOMEM, "opt_step: out of memory for %d segments", n_segments);
+  }
+  starts[0] = 0;
+  for (int32_t s = 0; s < n_segments; s++) {
+    coefs[s] = zp_opt_coef_make(&groups[segments[s].group], segments[s].step);
+    starts[s + 1] = starts[s] + segments[s].numel;
+  }
+  zp_isa isa = zp_isa_pick();
+  zp_opt_job job = {segments, coefs, starts, n_segments, zp_opt_bodies[isa],
+                    zp_convert_ops_for(isa)};
+  /* 64 elements: a cache line of fp32 and two of bf16 per range start; below 64K elements a
+   * thread is not worth starting. */
+  zp_status status =
+      zp_parallel_for(starts[n_segments], n_threads, 64, 1 << 16, zp_opt_range, &job);
+  free(coefs);
+  free(starts);
+  return status;
+}

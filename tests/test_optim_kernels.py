@@ -1,0 +1,361 @@
+"""The fused optimizer kernels (kernels.optim_step_flat) against their torch.optim twins and the
+pure-PyTorch oracles (zero_py/optim_reference.py); grad_stats_flat against vector_norm.
+
+Twins: torch.optim runs on an fp32 copy whose .grad is the widened (and scaled) gradient the
+kernel sees; 100 steps of random gradients spanning five orders of magnitude, param_out
+poisoned (NaN or random bits) before every call. Tolerances, for parameters of unit scale:
+
+- master vs torch's param: atol 1e-6 (measured: <= 3.6e-7 for Adam/AdamW/Adagrad, whatever
+  the grad dtype). SGD matches torch bit for bit; it is asserted exactly when torch runs its
+  AVX2/AVX-512 kernels (which fuse multiply-adds as the kernel does). Adam* and Adagrad cannot
+  be bitwise: torch's fp32 sqrt (MKL) is one ulp off on ~0.7% of inputs, the kernel's is
+  IEEE; Adam* also keep the fp32 AdamW kernel's order (about one ulp per step).
+- states: rtol 1e-5 with atol 1e-8 (m, momentum) or 1e-12 (v, sum). Measured: momentum and
+  Adagrad's sum exact; v within 1 ulp; m needs atol 4.5e-9 where Adam's L2 term adds
+  weight_decay * (the master's difference) to the gradient.
+- param_out: exactly master rounded (RNE) to its dtype, and within one ulp of the dtype
+  (bf16 2^-7, fp16 2^-10 relative; fp32 as master) of torch's param cast to it.
+- Lion (no torch twin) and every kernel vs its oracle (30 steps): bitwise when torch fuses
+  (the oracle reproduces the kernel op for op, stochastic rounding included), else rtol 1e-6.
+- grad_stats_flat vs torch.linalg.vector_norm in float64: rtol 1e-12 (exact for inf).
+"""
+
+import math
+from array import array
+
+import pytest
+import torch
+
+from zero_py import kernels
+from zero_py.optim_reference import grad_stats_reference, optim_step_reference, sr_key
+
+TORCH_FUSES = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STEPS = 100
+
+
+def _grads(n, gen, dtype=torch.float32):
+    scale = 10.0 ** torch.randint(-5, 1, (n,), generator=gen).float()
+    return (torch.randn(n, generator=gen) * scale).to(dtype)
+
+
+def _poison(t, step):
+    if t is None:
+        return
+    if step % 2:
+        t.fill_(float("nan"))
+    else:  # random bit patterns (NaNs, infs and numbers)
+        t.view(torch.int16 if t.element_size() == 2 else torch.int32).random_()
+
+
+def _states(kind, n, **kw):
+    """Kernel states for `kind`, initialised as torch would."""
+    if kind in (kernels.OPT_ADAMW, kernels.OPT_ADAM):
+        st = [torch.zeros(n), torch.zeros(n), torch.zeros(n) if kw.get("amsgrad") else None]
+    elif kind == kernels.OPT_SGD:
+        st = [torch.full((n,), float("nan")) if kw.get("beta1") else None, None, None]
+    elif kind == kernels.OPT_ADAGRAD:
+        st = [torch.full((n,), kw.pop("initial_accumulator_value", 0.0)), None, None]
+    else:
+        st = [torch.zeros(n), None, None]
+    return st
+
+
+# name: (kind, torch class, torch kwargs, kernel kwargs, torch state keys)
+TWINS = {
+    "adamw": (kernels.OPT_ADAMW, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2),
+              dict(lr=1e-3, weight_decay=1e-2, grad_scale=0.5), ("exp_avg", "exp_avg_sq")),
+    "adamw_amsgrad_maximize": (
+        kernels.OPT_ADAMW, torch.optim.AdamW,
+        dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.3, amsgrad=True, maximize=True),
+        dict(lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.3, amsgrad=True,
+             maximize=True), ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    "adam_l2_beta1_0.3": (kernels.OPT_ADAM, torch.optim.Adam,
+                          dict(lr=1e-2, betas=(0.3, 0.9), weight_decay=0.1),
+                          dict(lr=1e-2, beta1=0.3, beta2=0.9, weight_decay=0.1),
+                          ("exp_avg", "exp_avg_sq")),
+    "adam_amsgrad_maximize": (kernels.OPT_ADAM, torch.optim.Adam,
+                              dict(lr=1e-3, amsgrad=True, maximize=True, weight_decay=1e-3),
+                              dict(lr=1e-3, amsgrad=True, maximize=True, weight_decay=1e-3),
+                              ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    "sgd": (kernels.OPT_SGD, torch.optim.SGD, dict(lr=0.1), dict(lr=0.1), ()),
+    "sgd_momentum_dampening_wd": (
+        kernels.OPT_SGD, torch.optim.SGD,
+        dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+        dict(lr=1e-2, beta1=0.9, beta2=0.1, weight_decay=1e-2, grad_scale=2.0),
+        ("momentum_buffer",)),
+    "sgd_nesterov_maximize": (
+        kernels.OPT_SGD, torch.optim.SGD,
+        dict(lr=1e-2, momentum=0.8, nesterov=True, maximize=True, weight_decay=1e-3),
+        dict(lr=1e-2, beta1=0.8, nesterov=True, maximize=True, weight_decay=1e-3),
+        ("momentum_buffer",)),
+    "adagrad_lr_decay_wd_init": (
+        kernels.OPT_ADAGRAD, torch.optim.Adagrad,
+        dict(lr=1e-2, lr_decay=1e-2, weight_decay=0.05, initial_accumulator_value=0.1),
+        dict(lr=1e-2, beta1=1e-2, weight_decay=0.05, initial_accumulator_value=0.1),
+        ("sum",)),
+    "adagrad_maximize": (kernels.OPT_ADAGRAD, torch.optim.Adagrad,
+                         dict(lr=0.1, maximize=True, eps=1e-6),
+                         dict(lr=0.1, maximize=True, eps=1e-6), ("sum",)),
+}
+
+_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+def _run_twin(name, grad_dtype, out_dtype, n, threads=1, steps=STEPS):
+    kind, cls, torch_kw, kernel_kw, keys = TWINS[name]
+    kernel_kw = dict(kernel_kw)
+    gen = torch.Generator().manual_seed(n + 17 * len(name))
+    p0 = torch.randn(n, generator=gen)
+    ref = p0.clone().requires_grad_(True)
+    opt = cls([ref], **torch_kw)
+    st = _states(kind, n, **kernel_kw)
+    kernel_kw.pop("initial_accumulator_value", None)
+    master = p0.clone()
+    out = torch.empty(n, dtype=out_dtype)
+    scale = kernel_kw.get("grad_scale", 1.0)
+    for step in range(1, steps + 1):
+        g = _grads(n, gen, grad_dtype)
+        g_before = g.clone()
+        ref.grad = g.float() * scale
+        opt.step()
+        _poison(out, step)
+        kernels.optim_step_flat(kind, master, g, *st, out, step=step, n_threads=threads,
+                                **kernel_kw)
+        assert torch.equal(g, g_before), "the kernel must not write the gradient"
+    want = ref.detach()
+    if kind == kernels.OPT_SGD and TORCH_FUSES:
+        assert torch.equal(master, want), f"max diff {(master - want).abs().max()}"
+    torch.testing.assert_close(master, want, rtol=0, atol=1e-6)
+    state = opt.state[ref]
+    for key, mine in zip(keys, st):
+        atol = 1e-12 if key in ("exp_avg_sq", "max_exp_avg_sq", "sum") else 1e-8
+        torch.testing.assert_close(mine, state[key], rtol=1e-5, atol=atol, msg=key)
+    assert torch.equal(out, master.to(out_dtype)), "param_out is not master rounded (RNE)"
+    if out_dtype != torch.float32:
+        gap = (out.float() - want.to(out_dtype).float()).abs()
+        assert bool((gap <= _ULP[out_dtype] * want.abs().clamp_min(2.0 ** -14)).all())
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: f"out_{str(d)[6:]}")
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=lambda d: f"grad_{str(d)[6:]}")
+@pytest.mark.parametrize("name", list(TWINS))
+def test_kernel_matches_its_torch_optim_twin(name, grad_dtype, out_dtype):
+    _run_twin(name, grad_dtype, out_dtype, n=1031)
+
+
+@pytest.mark.parametrize("name", ["adamw_amsgrad_maximize", "sgd_nesterov_maximize",
+                                  "adagrad_lr_decay_wd_init"])
+def test_kernel_matches_its_twin_on_many_threads(name):
+    _run_twin(name, torch.bfloat16, torch.bfloat16, n=140_001, threads=None, steps=20)
+
+
+ORACLE_CASES = {
+    "adamw": ("adamw", dict(weight_decay=0.1)),
+    "adamw_amsgrad_maximize_beta1_0.3": ("adamw", dict(amsgrad=True, maximize=True, beta1=0.3)),
+    "adam_l2_beta1_0": ("adam", dict(weight_decay=0.1, beta1=0.0)),
+    "sgd_momentum": ("sgd", dict(beta1=0.9, beta2=0.1, weight_decay=0.01)),
+    "sgd_nesterov": ("sgd", dict(beta1=0.9, nesterov=True, maximize=True)),
+    "adagrad": ("adagrad", dict(beta1=0.01, weight_decay=0.1, initial_accumulator_value=0.1)),
+    "lion": ("lion", dict(weight_decay=0.1, grad_scale=0.25)),
+    "lion_maximize": ("lion", dict(beta1=0.95, beta2=0.98, maximize=True)),
+}
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: f"out_{str(d)[6:]}")
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=lambda d: f"grad_{str(d)[6:]}")
+@pytest.mark.parametrize("case", list(ORACLE_CASES))
+def test_kernel_matches_its_oracle(case, grad_dtype, out_dtype):
+    """Every kind (Lion has no torch twin) against the op-by-op oracle, bf16 param_out with
+    stochastic rounding (a new seed every step)."""
+    kind_name, kw = ORACLE_CASES[case]
+    kind = kernels.opt_kind(kind_name)
+    kw = dict(kw)
+    n = 1031
+    gen = torch.Generator().manual_seed(n)
+    p0 = torch.randn(n, generator=gen)
+    a = [p0.clone()] + _states(kind, n, **kw)
+    kw.pop("initial_accumulator_value", None)
+    b = [t.clone() if t is not None else None for t in a]
+    out_a, out_b = torch.empty(n, dtype=out_dtype), torch.empty(n, dtype=out_dtype)
+    sr = out_dtype == torch.bfloat16
+    for step in range(1, 31):
+        g = _grads(n, gen, grad_dtype)
+        _poison(out_a, step)
+        hp = dict(step=step, lr=1e-2, stochastic_rounding=sr, seed=1000 + step, **kw)
+        kernels.optim_step_flat(kind, a[0], g, *a[1:], out_a, **hp)
+        optim_step_reference(kind, b[0], g, *b[1:], out_b, **hp)
+    for x, y in zip(a + [out_a], b + [out_b]):
+        if x is None:
+            continue
+        if TORCH_FUSES:
+            assert torch.equal(x.view(torch.int16) if x.element_size() == 2 else x,
+                               y.view(torch.int16) if y.element_size() == 2 else y)
+        else:
+            torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-7)
+
+
+def test_fp32_adamw_is_bit_identical_to_adamw_step_flat():
+    n = 140_001  # two threads or more
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen)
+    a, b = [p.clone(), torch.zeros(n), torch.zeros(n)], [p.clone(), torch.zeros(n), torch.zeros(n)]
+    for step in range(1, 31):
+        g = _grads(n, gen)
+        hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-7, weight_decay=0.1, grad_scale=0.5)
+        kernels.adamw_step_flat(a[0], g, a[1], a[2], step=step, n_threads=step % 3 + 1, **hp)
+        kernels.optim_step_flat("adamw", b[0], g, b[1], b[2], step=step, n_threads=3 - step % 3,
+                                **hp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_stochastic_rounding_is_unbiased_and_thread_independent():
+    n = 300_001
+    gen = torch.Generator().manual_seed(9)
+    # lr 0, no decay: master stays x, param_out is x rounded stochastically
+    x = 1.0 + torch.rand(n, generator=gen) * 2.0 ** -7  # between two bf16 neighbours
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+        kernels.optim_step_flat("sgd", x.clone(), torch.zeros(n), param_out=out, step=1, lr=0.0,
+                                stochastic_rounding=True, seed=123, n_threads=threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    lo = x.to(torch.bfloat16, copy=True)
+    lo = torch.where(lo.float() > x, lo.float() - 2.0 ** -7, lo.float())
+    assert bool(((outs[0].float() == lo) | (outs[0].float() == lo + 2.0 ** -7)).all())
+    # the mean rounding error over 300K elements: sigma ~ 2^-7 / sqrt(12 n) ~ 4e-6
+    assert abs(float((outs[0].float() - x).double().mean())) < 3e-5
+    # a different seed gives different noise; RNE would be biased on this data
+    other = torch.empty(n, dtype=torch.bfloat16)
+    kernels.optim_step_flat("sgd", x.clone(), torch.zeros(n), param_out=other, step=1, lr=0.0,
+                            stochastic_rounding=True, seed=124)
+    assert float((other != outs[0]).float().mean()) > 0.2
+    assert sr_key(123, 0, 0) != sr_key(124, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
+def test_grad_stats_matches_vector_norm(dtype, p):
+    gen = torch.Generator().manual_seed(int(p) if p != math.inf else 99)
+    grads = [_grads(n, gen, dtype) for n in (1, 1000, 300_001, 17, 65_537)]
+    sum_pow, bad = kernels.grad_stats_flat(grads, norm_type=p)
+    assert bad is False
+    full = torch.cat([g.double() for g in grads])
+    norm = sum_pow if math.isinf(p) else sum_pow ** (1.0 / p)
+    want = float(torch.linalg.vector_norm(full, ord=p))
+    assert norm == pytest.approx(want, rel=0 if math.isinf(p) else 1e-12)
+    assert sum_pow == pytest.approx(grad_stats_reference(grads, p)[0], rel=1e-12)
+    for threads in (1, 2, 3):
+        assert kernels.grad_stats_flat(grads, p, n_threads=threads)[0] == sum_pow
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+def test_grad_stats_detects_inf_and_nan(dtype, bad):
+    grads = [torch.randn(n).to(dtype) for n in (5, 70_000, 33)]
+    grads[1][12_345] = float(bad)
+    for p in (1.0, 2.0, 3.0, math.inf):
+        sum_pow, nonfinite = kernels.grad_stats_flat(grads, norm_type=p)
+        assert nonfinite is True
+        assert math.isnan(sum_pow) if bad == "nan" else sum_pow == math.inf
+    assert kernels.grad_stats_flat([], 2.0) == (0.0, False)
+
+
+def _isa_workload():
+    """Every kind on several dtype pairs, 3 steps; and grad_stats. Returns all outputs."""
+    out = {}
+    n = 20_011
+    for kind, kw in [("adamw", dict(amsgrad=True)), ("adam", dict(weight_decay=0.1, beta1=0.3)),
+                     ("sgd", dict(beta1=0.9, nesterov=True)), ("adagrad", dict(beta1=0.1)),
+                     ("lion", dict(weight_decay=0.1))]:
+        for gd, od in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                       (torch.float16, torch.float16), (torch.float32, torch.bfloat16)]:
+            gen = torch.Generator().manual_seed(0)
+            t = [torch.randn(n, generator=gen)] + [torch.rand(n, generator=gen) for _ in range(3)]
+            o = torch.empty(n, dtype=od)
+            for s in range(1, 4):
+                grad = torch.randn(n, generator=gen).to(gd)
+                kernels.optim_step_flat(kind, t[0], grad, *t[1:], o, step=s, lr=1e-2, seed=s,
+                                        stochastic_rounding=od == torch.bfloat16 and s % 2 == 0,
+                                        n_threads=s, **kw)
+            out[(kind, str(gd), str(od))] = [x.clone() for x in t + [o.float()]]
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(20_011, generator=gen).to(d) for d in DTYPES]
+    out["stats"] = [kernels.grad_stats_flat([g], p) for g in grads
+                    for p in (1.0, 2.0, 2.5, math.inf)]
+    return out
+
+
+def test_every_instruction_set_gives_the_same_bits(monkeypatch):
+    """ZP_CPU_ISA caps the dispatch (read at every call): avx512, avx2 and scalar bodies must
+    agree bit for bit."""
+    outs = {}
+    for isa in ("avx512", "avx2", "scalar"):
+        monkeypatch.setenv("ZP_CPU_ISA", isa)
+        outs[kernels.cpu_isa()] = _isa_workload()
+    monkeypatch.delenv("ZP_CPU_ISA")
+    assert "scalar" in outs
+    first = outs["scalar"]
+    for isa, out in outs.items():
+        assert out["stats"] == first["stats"], f"{isa}: grad_stats differs"
+        for key, tensors in out.items():
+            if key != "stats":
+                for x, y in zip(tensors, first[key]):
+                    assert torch.equal(x, y), f"{isa} differs from scalar on {key}"
+
+
+def _flat(**over):
+    n = over.pop("n", 8)
+    args = dict(kind="adamw", master=torch.randn(n), grad=torch.randn(n), state0=torch.zeros(n),
+                state1=torch.zeros(n), step=1, lr=1e-3)
+    args.update(over)
+    kernels.optim_step_flat(args.pop("kind"), args.pop("master"), args.pop("grad"), **args)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(master=torch.randn(8).half()), "master must be a contiguous float32 CPU tensor"),
+    (dict(grad=torch.ones(8, dtype=torch.int32)), "grad must be a contiguous float32 or bfloat16"),
+    (dict(grad=torch.randn(9)), "grad has 9 elements, expected 8"),
+    (dict(grad=torch.randn(16)[::2]), "contiguous=False"),
+    (dict(state1=None), r"adamw needs state1 \(exp_avg_sq\)"),
+    (dict(amsgrad=True), r"needs state2 \(max_exp_avg_sq\)"),
+    (dict(state0=torch.zeros(8, dtype=torch.float64)), "state0 must be a contiguous float32"),
+    (dict(param_out=torch.zeros(8, dtype=torch.float64)), "param_out must be"),
+    (dict(lr=-1.0), r"lr must be finite and >= 0, got -1"),
+    (dict(beta1=1.0), r"beta1 must be in \[0, 1\), got 1"),
+    (dict(eps=-1e-8), "eps must be finite and >= 0"),
+    (dict(weight_decay=float("nan")), "weight_decay must be finite"),
+    (dict(grad_scale=float("inf")), "grad_scale must be finite"),
+    (dict(kind="sgd", beta1=0.9, beta2=0.1, nesterov=True),
+     "nesterov needs momentum > 0 and dampening 0"),
+    (dict(kind="sgd", amsgrad=True, state2=torch.zeros(8)), "amsgrad is for adam/adamw only"),
+    (dict(kind="sgd", beta1=0.9, state0=None), r"sgd needs state0 \(momentum_buffer\)"),
+    (dict(stochastic_rounding=True, param_out=torch.zeros(8, dtype=torch.float16)),
+     "stochastic rounding needs a bf16 param_out"),
+    (dict(kind="adagrad", beta1=-0.1), r"lr_decay \(beta1\) must be finite and >= 0"),
+    (dict(step=0), "step must be an int >= 1"),
+    (dict(kind="rmsprop"), "unknown optimizer kind 'rmsprop'"),
+    (dict(seed=-1), "seed must be in"),
+])
+def test_bad_inputs_raise_value_error(over, match):
+    with pytest.raises(ValueError, match=match):
+        _flat(**over)
+
+
+def test_bad_tables_and_stats_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="segments must be int64 rows of 10"):
+        kernels.optim_step_segments(array("q", [0] * 9), [])
+    with pytest.raises(ValueError, match="group row 0 has 10 fields, expected 11"):
+        kernels.optim_step_segments(array("q"), [[0.0] * 10])
+    with pytest.raises(ValueError, match="unknown kind -1"):
+        kernels.optim_step_segments(array("q"), [[1.5] + [0.0] * 10])
+    with pytest.raises(IndexError, match="segment 0 names group 3"):
+        kernels.optim_step_segments(array("q", [0, 0, 0, 0, 0, 0, 1, 1, 3, 0]), [])
+    with pytest.raises(ValueError, match="one dtype per call"):
+        kernels.grad_stats_flat([torch.randn(3), torch.randn(3).half()])
+    with pytest.raises(ValueError, match="norm_type must be > 0"):
+        kernels.grad_stats_flat([torch.randn(3)], norm_type=0.0)
+    with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
+        kernels.dtype_code(torch.float64)

@@ -1,0 +1,245 @@
+"""The update of a rank's shard: the C kernel family for known optimizers, torch.optim else.
+
+Both updaters see the same things: the flat layout, the reduced gradient pieces (any dtype),
+and the fp32 masters (the parameter piece itself for fp32 buckets, a PieceStore piece for
+the others). After an update the parameter pieces hold the new values in their own dtype, so
+the optimizer only has to all-gather them.
+
+FusedUpdate keeps optimizer state in flat fp32 tensors over the rank's shard space and runs
+one C call per step over a table of segments; TorchUpdate runs any torch.optim class on 1-D
+fp32 views of the masters, one per parameter slice, so per-parameter state and the skipping
+of absent gradients work exactly as in torch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from zero_py import kernels
+from zero_py.flat import FlatParams, PieceStore, ShardSlice
+from zero_py.lion import Lion
+
+_KINDS = {torch.optim.AdamW: kernels.OPT_ADAMW, torch.optim.Adam: kernels.OPT_ADAM,
+          torch.optim.SGD: kernels.OPT_SGD, torch.optim.Adagrad: kernels.OPT_ADAGRAD,
+          Lion: kernels.OPT_LION}
+_ADAM_KINDS = (kernels.OPT_ADAMW, kernels.OPT_ADAM)
+
+
+def fused_kind(optimizer_class, groups: Sequence[dict]) -> Optional[int]:
+    """The C kernel that computes what `optimizer_class` would for these groups, or None."""
+    kind = _KINDS.get(optimizer_class)
+    if kind is None:
+        return None
+    for g in groups:
+        if g.get("capturable") or g.get("differentiable"):
+            return None
+        if any(isinstance(v, torch.Tensor) for k, v in g.items() if k != "params"):
+            return None  # tensor hyperparameters (e.g. lr as a tensor) stay with torch
+        if kind == kernels.OPT_ADAM and g.get("decoupled_weight_decay", False):
+            return None
+        if kind == kernels.OPT_ADAMW and g.get("decoupled_weight_decay", True) is False:
+            return None
+    return kind
+
+
+def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
+    """The per-element state tensors of `kind`, in the kernel's state0, state1, state2 order."""
+    if kind in _ADAM_KINDS:
+        keys = ["exp_avg", "exp_avg_sq"]
+        if any(g.get("amsgrad") for g in groups):
+            keys.append("max_exp_avg_sq")
+        return keys
+    if kind == kernels.OPT_SGD:
+        return ["momentum_buffer"] if any(g["momentum"] != 0 for g in groups) else []
+    if kind == kernels.OPT_ADAGRAD:
+        return ["sum"]
+    return ["exp_avg"]  # Lion
+
+
+class _Update:
+    def __init__(self, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+                 param_groups: List[dict]):
+        self.flat = flat
+        self.grads = grads
+        self.masters = masters
+        self.param_groups = param_groups  # the optimizer's own list: hyperparameters live there
+
+    def master(self, b: int) -> torch.Tensor:
+        piece = self.masters.piece(b)
+        return self.flat.bucket_piece(b) if piece is None else piece
+
+
+class FusedUpdate(_Update):
+    def __init__(self, kind: int, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+                 param_groups: List[dict]):
+        super().__init__(flat, grads, masters, param_groups)
+        self.kind = kind
+        self.keys = state_keys(kind, param_groups)
+        self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
+
+    def _ensure_states(self) -> List[torch.Tensor]:
+        if self.states is None:
+            n = self.flat.shard_numel
+            self.states = [torch.zeros(n, dtype=torch.float32) for _ in self.keys]
+            if self.kind == kernels.OPT_ADAGRAD:
+                for b in range(self.flat.n_buckets):
+                    r = self.flat.shard_range(b)
+                    init = self.param_groups[self.flat.bucket_group[b]]["initial_accumulator_value"]
+                    self.states[0][r.start:r.stop].fill_(init)
+        return self.states
+
+    def _runs(self, b: int, used: Sequence[int], step_count: Sequence[int]):
+        """Bucket b's piece as (piece_lo, piece_hi, step) runs: maximal stretches of parameter
+        slices that got a gradient and share a step count. A run spans the padding between its
+        slices, where master, gradient and state are zero and stay zero."""
+        run = None
+        for s in self.flat.slices_of_bucket[b]:
+            if not used[s.param]:
+                if run is not None:
+                    yield run
+                run = None
+                continue
+            step = step_count[s.param]
+            if run is not None and run[2] == step:
+                run = (run[0], s.piece_hi, step)
+            else:
+                if run is not None:
+                    yield run
+                run = (s.piece_lo, s.piece_hi, step)
+        if run is not None:
+            yield run
+
+    def _group_row(self, g: dict, grad_dtype: torch.dtype, param_dtype: torch.dtype,
+                   grad_scale: float, seed: int, stochastic_rounding: bool) -> list:
+        flags = 0
+        if g.get("maximize"):
+            flags |= kernels.MAXIMIZE
+        if g.get("amsgrad"):
+            flags |= kernels.AMSGRAD
+        if g.get("nesterov"):
+            flags |= kernels.NESTEROV
+        if stochastic_rounding and param_dtype == torch.bfloat16:
+            flags |= kernels.STOCHASTIC_ROUNDING
+        if self.kind in _ADAM_KINDS or self.kind == kernels.OPT_LION:
+            beta1, beta2 = g["betas"]
+        elif self.kind == kernels.OPT_SGD:
+            beta1, beta2 = g["momentum"], g["dampening"]
+        else:
+            beta1, beta2 = g["lr_decay"], 0.0
+        return [self.kind, kernels.dtype_code(grad_dtype), kernels.dtype_code(param_dtype), flags,
+                g["lr"], beta1, beta2, g.get("eps", 0.0), g["weight_decay"], grad_scale, seed]
+
+    def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
+             seed: int, stochastic_rounding: bool) -> None:
+        flat = self.flat
+        states = self._ensure_states()
+        state_base = [t.data_ptr() for t in states] + [0] * (3 - len(states))
+        rows = array("q")
+        group_rows: List[list] = []
+        row_of: Dict[tuple, int] = {}
+        for b in range(flat.n_buckets):
+            grad = self.grads.piece(b)
+            master = self.master(b)
+            param_out = flat.bucket_piece(b) if self.masters.piece(b) is not None else None
+            param_dtype = flat.bucket_dtype(b)
+            key = (flat.bucket_group[b], grad.dtype, param_dtype)
+            if key not in row_of:
+                row_of[key] = len(group_rows)
+                group_rows.append(self._group_row(self.param_groups[key[0]], grad.dtype,
+                                                  param_dtype, grad_scale, seed,
+                                                  stochastic_rounding))
+            g_size, p_size = grad.element_size(), flat.buffers[flat.bucket_buffer[b]].element_size()
+            shard_lo = flat.bucket_shard_offset[b]
+            for lo, hi, step in self._runs(b, used, step_count):
+                at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space state tensors
+                rows.extend((master.data_ptr() + lo * 4, grad.data_ptr() + lo * g_size,
+                             state_base[0] and state_base[0] + at,
+                             state_base[1] and state_base[1] + at,
+                             state_base[2] and state_base[2] + at,
+                             0 if param_out is None else param_out.data_ptr() + lo * p_size,
+                             hi - lo, step, row_of[key], 0))
+        kernels.optim_step_segments(rows, group_rows, n_threads=torch.get_num_threads())
+
+    def slice_state(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
+        if self.states is None:
+            return {}
+        r = slice(self.flat.bucket_shard_offset[s.bucket] + s.piece_lo,
+                  self.flat.bucket_shard_offset[s.bucket] + s.piece_hi)
+        return {k: t[r].clone() for k, t in zip(self.keys, self.states)}
+
+    def install(self, s: ShardSlice, state: dict) -> None:
+        missing = [k for k in self.keys if k not in state]
+        if missing:
+            raise ValueError(f"the loaded state of a parameter lacks {missing}; was it saved by "
+                             "another optimizer class or with other options (e.g. amsgrad)?")
+        states = self._ensure_states()
+        lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
+        for k, t in zip(self.keys, states):
+            t[lo:lo + s.numel].copy_(state[k].reshape(-1))
+
+    def reset(self) -> None:
+        self.states = None
+
+    def state_bytes(self) -> int:
+        return 0 if self.states is None else sum(t.numel() * 4 for t in self.states)
+
+
+class TorchUpdate(_Update):
+    def __init__(self, optimizer_class, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+                 param_groups: List[dict]):
+        super().__init__(flat, grads, masters, param_groups)
+        groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}}
+                  for g in param_groups]
+        self.views: Dict[int, torch.Tensor] = {}
+        for s in flat.slices:
+            view = self.master(s.bucket)[s.piece_lo:s.piece_hi]
+            self.views[s.param] = view
+            groups[flat.bucket_group[s.bucket]]["params"].append(view)
+        self.inner = optimizer_class(groups) if self.views else None
+
+    def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
+             seed: int, stochastic_rounding: bool) -> None:
+        if self.inner is None:
+            return
+        for i, view in self.views.items():
+            s = self.flat.slice_of_param[i]
+            if not used[i]:
+                view.grad = None
+                continue
+            g = self.grads.piece(s.bucket)[s.piece_lo:s.piece_hi]
+            if g.dtype != torch.float32 or grad_scale != 1.0:
+                g = g.float() * grad_scale
+            view.grad = g
+        for mine, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in mine.items() if k != "params"})
+        self.inner.step()
+        for b in range(self.flat.n_buckets):
+            master = self.masters.piece(b)
+            if master is not None:
+                self.flat.bucket_piece(b).copy_(master)
+
+    def slice_state(self, s: ShardSlice) -> Dict[str, object]:
+        state = self.inner.state.get(self.views[s.param]) if self.inner is not None else None
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in (state or {}).items()}
+
+    def install(self, s: ShardSlice, state: dict) -> None:
+        view = self.views[s.param]
+        self.inner.state[view] = {
+            k: (v.detach().to(view.device, view.dtype if v.is_floating_point() and v.dim() > 0
+                              else v.dtype).clone()
+                if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items() if k != "master_param"}
+
+    def reset(self) -> None:
+        if self.inner is not None:
+            self.inner.state.clear()
+
+    def state_bytes(self) -> int:
+        if self.inner is None:
+            return 0
+        return sum(v.numel() * v.element_size() for st in self.inner.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
