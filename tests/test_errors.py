@@ -113,3 +113,28 @@ def test_step_with_closure_returns_the_loss(single_rank_group):
     loss = opt.step(closure)
     assert isinstance(loss, torch.Tensor) and loss.item() > 0
     assert not torch.equal(before, model.weight)
+
+
+def test_loss_scaler_skips_overflow_and_saves_its_state(single_rank_group):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = zero_py.ZeroOptimizer(model.parameters(), lr=1e-2,
+                                loss_scaler=zero_py.LossScaler(init_scale=2.0**10,
+                                                               growth_interval=1))
+    x = torch.randn(8, 4)
+    opt.scale_loss(model(x).pow(2).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+    assert not opt.last_step_skipped and opt.loss_scale == 2.0**11  # grew after 1 clean step
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    opt.scale_loss(model(bad).pow(2).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.last_step_skipped and opt.skipped_steps == 1 and opt.loss_scale == 2.0**10
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    other = zero_py.ZeroOptimizer(nn.Linear(4, 2).parameters(), lr=1e-2,
+                                  loss_scaler=zero_py.LossScaler())
+    other.load_state_dict(opt.state_dict())
+    assert other.loss_scale == 2.0**10 and other.loss_scaler.growth_interval == 1
