@@ -1,8 +1,10 @@
-"""The fused C AdamW against torch.optim.AdamW and against the pure-PyTorch oracle.
+"""The fused C AdamW (the family's AdamW on fp32 tensors) against torch.optim.AdamW and
+against the pure-PyTorch oracle.
 
 100 steps on random data of several sizes (odd tails, many threads), with gradients spanning
 ten orders of magnitude. Tolerance: 1e-6 absolute on parameters of unit scale (measured:
-~2e-7, a few float roundings: torch's addcmul and the kernel differ by at most 1 ulp in v).
+~1.2e-7: the kernel follows torch's operation order, but torch's CPU sqrt is one ulp off on
+about 1% of inputs; m and v agree exactly).
 """
 
 import pytest
@@ -73,9 +75,9 @@ def test_cpu_isa_is_reported():
     assert kernels.default_threads() >= 1
 
 
-@pytest.mark.parametrize("bad,match", [(dict(lr=-1.0), "lr must be >= 0"),
+@pytest.mark.parametrize("bad,match", [(dict(lr=-1.0), "lr must be"),
                                        (dict(beta1=1.0), "beta1 must be in"),
-                                       (dict(eps=-1e-8), "eps must be >= 0"),
+                                       (dict(eps=-1e-8), "eps must be"),
                                        (dict(weight_decay=float("nan")), "weight_decay")])
 def test_c_adamw_rejects_bad_hyperparameters(bad, match):
     t = [torch.randn(8) for _ in range(4)]

@@ -195,21 +195,6 @@ def test_kernel_matches_its_oracle(case, grad_dtype, out_dtype):
             torch.testing.assert_close(x.float(), y.float(), rtol=1e-6, atol=1e-7)
 
 
-def test_fp32_adamw_is_bit_identical_to_adamw_step_flat():
-    n = 140_001  # two threads or more
-    gen = torch.Generator().manual_seed(5)
-    p = torch.randn(n, generator=gen)
-    a, b = [p.clone(), torch.zeros(n), torch.zeros(n)], [p.clone(), torch.zeros(n), torch.zeros(n)]
-    for step in range(1, 31):
-        g = _grads(n, gen)
-        hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-7, weight_decay=0.1, grad_scale=0.5)
-        kernels.adamw_step_flat(a[0], g, a[1], a[2], step=step, n_threads=step % 3 + 1, **hp)
-        kernels.optim_step_flat("adamw", b[0], g, b[1], b[2], step=step, n_threads=3 - step % 3,
-                                **hp)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-
-
 def test_stochastic_rounding_is_unbiased_and_thread_independent():
     n = 300_001
     gen = torch.Generator().manual_seed(9)

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "common/parallel.h"
-#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
 #include "layout/layout.h"
 #include "schedule/schedule.h"
@@ -149,58 +149,6 @@ done:
   return result;
 }
 
-/* adamw_step(segments, groups, n_threads): segments is a buffer of int64 rows
- * (param, grad, exp_avg, exp_avg_sq addresses, numel, step, group, unused); groups a buffer of
- * float64 rows (lr, beta1, beta2, eps, weight_decay, grad_scale). */
-#define ZP_SEG_FIELDS 8
-#define ZP_GROUP_FIELDS 6
-static PyObject *zp_py_adamw_step(PyObject *self, PyObject *args) {
-  (void)self;
-  Py_buffer seg_buf, group_buf;
-  int n_threads;
-  if (!PyArg_ParseTuple(args, "y*y*i:adamw_step", &seg_buf, &group_buf, &n_threads))
-    return NULL;
-  PyObject *result = NULL;
-  zp_adamw_segment *segs = NULL;
-  zp_adamw_group *groups = NULL;
-  if (seg_buf.len % (ZP_SEG_FIELDS * 8) != 0 || group_buf.len % (ZP_GROUP_FIELDS * 8) != 0) {
-    PyErr_SetString(PyExc_ValueError, "adamw_step: segments must be int64 rows of 8 and groups "
-                                      "float64 rows of 6");
-    goto done;
-  }
-  Py_ssize_t n_segs = seg_buf.len / (ZP_SEG_FIELDS * 8);
-  Py_ssize_t n_groups = group_buf.len / (ZP_GROUP_FIELDS * 8);
-  segs = malloc((size_t)(n_segs > 0 ? n_segs : 1) * sizeof *segs);
-  groups = malloc((size_t)(n_groups > 0 ? n_groups : 1) * sizeof *groups);
-  if (segs == NULL || groups == NULL) {
-    PyErr_NoMemory();
-    goto done;
-  }
-  for (Py_ssize_t s = 0; s < n_segs; s++) {
-    int64_t row[ZP_SEG_FIELDS];
-    memcpy(row, (const char *)seg_buf.buf + s * sizeof row, sizeof row);
-    segs[s] = (zp_adamw_segment){(float *)(uintptr_t)row[0], (const float *)(uintptr_t)row[1],
-                                 (float *)(uintptr_t)row[2], (float *)(uintptr_t)row[3],
-                                 row[4], row[5], (int32_t)row[6]};
-  }
-  for (Py_ssize_t k = 0; k < n_groups; k++) {
-    double row[ZP_GROUP_FIELDS];
-    memcpy(row, (const char *)group_buf.buf + k * sizeof row, sizeof row);
-    groups[k] = (zp_adamw_group){row[0], row[1], row[2], row[3], row[4], row[5]};
-  }
-  zp_status status;
-  Py_BEGIN_ALLOW_THREADS status =
-      zp_adamw_step_cpu(segs, (int32_t)n_segs, groups, (int32_t)n_groups, n_threads);
-  Py_END_ALLOW_THREADS if (status != ZP_OK) zp_raise(status);
-  else result = Py_NewRef(Py_None);
-done:
-  free(segs);
-  free(groups);
-  PyBuffer_Release(&seg_buf);
-  PyBuffer_Release(&group_buf);
-  return result;
-}
-
 /* opt_step(segments, groups, n_threads): segments is a buffer of int64 rows (master, grad,
  * state0, state1, state2, param_out addresses [0 = NULL], numel, step, group, unused); groups a
  * buffer of float64 rows (kind, grad_dtype, param_dtype, flags, lr, beta1, beta2, eps,
@@ -322,7 +270,7 @@ static PyObject *zp_py_grad_stats(PyObject *self, PyObject *args) {
 static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
-  return PyUnicode_FromString(zp_adamw_isa());
+  return PyUnicode_FromString(zp_isa_name(zp_isa_pick()));
 }
 
 static PyObject *zp_py_default_threads(PyObject *self, PyObject *args) {
@@ -463,7 +411,6 @@ static PyType_Spec zp_schedule_spec = {"zero_py._C.Schedule", sizeof(zp_py_sched
 static PyMethodDef zp_methods[] = {
     {"layout_plan", zp_py_layout_plan, METH_VARARGS,
      "layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes)"},
-    {"adamw_step", zp_py_adamw_step, METH_VARARGS, "adamw_step(segments, groups, n_threads)"},
     {"opt_step", zp_py_opt_step, METH_VARARGS, "opt_step(segments, groups, n_threads)"},
     {"grad_stats", zp_py_grad_stats, METH_VARARGS,
      "grad_stats(segments, grad_dtype, norm_type, n_threads) -> (sum_pow, nonfinite)"},

@@ -18,10 +18,6 @@
   X(test_schedule_errors)          \
   X(test_parallel_for_coverage)    \
   X(test_parallel_for_small_n)     \
-  X(test_adamw_isa)                \
-  X(test_adamw_matches_reference)  \
-  X(test_adamw_threads_agree)      \
-  X(test_adamw_errors)                \
   X(test_convert_isa)                 \
   X(test_convert_f16_widen_exhaustive) \
   X(test_convert_narrow_rne)          \
@@ -33,7 +29,6 @@
   X(test_grad_stats_fixed_order)      \
   X(test_optim_matches_reference)     \
   X(test_optim_isas_and_threads_agree) \
-  X(test_optim_adamw_bitwise_as_adamw_c) \
   X(test_optim_errors)
 
 #define ZT_DECLARE(name) void name(void);

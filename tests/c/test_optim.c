@@ -6,8 +6,8 @@
  * the magnitudes of the terms that make it), RTOL = 1e-5 (fp32 rounding is ~6e-8 per
  * operation). param_out (poisoned with NaN before each step) must be exactly the kernel's new
  * master rounded (RNE, or the stochastic rounding of convert.h); bytes before each buffer are
- * guards that must stay untouched. Then: every ISA and thread count gives the same bits, fp32
- * AdamW gives zp_adamw_step_cpu's bits, and bad arguments fail with a message. */
+ * guards that must stay untouched. Then: every ISA and thread count gives the same bits,
+ * and bad arguments fail with a message. */
 #define _POSIX_C_SOURCE 200112L /* setenv */
 #include <math.h>
 #include <stdio.h>
@@ -15,7 +15,6 @@
 #include <string.h>
 
 #include "check.h"
-#include "kernels/cpu/adamw.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
 
@@ -390,58 +389,6 @@ void test_optim_isas_and_threads_agree(void) {
   free(first);
   fixture_free(f);
   free(f);
-}
-
-/* fp32 AdamW without flags: the same bits as zp_adamw_step_cpu, on every ISA. */
-void test_optim_adamw_bitwise_as_adamw_c(void) {
-  static const char *isas[] = {"scalar", "avx2", "avx512"};
-  static const int64_t sizes[] = {300001, 1, 17, 4099, 0, 64};
-  enum { NS = sizeof sizes / sizeof sizes[0] };
-  zt_rng r = zt_rng_seed(5);
-  const zp_adamw_group ag[2] = {{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0}, {3e-2, 0.6, 0.95, 1e-3, 0.5, 0.125}};
-  const zp_opt_group og[2] = {
-      {ZP_OPT_ADAMW, ZP_F32, ZP_F32, 0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0},
-      {ZP_OPT_ADAMW, ZP_F32, ZP_F32, 0, 3e-2, 0.6, 0.95, 1e-3, 0.5, 0.125, 0}};
-  float *buf[NS][7];
-  memset(buf, 0, sizeof buf);
-  zp_adamw_segment as[NS];
-  zp_opt_segment os[NS];
-  int ok = 1;
-  for (int s = 0; s < NS && ok; s++) {
-    for (int a = 0; a < 7; a++)
-      ok &= (buf[s][a] = malloc((size_t)(sizes[s] + 1) * 4)) != NULL;
-    for (int64_t i = 0; ok && i < sizes[s]; i++) {
-      buf[s][0][i] = buf[s][4][i] = nonzero(&r, 0.01, 2.0);
-      buf[s][2][i] = buf[s][5][i] = nonzero(&r, 1e-4, 0.1);
-      buf[s][3][i] = buf[s][6][i] = (float)(0.01 * zt_unit(&r));
-    }
-    as[s] = (zp_adamw_segment){buf[s][0], buf[s][1], buf[s][2], buf[s][3], sizes[s], 3, s & 1};
-    os[s] = (zp_opt_segment){buf[s][4], buf[s][1], buf[s][5], buf[s][6], NULL, NULL, sizes[s], 3,
-                             s & 1};
-  }
-  for (int isa = 0; ok && isa < 3; isa++) {
-    setenv("ZP_CPU_ISA", isas[isa], 1);
-    for (int t = 0; t < 5; t++) {
-      for (int s = 0; s < NS; s++) {
-        for (int64_t i = 0; i < sizes[s]; i++)
-          buf[s][1][i] = nonzero(&r, 1e-6, 10.0);
-        as[s].step = os[s].step = 3 + t;
-      }
-      CHECK_OK(zp_adamw_step_cpu(as, NS, ag, 2, 2));
-      CHECK_OK(zp_opt_step_cpu(os, NS, og, 2, 3));
-      for (int s = 0; s < NS; s++)
-        for (int a = 0; a < 3; a++) {
-          const float *x = buf[s][a == 0 ? 0 : a + 1], *y = buf[s][a == 0 ? 4 : a + 4];
-          CHECK_MSG(memcmp(x, y, (size_t)sizes[s] * 4) == 0,
-                    "isa %s step %d segment %d: array %d differs from zp_adamw_step_cpu",
-                    isas[isa], t, s, a);
-        }
-    }
-  }
-  unsetenv("ZP_CPU_ISA");
-  for (int s = 0; s < NS; s++)
-    for (int a = 0; a < 7; a++)
-      free(buf[s][a]);
 }
 
 /* ---- errors, each on a fresh thread so the message is proven to come from that call ------ */

@@ -86,7 +86,7 @@ static const zp_convert_ops zp_convert_scalar = {zp_widen_bf16_scalar, zp_widen_
 
 #ifdef ZP_X86
 /* Widening reads a 16-bit stream that is not read anywhere else: prefetch it 2 KiB ahead, one
- * cache line (32 elements) at a time, as adamw.c does for its streams. */
+ * cache line (32 elements) at a time, as optim.c does for its streams. */
 #define ZP_CV_PF(i)                                                                    \
   do {                                                                                 \
     if (((i) & 31) == 0)                                                               \

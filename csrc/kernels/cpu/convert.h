@@ -21,7 +21,7 @@
 typedef enum { ZP_ISA_SCALAR = 0, ZP_ISA_AVX2 = 1, ZP_ISA_AVX512 = 2 } zp_isa;
 
 /* The best instruction set this CPU runs, capped by ZP_CPU_ISA ("avx512", "avx2", "scalar")
- * when set, as adamw.c reads it. Every level below the one returned runs too. */
+ * when set. Every level below the one returned runs too. */
 zp_isa zp_isa_pick(void);
 const char *zp_isa_name(zp_isa isa);
 

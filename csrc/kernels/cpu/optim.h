@@ -3,7 +3,7 @@
  *
  * One call updates any number of segments (contiguous runs sharing a param group and a step
  * count), multithreaded, with the SIMD body picked at run time (AVX-512, AVX2+FMA, scalar;
- * ZP_CPU_ISA caps it) -- the same mechanism as adamw.h, which stays the fp32-only fast path.
+ * ZP_CPU_ISA caps it).
  *
  * Per element, in one pass:
  *   g = grad (bf16/fp16/fp32, widened to fp32) * grad_scale   [unscale, clip, 1/world fused]
@@ -14,9 +14,9 @@
  * and lerp; sqrt is IEEE):
  *   Adam:    g = fma(wd, master, g) if wd != 0; then as AdamW without the decay
  *   AdamW:   master *= 1 - lr*wd; m = lerp(m, g, 1 - beta1) (ATen's two-branch fma);
- *            v = v*beta2 + ((1-beta2)*g)*g; AMSGRAD: vmax = max(vmax, v), used for v below;
- *            master += (-lr/bc1) * (m / (sqrt(v) * (1/sqrt(bc2)) + eps))   [zp_adamw_step_cpu's
- *            order, bit-identical to it for fp32; about one ulp from torch per step]
+ *            v = fma((1-beta2)*g, g, v*beta2); AMSGRAD: vmax = max(vmax, v), used for v below;
+ *            master += ((-lr/bc1) * m) / (sqrt(v) / sqrt(bc2) + eps)   [torch's addcdiv; fp32
+ *            results equal torch's fused AdamW bit for bit]
  *   SGD:     g = fma(wd, master, g) if wd; with momentum: buf = step == 1 ? g
  *            : fma(1-dampening, g, momentum*buf); g = NESTEROV ? fma(momentum, buf, g) : buf;
  *            master = fma(-lr, g, master)
