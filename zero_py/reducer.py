@@ -64,15 +64,9 @@ class GradReducer:
         self._pass_open = False
         self._finished = False  # finish() ran since the last pass: its result stands
         self.passes_since_step = 0
-        self._hooks = []
         if stage == 2:
             for i, p in enumerate(flat.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+                p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # -- events ---------------------------------------------------------------------------------
 
