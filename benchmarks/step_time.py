@@ -157,6 +157,7 @@ def main():
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
             print(f"\nwrote {args.json}")
+    dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
 
 

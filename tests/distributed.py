@@ -8,6 +8,7 @@ that rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -26,6 +27,14 @@ def _worker(rank, fn, world_size, store_path, out_dir, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+        # Free the test's objects (optimizers hold the group and work in reference cycles) and
+        # let every rank finish its collectives before any rank tears down its group: a rank
+        # that destroyed its gloo group while peers were still exchanging with it was seen to
+        # die with "terminate called without an active exception" (4 ranks on 2 cores, in CI).
+        # Only on success: a failed rank must exit at once so that its peers fail fast.
+        del result
+        gc.collect()
+        dist.barrier()
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()},
                    os.path.join(out_dir, f"{rank}.pt"))

@@ -272,6 +272,7 @@ def main():
         sample = model.generate(prompt, 300, generator=torch.Generator().manual_seed(args.seed))
         text = bytes(vocab[i] for i in sample[0].tolist()).decode("utf-8", errors="replace")
         print(f"\nSample:\n{text}")
+    dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
 
 
