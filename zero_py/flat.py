@@ -39,26 +39,33 @@ class ShardSlice:
         return self.piece_lo + self.numel
 
 
-class FlatParams:
-    """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
+class FlatLayout:
+    """The C plan for a list of parameters, and what follows from it; holds no storage.
+
+    `groups[i]` is parameter i's param group. `layout_keys[i]` (default: its group) is what the
+    planner buckets by: parameters with different keys never share a bucket (stage 3 keys by
+    unit and group, so that a unit is whole buckets)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
-                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
+                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int,
+                 layout_keys: Optional[Sequence[int]] = None):
         self.params = list(params)
         self.world_size = world_size
         self.rank = rank
+        self.device = self.params[0].device
         dtypes: List[torch.dtype] = []
         for p in self.params:
             if p.dtype not in dtypes:
                 dtypes.append(p.dtype)
         self.dtypes = dtypes
         buffer_of = [dtypes.index(p.dtype) for p in self.params]
-        plan = _C.layout_plan([p.numel() for p in self.params], list(groups), buffer_of,
+        keys = list(groups) if layout_keys is None else list(layout_keys)
+        plan = _C.layout_plan([p.numel() for p in self.params], keys, buffer_of,
                               [p.element_size() for p in self.params], world_size, align_bytes,
                               bucket_bytes)
+        self.plan = plan
         self.param_bucket: List[int] = plan["param_bucket"]
         self.param_offset: List[int] = plan["param_offset"]
-        self.bucket_group: List[int] = plan["bucket_group"]
         self.bucket_buffer: List[int] = plan["bucket_buffer"]
         self.bucket_numel: List[int] = plan["bucket_numel"]
         self.bucket_shard_numel: List[int] = plan["bucket_shard_numel"]
@@ -67,18 +74,10 @@ class FlatParams:
         starts = plan["bucket_param_start"]
         self.bucket_params: List[List[int]] = [
             plan["bucket_params"][starts[b]:starts[b + 1]] for b in range(len(self.bucket_numel))]
+        self.bucket_group: List[int] = [groups[ps[0]] for ps in self.bucket_params]
         self.shard_numel: int = plan["shard_numel"]
         self.padding_numel: int = plan["padding_numel"]
         self.n_buckets = len(self.bucket_numel)
-
-        device = self.params[0].device
-        self.buffers = [torch.zeros(n, dtype=dtypes[k], device=device)
-                        for k, n in enumerate(plan["buffer_numel"])]
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.param_view(i)
-                view.copy_(p.data.reshape(-1))
-                p.data = view.view_as(p)
         self.bucket_gaps: List[List[tuple]] = [self._gaps(b) for b in range(self.n_buckets)]
         self.slices: List[ShardSlice] = self._shard_slices()
         self.slices_of_bucket: Dict[int, List[ShardSlice]] = {b: [] for b in range(self.n_buckets)}
@@ -86,17 +85,9 @@ class FlatParams:
             self.slices_of_bucket[s.bucket].append(s)
         self.slice_of_param: Dict[int, ShardSlice] = {s.param: s for s in self.slices}
 
-    # -- where things live --------------------------------------------------------------------
-
-    def bucket_region(self, b: int) -> torch.Tensor:
-        """Bucket b inside its flat buffer (all ranks' pieces)."""
-        lo = self.bucket_flat_offset[b]
-        return self.buffers[self.bucket_buffer[b]][lo:lo + self.bucket_numel[b]]
-
     def bucket_piece(self, b: int) -> torch.Tensor:
-        """This rank's piece of bucket b, a view into the flat buffer."""
-        n = self.bucket_shard_numel[b]
-        return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
+        """This rank's piece of bucket b's parameter values."""
+        raise NotImplementedError
 
     def shard_range(self, b: int) -> range:
         """Where bucket b's piece sits in the rank's shard space."""
@@ -105,12 +96,6 @@ class FlatParams:
 
     def bucket_dtype(self, b: int) -> torch.dtype:
         return self.dtypes[self.bucket_buffer[b]]
-
-    def param_view(self, i: int) -> torch.Tensor:
-        """Parameter i as a 1-D view into its flat buffer."""
-        b = self.param_bucket[i]
-        lo = self.bucket_flat_offset[b] + self.param_offset[i]
-        return self.buffers[self.bucket_buffer[b]][lo:lo + self.params[i].numel()]
 
     def _gaps(self, b: int) -> List[tuple]:
         """Element ranges of bucket b that belong to no parameter (alignment and tail padding)."""
@@ -137,6 +122,39 @@ class FlatParams:
                                           self.bucket_shard_offset[b] + a - piece_lo))
         return out
 
+
+class FlatParams(FlatLayout):
+    """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
+                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
+        super().__init__(params, groups, world_size, rank, align_bytes, bucket_bytes)
+        self.buffers = [torch.zeros(n, dtype=self.dtypes[k], device=self.device)
+                        for k, n in enumerate(self.plan["buffer_numel"])]
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.param_view(i)
+                view.copy_(p.data.reshape(-1))
+                p.data = view.view_as(p)
+
+    # -- where things live --------------------------------------------------------------------
+
+    def bucket_region(self, b: int) -> torch.Tensor:
+        """Bucket b inside its flat buffer (all ranks' pieces)."""
+        lo = self.bucket_flat_offset[b]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.bucket_numel[b]]
+
+    def bucket_piece(self, b: int) -> torch.Tensor:
+        """This rank's piece of bucket b, a view into the flat buffer."""
+        n = self.bucket_shard_numel[b]
+        return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
+
+    def param_view(self, i: int) -> torch.Tensor:
+        """Parameter i as a 1-D view into its flat buffer."""
+        b = self.param_bucket[i]
+        lo = self.bucket_flat_offset[b] + self.param_offset[i]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.params[i].numel()]
+
     # -- collectives over the whole layout -----------------------------------------------------
 
     def all_gather(self, executor, buckets: Sequence[int]) -> None:
@@ -160,7 +178,7 @@ class PieceStore:
     with the reduction dtype of each bucket, fp32 masters with the buckets whose parameters
     are not fp32 (an fp32 parameter piece is its own master)."""
 
-    def __init__(self, flat: FlatParams, dtype_of: Callable[[int], Optional[torch.dtype]],
+    def __init__(self, flat: FlatLayout, dtype_of: Callable[[int], Optional[torch.dtype]],
                  device: torch.device):
         self.dtype_of = [dtype_of(b) for b in range(flat.n_buckets)]
         sizes: Dict[torch.dtype, int] = {}

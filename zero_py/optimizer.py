@@ -68,8 +68,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  **optimizer_kwargs):
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {stage!r} (stage 3 is not available yet)")
+        if stage not in self._STAGES:
+            raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
+                             "model, optimizer = zero_py.initialize(model, ..., stage=3)")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
@@ -109,16 +110,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not managed:
             raise ValueError("ZeroOptimizer got no trainable parameter: every parameter has "
                              "requires_grad=False or no elements")
-        self._flat = FlatParams(managed, groups_of, self.executor.world_size, self.executor.rank,
-                                align_bytes, bucket_bytes)
-        self._flat.broadcast(self.executor, src=0)
+        self._flat = self._make_flat(managed, groups_of, align_bytes, bucket_bytes)
         self._broadcast_frozen(managed)
-        self._reducer = GradReducer(self._flat, self.executor, stage, grad_reduce_dtype)
+        # stage 3 reduces as stage 2 does: from hooks, during backward
+        self._reducer = GradReducer(self._flat, self.executor, min(stage, 2), grad_reduce_dtype)
         self._step_count = [0] * len(managed)  # per managed parameter, as torch's state["step"]
         fp = self._flat
         self._masters = PieceStore(
             fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
-            fp.buffers[0].device)
+            fp.device)
         self.sync_master_from_params()
 
         self.loss_scaler = loss_scaler
@@ -142,6 +142,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                        self.param_groups)
 
     # -- construction ---------------------------------------------------------------------------
+
+    _STAGES = (1, 2)
+
+    def _make_flat(self, managed: List[torch.Tensor], groups_of: List[int], align_bytes: int,
+                   bucket_bytes: int) -> FlatParams:
+        """The parameters' layout and storage; every rank starts from rank 0's values."""
+        flat = FlatParams(managed, groups_of, self.executor.world_size, self.executor.rank,
+                          align_bytes, bucket_bytes)
+        flat.broadcast(self.executor, src=0)
+        return flat
+
+    def _publish(self, buckets: List[int]) -> None:
+        """Makes the updated pieces of `buckets` every rank's parameters."""
+        self._flat.all_gather(self.executor, buckets)
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", True):
@@ -288,7 +302,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           self.stochastic_rounding)
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
-        self._flat.all_gather(self.executor, touched)
+        self._publish(touched)
 
     # -- state dicts ----------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class GradReducer:
         self.executor = executor
         self.stage = stage
         self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
-        device = flat.buffers[0].device
+        device = flat.device
         self.grads = PieceStore(flat, lambda b: reduce_dtype or flat.bucket_dtype(b), device)
         self.grad_shard_valid = False  # False: the next reduction overwrites instead of adding
         self.sync_enabled = True       # False inside no_sync()

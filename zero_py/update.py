@@ -151,7 +151,7 @@ class FusedUpdate(_Update):
                 group_rows.append(self._group_row(self.param_groups[key[0]], grad.dtype,
                                                   param_dtype, grad_scale, seed,
                                                   stochastic_rounding))
-            g_size, p_size = grad.element_size(), flat.buffers[flat.bucket_buffer[b]].element_size()
+            g_size, p_size = grad.element_size(), param_dtype.itemsize
             shard_lo = flat.bucket_shard_offset[b]
             for lo, hi, step in self._runs(b, used, step_count):
                 at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space state tensors
