@@ -1,31 +1,199 @@
-"""Builds zero_py and its C extension zero_py._C.
+"""Builds zero_py and its C extensions.
 
-The extension is plain C11 compiled with the C compiler: no C++, no PyTorch headers, so
+zero_py._C: plain C11 compiled with the C compiler: no C++, no PyTorch headers, no CUDA, so
 `pip install .` needs only setuptools in its build environment and finishes in seconds.
-ZP_WERROR=1 adds -Werror (the Makefile sets it; users' compilers may warn differently).
+
+zero_py._cuda: the CUDA kernels (csrc/kernels/cuda/*.cu, compiled by nvcc for sm_80 and sm_90
+plus PTX for newer GPUs) and the NCCL executor (csrc/comm/, C against the CUDA runtime's
+headers; NCCL itself is loaded at run time), linked with the static CUDA runtime so that the
+module needs no CUDA library at load time. Built when nvcc is found; ZP_CUDA=0 skips it,
+ZP_CUDA=1 makes a missing or failing nvcc an error (by default a failed CUDA build only warns,
+unless ZP_WERROR=1, as the Makefile sets). Other knobs: NVCC (the compiler), CUDA_HOME,
+ZP_CUDA_ARCHS ("80;90": real architectures; PTX of the last is embedded too), ZP_NCCL_INCLUDE
+(a directory with nccl.h: the build then checks csrc/comm/nccl_lib.h's declarations against it;
+found by itself in an installed nvidia-nccl-cu* wheel or the CUDA/system include directories).
+
+ZP_WERROR=1 adds -Werror (users' compilers may warn differently).
 """
 
 import glob
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-CORE_DIRS = ["common", "layout", "schedule", "kernels/cpu", "python"]
-sources = sorted(s for d in CORE_DIRS for s in glob.glob(os.path.join("csrc", d, "*.c")))
+WERROR = os.environ.get("ZP_WERROR") == "1"
+CORE_DIRS = ["common", "layout", "schedule", "kernels/cpu"]
+core_sources = sorted(s for d in CORE_DIRS for s in glob.glob(os.path.join("csrc", d, "*.c")))
 
-extra_compile_args = ["-std=c11", "-O3", "-fno-math-errno", "-Wall", "-Wextra"]
-if os.environ.get("ZP_WERROR") == "1":
-    extra_compile_args.append("-Werror")
+c_flags = ["-std=c11", "-O3", "-fno-math-errno", "-Wall", "-Wextra"]
+if WERROR:
+    c_flags.append("-Werror")
 
-setup(
-    ext_modules=[
-        Extension(
-            "zero_py._C",
-            sources=sources,
-            include_dirs=["csrc"],
-            extra_compile_args=extra_compile_args,
-            extra_link_args=["-pthread"],
-            libraries=["m"],
-        )
-    ],
-)
+extensions = [
+    Extension(
+        "zero_py._C",
+        sources=core_sources + ["csrc/python/module.c"],
+        include_dirs=["csrc"],
+        extra_compile_args=c_flags,
+        extra_link_args=["-pthread"],
+        libraries=["m"],
+    )
+]
+
+
+def _log(msg: str) -> None:
+    print(f"zero_py setup: {msg}", file=sys.stderr, flush=True)
+
+
+def _find_nvcc():
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cuda_home(nvcc: str):
+    """The toolkit root: CUDA_HOME/CUDA_PATH, else the directory above nvcc's bin, else
+    /usr/local/cuda (a wrapper script in /usr/local/bin points nowhere useful)."""
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+             os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    for c in cands:
+        if c and os.path.isfile(os.path.join(c, "include", "cuda_runtime_api.h")):
+            return c
+    return None
+
+
+def _cudart(home: str):
+    for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+        path = os.path.join(home, sub, "libcudart_static.a")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _nccl_include(home: str):
+    cands = [os.environ.get("ZP_NCCL_INCLUDE")]
+    for key in ("purelib", "platlib"):
+        cands.append(os.path.join(sysconfig.get_paths()[key], "nvidia", "nccl", "include"))
+    cands += [os.path.join(home, "include"), "/usr/include", "/usr/local/include"]
+    for c in cands:
+        if c and os.path.isfile(os.path.join(c, "nccl.h")):
+            return c
+    return None
+
+
+def _cuda_extension():
+    mode = os.environ.get("ZP_CUDA", "auto").strip().lower()
+    if mode in ("0", "off", "no", "false"):
+        _log("ZP_CUDA=0: zero_py._cuda is not built")
+        return None
+    required = mode in ("1", "on", "yes", "true")
+    nvcc = _find_nvcc()
+    home = _cuda_home(nvcc) if nvcc else None
+    cudart = _cudart(home) if home else None
+    if nvcc is None or home is None or cudart is None:
+        what = ("nvcc" if nvcc is None else "the CUDA headers" if home is None
+                else "libcudart_static.a")
+        if required:
+            raise RuntimeError(f"ZP_CUDA=1 but {what} was not found; set NVCC or CUDA_HOME")
+        _log(f"no {what}: zero_py._cuda is not built (CPU only)")
+        return None
+    define_macros = []
+    include_dirs = ["csrc", os.path.join(home, "include")]
+    nccl_inc = _nccl_include(home)
+    if nccl_inc is not None:
+        define_macros.append(("ZP_HAVE_NCCL_H", "1"))
+        include_dirs.append(nccl_inc)
+        _log(f"checking csrc/comm/nccl_lib.h against {nccl_inc}/nccl.h")
+    sources = (sorted(glob.glob("csrc/common/*.c")) + sorted(glob.glob("csrc/kernels/cpu/*.c"))
+               + sorted(glob.glob("csrc/comm/*.c")) + ["csrc/python/cuda_module.c"])
+    ext = Extension(
+        "zero_py._cuda",
+        sources=sources,
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        extra_compile_args=c_flags,
+        # the static runtime's symbols stay inside this module: a CUDA runtime that PyTorch
+        # loaded (maybe another version) never interposes on ours, nor ours on it
+        extra_link_args=["-pthread", "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic"],
+        libraries=["dl", "rt", "m", "stdc++"],  # nvcc's host code is C++
+    )
+    ext.zp_cuda = {"nvcc": nvcc, "home": home, "cudart": cudart, "required": required,
+                   "cu": sorted(glob.glob("csrc/kernels/cuda/*.cu"))}
+    return ext
+
+
+def _nvcc_flags():
+    archs = [a.strip() for a in os.environ.get("ZP_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+    flags = ["-O3", "-std=c++17", "-Icsrc",
+             # the numerics contract of kernels/cuda/elementwise.cuh: no contraction into fma,
+             # IEEE division and square root, no flush to zero (nvcc's defaults, stated)
+             "--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false",
+             "-Xcompiler", "-fPIC,-ffp-contract=off,-fno-strict-aliasing,-Wall,-Wextra"]
+    if WERROR:
+        flags += ["--Werror", "all-warnings"]
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    return flags
+
+
+class BuildExt(build_ext):
+    """Compiles the .cu files of zero_py._cuda with nvcc (in parallel) before linking it; a
+    failure drops the module unless CUDA was required."""
+
+    def build_extension(self, ext):
+        cfg = getattr(ext, "zp_cuda", None)
+        if cfg is None:
+            return super().build_extension(ext)
+        try:
+            start = time.monotonic()
+            ext.extra_objects = self._nvcc_all(cfg) + [cfg["cudart"]]
+            super().build_extension(ext)
+            _log(f"zero_py._cuda built in {time.monotonic() - start:.1f} s")
+        except Exception as exc:  # noqa: BLE001 - any compiler failure
+            if cfg["required"] or WERROR:
+                raise
+            _log(f"WARNING: zero_py._cuda failed to build and is skipped: {exc}")
+
+    def _nvcc_all(self, cfg):
+        out_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(out_dir, exist_ok=True)
+        flags = _nvcc_flags()
+        headers = glob.glob("csrc/kernels/cuda/*.cuh") + glob.glob("csrc/kernels/cuda/*.h") + \
+            glob.glob("csrc/kernels/cpu/optim.h") + glob.glob("csrc/common/status.h")
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
+
+        def one(src):
+            obj = os.path.join(out_dir, os.path.basename(src)[:-3] + ".o")
+            if (not self.force and os.path.exists(obj)
+                    and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
+                return obj
+            cmd = [cfg["nvcc"], "-c", src, "-o", obj] + flags
+            _log(" ".join(cmd))
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"nvcc failed on {src}:\n{done.stdout}")
+            if done.stdout.strip():
+                _log(done.stdout.strip())
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(cfg["cu"]), os.cpu_count() or 1))) \
+                as pool:
+            return list(pool.map(one, cfg["cu"]))
+
+
+cuda_ext = _cuda_extension()
+if cuda_ext is not None:
+    extensions.append(cuda_ext)
+
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -597,8 +597,8 @@ static zp_opt_coef zp_opt_coef_make(const zp_opt_group *g, int64_t step) {
   return c;
 }
 
-zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
-                          const zp_opt_group *groups, int32_t n_groups, int32_t n_threads) {
+zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
+                       const zp_opt_group *groups, int32_t n_groups) {
   if (n_segments < 0 || n_groups < 0 || (n_segments > 0 && (segments == NULL || groups == NULL)))
     return zp_fail(ZP_ERR_INVALID, "opt_step: bad segment list (n_segments=%d, n_groups=%d)",
                    n_segments, n_groups);
@@ -606,6 +606,12 @@ zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
     ZP_TRY(zp_opt_check_group(&groups[k], k));
   for (int32_t s = 0; s < n_segments; s++)
     ZP_TRY(zp_opt_check_segment(&segments[s], s, groups, n_groups));
+  return ZP_OK;
+}
+
+zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
+                          const zp_opt_group *groups, int32_t n_groups, int32_t n_threads) {
+  ZP_TRY(zp_opt_check(segments, n_segments, groups, n_groups));
   if (n_segments == 0)
     return ZP_OK;
 

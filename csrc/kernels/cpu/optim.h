@@ -95,6 +95,12 @@ typedef struct {
 zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
                           const zp_opt_group *groups, int32_t n_groups, int32_t n_threads);
 
+/* The checks zp_opt_step_cpu runs before it touches memory (above), on their own: the CUDA
+ * family (kernels/cuda/optim_cuda.h) validates its tables with the same function, so both
+ * devices accept and reject the same arguments with the same messages. */
+zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
+                       const zp_opt_group *groups, int32_t n_groups);
+
 /* Statistics of gradients for clipping and overflow checks, in one read-only pass:
  * *sum_pow = sum over all elements of |g|^norm_type (norm_type > 0, finite), or the max |g|
  * when norm_type is +inf; *nonfinite = 1 if any element is inf or nan, else 0. Segments use
