@@ -192,8 +192,8 @@ class BuildExt(build_ext):
             return list(pool.map(one, cfg["cu"]))
 
 
-cuda_ext = _cuda_extension()
-if cuda_ext is not None:
-    extensions.append(cuda_ext)
-
-setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its functions
+    cuda_ext = _cuda_extension()
+    if cuda_ext is not None:
+        extensions.append(cuda_ext)
+    setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,346 @@
+"""The native NCCL executor: the schedule's collectives on CUDA tensors through zero_py._cuda's
+own NCCL communicator (csrc/comm/), with the interface of executor.TorchDistExecutor.
+
+NCCL is loaded at run time: the libnccl.so.2 that PyTorch already loaded (found by its soname),
+else ZP_NCCL_LIBRARY, else an installed nvidia-nccl wheel. The communicator's unique id is
+made on the group's rank 0 and handed to the others through the torch.distributed store. Every
+collective runs on one dedicated stream, ordered after the caller's current stream by an event;
+wait() makes the caller's current stream wait for it (the host does not), so reductions overlap
+with backward and gathers with the next forward. A watchdog thread in C aborts the
+communicator when NCCL reports an error or a collective outlives `timeout` seconds (a dead
+peer): waits then raise RuntimeError with the reason instead of hanging.
+
+CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
+through the device: copied in, reduced, and copied back when wait() is called.
+
+make_executor() picks the executor: this one for CUDA parameters, TorchDistExecutor otherwise
+or on request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import itertools
+import os
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from zero_py import cuda
+from zero_py.executor import TorchDistExecutor
+
+DEFAULT_TIMEOUT_S = 600.0
+
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3  # zp_coll
+# ncclDataType_t values (csrc/comm/nccl_lib.h)
+_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
+                torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
+
+_id_counter = itertools.count()
+
+
+def nccl_op(op) -> int:
+    """A torch.distributed.ReduceOp as NCCL's reduction code (SUM, PRODUCT, MAX, MIN)."""
+    for ours, theirs in ((_SUM, dist.ReduceOp.SUM), (_PROD, dist.ReduceOp.PRODUCT),
+                         (_MAX, dist.ReduceOp.MAX), (_MIN, dist.ReduceOp.MIN)):
+        if op == theirs:
+            return ours
+    raise ValueError(f"the NCCL executor reduces with SUM, PRODUCT, MAX or MIN, not {op!r}")
+
+
+def nccl_dtype(dtype: torch.dtype) -> int:
+    try:
+        return _NCCL_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"the NCCL executor moves {sorted(str(d) for d in _NCCL_DTYPES)}, not "
+                         f"{dtype}") from None
+
+
+def library_candidates() -> List[Optional[str]]:
+    """Where load_nccl looks, in order (None: the dynamic loader's own search by soname)."""
+    out: List[Optional[str]] = []
+    env = os.environ.get("ZP_NCCL_LIBRARY")
+    if env:
+        out.append(env)
+    out.append(None)
+    try:
+        import nvidia.nccl  # the wheel PyTorch's CUDA builds depend on
+
+        for base in nvidia.nccl.__path__:
+            out.append(os.path.join(base, "lib", "libnccl.so.2"))
+    except ImportError:
+        pass
+    out.append(os.path.join(os.path.dirname(torch.__file__), "lib", "libnccl.so.2"))
+    return out
+
+
+def load_nccl() -> int:
+    """Loads NCCL once (see library_candidates) and returns its version code."""
+    mod = cuda.native()
+    errors = []
+    for path in library_candidates():
+        if path is not None and not os.path.exists(path):
+            continue
+        try:
+            return mod.nccl_load(path)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    raise RuntimeError("cannot load NCCL (libnccl.so.2): " + "; ".join(errors) +
+                       ". Use a CUDA build of torch, install nvidia-nccl-cu12/13, or set "
+                       "ZP_NCCL_LIBRARY to the library's path")
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when the NCCL executor can run here; else why not."""
+    why = cuda.unavailable_reason()
+    if why is not None:
+        return why
+    try:
+        load_nccl()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+class NcclWork:
+    """A collective in flight: wait() orders the caller's current stream after it (and runs a
+    follow-up once); is_completed() asks the device without blocking."""
+
+    __slots__ = ("_work", "_device", "_keep", "_then")
+
+    def __init__(self, work, device: torch.device, keep: tuple = (),
+                 then: Optional[Callable[[], None]] = None):
+        self._work = work
+        self._device = device
+        self._keep = keep   # tensors the collective reads or writes, alive until wait()
+        self._then = then
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait(torch.cuda.current_stream(self._device).cuda_stream)
+            self._work = None
+            self._keep = ()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+    def synchronize(self) -> None:
+        """Blocks the host until the collective finished (raises if the communicator fails)."""
+        if self._work is not None:
+            self._work.synchronize()
+        self.wait()
+
+
+class NcclExecutor:
+    """Runs the schedule's collectives on `process_group`'s ranks with zero_py's own NCCL
+    communicator on `device` (default: the current CUDA device). One GPU per rank, as NCCL
+    requires. timeout: seconds a collective may take before the communicator is aborted."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT_S):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
+                "(e.g. under torchrun) before building the optimizer")
+        why = unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"the NCCL executor is unavailable: {why}; use "
+                               "executor='torch' for the torch.distributed executor")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the NCCL executor runs on a cuda device, not {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.version = load_nccl()
+        unique_id = self._exchange_id()
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+        self._comm = cuda.native().NcclComm(unique_id, self.world_size, self.rank,
+                                            device.index, float(timeout))
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _exchange_id(self) -> bytes:
+        """Rank 0's ncclUniqueId, on every rank, through the torch.distributed store (or, where
+        no store is reachable, a broadcast over the group)."""
+        ranks = dist.get_process_group_ranks(self.group)
+        key = f"zero_py/nccl/{'-'.join(map(str, ranks))}/{next(_id_counter)}"
+        store = None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError):
+            store = None
+        if store is not None:
+            if self.rank == 0:
+                uid = cuda.native().nccl_unique_id()
+                store.set(key, uid)
+                return uid
+            return bytes(store.get(key))
+        # no store: broadcast the 128 bytes over the group itself
+        on_cuda = dist.get_backend(self.group) == "nccl"
+        buf = torch.zeros(128, dtype=torch.uint8, device=self.device if on_cuda else "cpu")
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(cuda.native().nccl_unique_id()),
+                                       dtype=torch.uint8))
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return bytes(buf.cpu().tolist())
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def check(self) -> None:
+        """Raises RuntimeError with the reason once the communicator has failed."""
+        self._comm.check()
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        self._comm.abort(reason)
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def _tensor(self, name: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}; this NCCL executor runs on {self.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        nccl_dtype(t.dtype)
+
+    def _issue(self, coll: int, send: torch.Tensor, recv: torch.Tensor, count: int, op: int = 0,
+               root: int = 0) -> NcclWork:
+        if count == 0:
+            return NcclWork(None, self.device)
+        after = torch.cuda.current_stream(self.device)
+        work = self._comm.collective(coll, send.data_ptr(), recv.data_ptr(), count,
+                                     nccl_dtype(send.dtype), op, root, self.stream.cuda_stream,
+                                     after.cuda_stream)
+        # the caching allocator must not hand these blocks out again before the collective ran,
+        # even if the caller drops the handle without waiting
+        send.record_stream(self.stream)
+        if recv.data_ptr() != send.data_ptr():
+            recv.record_stream(self.stream)
+        return NcclWork(work, self.device, (send, recv))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> NcclWork:
+        """output = this rank's chunk of the sum of `input` over ranks."""
+        self._tensor("output", output)
+        self._tensor("input", input)
+        if input.dtype != output.dtype or input.numel() != output.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input must be world_size ({self.world_size}) "
+                             f"times output's {output.numel()} elements of {output.dtype}, got "
+                             f"{input.numel()} of {input.dtype}")
+        return self._issue(REDUCE_SCATTER, input, output, output.numel(), _SUM)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> NcclWork:
+        """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        self._tensor("output", output)
+        self._tensor("input", input)
+        if input.dtype != output.dtype or output.numel() != input.numel() * self.world_size:
+            raise ValueError(f"all_gather: output must be world_size ({self.world_size}) times "
+                             f"input's {input.numel()} elements of {input.dtype}, got "
+                             f"{output.numel()} of {output.dtype}")
+        return self._issue(ALL_GATHER, input, output, input.numel())
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> NcclWork:
+        code = nccl_op(op)
+        if tensor.device.type == "cpu":
+            return self._through_device(tensor, lambda dev: self.all_reduce(dev, op))
+        self._tensor("tensor", tensor)
+        return self._issue(ALL_REDUCE, tensor, tensor, tensor.numel(), code)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> NcclWork:
+        return self.all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> NcclWork:
+        """tensor = group rank `src`'s tensor."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} is not a rank of this group of "
+                             f"{self.world_size}")
+        if tensor.device.type == "cpu":
+            return self._through_device(tensor, lambda dev: self.broadcast(dev, src))
+        self._tensor("tensor", tensor)
+        return self._issue(BROADCAST, tensor, tensor, tensor.numel(), root=src)
+
+    def _through_device(self, host: torch.Tensor, run) -> NcclWork:
+        """A collective on a CPU tensor: through a device copy, copied back at wait()."""
+        dev = host.to(self.device)
+        work = run(dev)
+
+        def back():
+            work.synchronize()
+            host.copy_(dev)
+        return NcclWork(None, self.device, (), back)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        """The list of every rank's `obj` on group rank `dst`, None elsewhere (as
+        TorchDistExecutor.gather_object: torch.save bytes, read back with weights_only=True),
+        moved with this executor's all-gathers."""
+        if self.world_size == 1:
+            return [obj]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        self.all_gather(sizes, mine).synchronize()
+        sizes_host = sizes.tolist()
+        width = int(max(sizes_host))
+        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        padded[:payload.numel()].copy_(payload)
+        everything = torch.empty(width * self.world_size, dtype=torch.uint8, device=self.device)
+        self.all_gather(everything, padded).synchronize()
+        if self.rank != dst:
+            return None
+        host = everything.cpu()
+        return [torch.load(io.BytesIO(ctypes.string_at(host.data_ptr() + r * width, int(n))),
+                           weights_only=True) for r, n in enumerate(sizes_host)]
+
+
+def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.device,
+                  executor="auto"):
+    """The executor for parameters on `device`: executor is "nccl", "torch", an executor object,
+    or "auto": the NCCL executor for CUDA parameters in a group whose backend is NCCL (the
+    usual torchrun set-up; it falls back to the torch.distributed executor, with a warning,
+    where the NCCL executor cannot run), the torch.distributed executor otherwise (CPU
+    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU)."""
+    if not isinstance(executor, str):
+        for name in ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size",
+                     "rank"):
+            if not hasattr(executor, name):
+                raise TypeError(f"executor must be 'auto', 'nccl', 'torch' or an executor "
+                                f"object; {type(executor).__name__} has no {name}")
+        return executor
+    if executor not in ("auto", "nccl", "torch"):
+        raise ValueError(f"executor must be 'auto', 'nccl', 'torch' or an executor object, got "
+                         f"{executor!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    if executor == "auto":
+        if not on_cuda or not dist.is_initialized() or "nccl" not in str(
+                dist.get_backend(process_group)).lower():
+            return TorchDistExecutor(process_group)
+        why = unavailable_reason()
+        if why is not None:
+            warnings.warn(f"zero_py: the native NCCL executor is unavailable ({why}); using "
+                          "the torch.distributed executor", RuntimeWarning, stacklevel=3)
+            return TorchDistExecutor(process_group)
+        return NcclExecutor(process_group, torch.device(device))
+    if executor == "torch":
+        return TorchDistExecutor(process_group)
+    if not on_cuda:
+        raise ValueError(f"executor='nccl' needs CUDA parameters; these are on {device}")
+    return NcclExecutor(process_group, torch.device(device))
