@@ -17,10 +17,10 @@ from typing import Dict, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from zero_py import kernels, state_dict as sd_util
-from zero_py.executor import TorchDistExecutor
+from zero_py import cuda, kernels, state_dict as sd_util
 from zero_py.flat import FlatParams, PieceStore
 from zero_py.loss_scaler import LossScaler
+from zero_py.nccl import make_executor
 from zero_py.reducer import GradReducer
 from zero_py.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
 
@@ -53,12 +53,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
         stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
             (fused optimizers only) instead of to nearest even.
+        executor: who runs the collectives: "auto" (zero_py's native NCCL executor for CUDA
+            parameters in an NCCL group, the torch.distributed executor otherwise), "nccl",
+            "torch", or an executor object (see zero_py/nccl.py).
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
     Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
     non-fp32 parameters get an fp32 master copy of this rank's shard. AdamW, Adam, SGD,
     Adagrad and zero_py.Lion run in the fused C kernels. Parameters with requires_grad=False at
-    construction are kept as they are (never updated). CPU tensors (the CUDA path comes later).
+    construction are kept as they are (never updated). Parameters live on the CPU or on one
+    CUDA device per rank; CUDA shards are updated by the CUDA kernel family (zero_py.cuda).
     """
 
     def __init__(self, params, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -67,7 +71,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 **optimizer_kwargs):
+                 executor="auto", **optimizer_kwargs):
         if stage not in self._STAGES:
             raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
                              "model, optimizer = zero_py.initialize(model, ..., stage=3)")
@@ -94,7 +98,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = False
         self.optimizer_class = optimizer_class
         self.stage = stage
-        self.executor = TorchDistExecutor(process_group)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self.executor = make_executor(process_group, first.device if first is not None
+                                      else torch.device("cpu"), executor)
 
         self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         managed, groups_of, self._managed_index = [], [], []
@@ -110,6 +116,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not managed:
             raise ValueError("ZeroOptimizer got no trainable parameter: every parameter has "
                              "requires_grad=False or no elements")
+        if len({p.device for p in managed}) > 1:
+            raise ValueError("the parameters are on several devices "
+                             f"({sorted(str(d) for d in {p.device for p in managed})}); zero_py "
+                             "shards one device per rank: move the model to one device")
         self._flat = self._make_flat(managed, groups_of, align_bytes, bucket_bytes)
         self._broadcast_frozen(managed)
         # stage 3 reduces as stage 2 does: from hooks, during backward
@@ -165,9 +175,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
-        if p.device.type != "cpu":
-            raise ValueError(f"parameter {i} is on {p.device}: this release of zero_py trains "
-                             "CPU parameters (the CUDA path comes later); keep the model on CPU")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameter {i} is on {p.device}: zero_py trains CPU and CUDA "
+                             "parameters; move the model to one of them")
         if p.dtype not in _PARAM_DTYPES:
             raise ValueError(f"parameter {i} has dtype {p.dtype}: zero_py trains float32, "
                              "bfloat16 and float16 parameters; cast the model to one of them")
@@ -226,17 +236,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         whether any rank holds an inf or nan; one read pass and one small all-reduce."""
         flat, grads = self._flat, self._reducer.grads
         total, nonfinite = 0.0, False
-        for dtype in grads.tensors:
+        on_cuda = flat.device.type == "cuda"  # then the kernels write `both` on the device
+        both = torch.zeros(2, dtype=torch.float64, device=flat.device) if on_cuda else None
+        for k, dtype in enumerate(grads.tensors):
             rows = array("q")
             for b in range(flat.n_buckets):
                 if grads.dtype_of[b] == dtype:  # only grad and numel of a row are read
                     rows.extend((0, grads.piece(b).data_ptr(), 0, 0, 0, 0,
                                  flat.bucket_shard_numel[b], 1, 0, 0))
+            if on_cuda:
+                cuda.grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type, both,
+                                         accumulate=k > 0)
+                continue
             part, bad = kernels.grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type,
                                                     n_threads=torch.get_num_threads())
             total = max(total, part) if math.isinf(norm_type) else total + part
             nonfinite = nonfinite or bool(bad)
-        both = torch.tensor([total, float(nonfinite)], dtype=torch.float64)
+        if both is None:
+            both = torch.tensor([total, float(nonfinite)], dtype=torch.float64)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         self.executor.all_reduce(both, op).wait()
         return float(both[0]), bool(both[1] > 0)

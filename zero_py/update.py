@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zero_py import kernels
+from zero_py import cuda, kernels
 from zero_py.flat import FlatParams, PieceStore, ShardSlice
 from zero_py.lion import Lion
 
@@ -83,7 +83,8 @@ class FusedUpdate(_Update):
     def _ensure_states(self) -> List[torch.Tensor]:
         if self.states is None:
             n = self.flat.shard_numel
-            self.states = [torch.zeros(n, dtype=torch.float32) for _ in self.keys]
+            self.states = [torch.zeros(n, dtype=torch.float32, device=self.flat.device)
+                           for _ in self.keys]
             if self.kind == kernels.OPT_ADAGRAD:
                 for b in range(self.flat.n_buckets):
                     r = self.flat.shard_range(b)
@@ -161,7 +162,10 @@ class FusedUpdate(_Update):
                              state_base[2] and state_base[2] + at,
                              0 if param_out is None else param_out.data_ptr() + lo * p_size,
                              hi - lo, step, row_of[key], 0))
-        kernels.optim_step_segments(rows, group_rows, n_threads=torch.get_num_threads())
+        if flat.device.type == "cuda":  # the CUDA family: one launch, same math and bits
+            cuda.optim_step_segments(rows, group_rows, flat.device)
+        else:
+            kernels.optim_step_segments(rows, group_rows, n_threads=torch.get_num_threads())
 
     def slice_state(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
         if self.states is None:
