@@ -16,10 +16,11 @@
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
 #include "layout/layout.h"
+#include "python/binding.h"
 #include "schedule/schedule.h"
 
 /* The one place where core statuses become Python exceptions. */
-static PyObject *zp_raise(zp_status status) {
+PyObject *zp_raise(zp_status status) {
   PyObject *type;
   switch (status) {
   case ZP_ERR_NOMEM:
@@ -424,7 +425,7 @@ static int zp_exec(PyObject *module) {
     return -1;
   int rc = PyModule_AddObjectRef(module, "Schedule", type);
   Py_DECREF(type);
-  return rc;
+  return rc == 0 ? zp_prefetch_py_register(module) : rc;
 }
 
 static PyModuleDef_Slot zp_slots[] = {{Py_mod_exec, zp_exec}, {0, NULL}};
