@@ -16,6 +16,11 @@
   X(test_schedule_random_orders)   \
   X(test_schedule_flush_and_reset) \
   X(test_schedule_errors)          \
+  X(test_prefetch_exact_commands)  \
+  X(test_prefetch_order_and_seen)  \
+  X(test_prefetch_random_two_ranks) \
+  X(test_prefetch_errors)          \
+  X(test_prefetch_errors_leave_no_trace) \
   X(test_parallel_for_coverage)    \
   X(test_parallel_for_small_n)     \
   X(test_convert_isa)                 \
