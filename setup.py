@@ -39,7 +39,9 @@ if WERROR:
 extensions = [
     Extension(
         "zero_py._C",
-        sources=core_sources + ["csrc/python/module.c"],
+        # every binding file but the CUDA module's (csrc/python/*cuda*)
+        sources=core_sources + sorted(s for s in glob.glob("csrc/python/*.c")
+                                      if "cuda" not in os.path.basename(s)),
         include_dirs=["csrc"],
         extra_compile_args=c_flags,
         extra_link_args=["-pthread"],

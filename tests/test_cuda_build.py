@@ -43,6 +43,7 @@ def test_default_builds_cuda_where_nvcc_is(setup_py, monkeypatch):
     assert ext is not None and ext.name == "zero_py._cuda"
     assert sorted(os.path.basename(s) for s in ext.zp_cuda["cu"]) == ["buffers.cu", "optim.cu"]
     assert "csrc/python/module.c" not in ext.sources  # the CPU binding stays CUDA-free
+    assert "csrc/python/cuda_module.c" in ext.sources
     flags = setup_py["_nvcc_flags"]()
     # the numerics contract of elementwise.cuh, and sm_80 + sm_90 + PTX
     for f in ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false"):
