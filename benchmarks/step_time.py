@@ -11,6 +11,9 @@ on a given rank: the demo's byte-level corpus of the standard library):
     (b) DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
     (c) zero_py.ZeroOptimizer(AdamW, stage=1), model not wrapped
     (d) zero_py.ZeroOptimizer(AdamW, stage=2), model not wrapped
+    (e) zero_py.initialize(model, AdamW, stage=3, wrap_policy={Block})
+    (f) PyTorch FSDP2: fully_shard on every Block and on the model, torch.optim.AdamW (skipped,
+        with the reason printed, where this torch cannot run it on gloo/CPU)
 
 A step is forward, backward, optimizer.step() and zero_grad(). After warm-up the configurations
 take turns, round after round (the starting configuration rotates), each running a few steps
@@ -33,9 +36,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_py
-from zero_py.demo import TinyGPT, get_batch, load_corpus
+from zero_py.demo import Block, TinyGPT, get_batch, load_corpus
 
-CONFIGS = ("DDP + AdamW", "DDP + ZeroRedundancyOptimizer", "zero_py stage 1", "zero_py stage 2")
+CONFIGS = ["DDP + AdamW", "DDP + ZeroRedundancyOptimizer", "zero_py stage 1", "zero_py stage 2",
+           "zero_py stage 3", "FSDP2 (fully_shard)"]
 
 
 class Run:
@@ -54,9 +58,23 @@ class Run:
             self.forward = DistributedDataParallel(self.model)
             self.optimizer = ZeroRedundancyOptimizer(
                 self.model.parameters(), optimizer_class=torch.optim.AdamW, **hyper)
+        elif name == "zero_py stage 3":
+            self.model, self.optimizer = zero_py.initialize(
+                self.model, torch.optim.AdamW, stage=3, wrap_policy={Block}, **hyper)
+            self.forward = self.model
+        elif name.startswith("FSDP2"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), **hyper)
         else:
             self.optimizer = zero_py.ZeroOptimizer(
                 self.model.parameters(), torch.optim.AdamW, stage=int(name[-1]), **hyper)
+        self.name = name
         self.generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
         self.samples = []
 
@@ -78,23 +96,65 @@ def timed(run, tokens, args):
     return (time.perf_counter() - start) / args.steps_per_round
 
 
+def full_params(run):
+    """The configuration's full parameters (gathered for stage 3, unsharded for FSDP2)."""
+    if run.name == "zero_py stage 3":
+        with zero_py.gathered(run.model):
+            return [p.detach().clone() for p in run.model.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for p in run.model.parameters()]
+
+
 @torch.no_grad()
-def max_param_diff(model, reference):
+def max_param_diff(run, reference):
     """Largest absolute difference between the two models' parameters on any rank."""
-    diff = max((p - q).abs().max() for p, q in zip(model.parameters(), reference.parameters()))
+    diff = max((p - q).abs().max() for p, q in zip(full_params(run), full_params(reference)))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 
 
-def table(runs, param_diffs):
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def model_state_bytes(run, tokens, args):
+    """Bytes of model states this rank holds after a backward and a step: zero_py's own
+    accounting (shards, gathered peak, gradient shard and bucket buffers, states, masters);
+    for the others the tensors themselves: parameters (local shards for FSDP2), gradients at
+    the end of backward (plus DDP's bucket copy of them), optimizer states."""
+    x, y = get_batch(tokens, args.batch_size, args.block_size, run.generator)
+    _, loss = run.forward(x, y)
+    loss.backward()
+    if run.name.startswith("zero_py"):
+        run.optimizer.step()
+        rep = run.optimizer.memory_report()
+        run.optimizer.zero_grad()
+        return rep["params"] + rep["grads"] + rep["optimizer_states"]
+    params = sum(_local(p).numel() * p.element_size() for p in run.model.parameters())
+    grads = sum(_local(p.grad).numel() * p.element_size() for p in run.model.parameters()
+                if p.grad is not None)
+    if run.name.startswith("DDP"):
+        grads *= 2  # the reducer's buckets hold a second copy (gradient_as_bucket_view=False)
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    opt = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer's local one
+    states = sum(_local(v).numel() * v.element_size() for st in opt.state.values()
+                 for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    return params + grads + states
+
+
+def table(runs, param_diffs, peak):
     base = statistics.median(runs[CONFIGS[0]].samples)
+    base_mem = peak[CONFIGS[0]]
     rows = ["| configuration | median ms/step | p25 | p75 | vs DDP + AdamW "
-            "| max abs param diff vs (a) |", "|---|---:|---:|---:|---:|---:|"]
-    for name in CONFIGS:
+            "| max abs param diff vs (a) | model states MiB/rank | vs DDP |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in runs:
         q1, _, q3 = statistics.quantiles(runs[name].samples, n=4)
         med = statistics.median(runs[name].samples)
         rows.append(f"| {name} | {med * 1e3:.1f} | {q1 * 1e3:.1f} | {q3 * 1e3:.1f} "
-                    f"| {med / base:.3f} | {param_diffs[name]:.2e} |")
+                    f"| {med / base:.3f} | {param_diffs[name]:.2e} "
+                    f"| {peak[name] / 2**20:.2f} | {peak[name] / base_mem:.2f} |")
     return "\n".join(rows)
 
 
@@ -116,28 +176,42 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train, _, vocab = load_corpus()
-    runs = {name: Run(name, len(vocab), args, rank) for name in CONFIGS}
+    runs = {}
+    for name in CONFIGS:
+        try:
+            runs[name] = Run(name, len(vocab), args, rank)
+        except Exception as exc:  # FSDP2 where this torch cannot run it on gloo/CPU
+            if not name.startswith("FSDP2"):
+                raise
+            if rank == 0:
+                print(f"skipping {name}: {type(exc).__name__}: {exc}")
+    configs = list(runs)
     n_params = sum(p.numel() for p in runs[CONFIGS[0]].model.parameters())
     if rank == 0:
         print(f"TinyGPT n_layer={args.n_layer} d_model={args.d_model} n_head={args.n_head}: "
               f"{n_params / 1e6:.2f}M parameters; {world} ranks x {args.batch_size}x"
               f"{args.block_size} tokens per step; torch {torch.__version__}, 1 thread per rank; "
-              f"zero_py fused C AdamW: {runs[CONFIGS[-1]].optimizer.uses_fused_kernel}")
+              f"zero_py fused C AdamW: {runs['zero_py stage 2'].optimizer.uses_fused_kernel}")
 
     for run in runs.values():
         for _ in range(args.warmup):
             run.step(train, args)
     for r in range(args.rounds):
-        for name in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
+        for name in configs[r % len(configs):] + configs[:r % len(configs)]:
             runs[name].samples.append(timed(runs[name], train, args))
 
-    param_diffs = {name: max_param_diff(run.model, runs[CONFIGS[0]].model)
-                   for name, run in runs.items()}
+    param_diffs = {name: max_param_diff(run, runs[CONFIGS[0]]) for name, run in runs.items()}
+    memory = {name: model_state_bytes(run, train, args) for name, run in runs.items()}
+    peak = {}
+    for name, b in memory.items():
+        t = torch.tensor([b], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak[name] = int(t.item())
 
     if rank == 0:
         print(f"\n{args.rounds} rounds x {args.steps_per_round} steps per configuration, "
               f"after {args.warmup} warm-up steps:\n")
-        print(table(runs, param_diffs))
+        print(table(runs, param_diffs, peak))
         if args.json:
             base = statistics.median(runs[CONFIGS[0]].samples)
             result = {
@@ -151,7 +225,8 @@ def main():
                     name: {"median_s": statistics.median(run.samples),
                            "ratio_to_ddp": statistics.median(run.samples) / base,
                            "samples_s": run.samples,
-                           "max_abs_param_diff_vs_ddp": param_diffs[name]}
+                           "max_abs_param_diff_vs_ddp": param_diffs[name],
+                           "model_state_bytes_max_rank": peak[name]}
                     for name, run in runs.items()},
             }
             with open(args.json, "w") as f:

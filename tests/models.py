@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 
 class MLP(nn.Module):
@@ -67,3 +68,53 @@ class Branchy(nn.Module):
         if use_branch:
             h = h + torch.tanh(self.branch(h))
         return self.head(h)
+
+
+class TiedGPT(nn.Module):
+    """A GPT for stage 3: the output projection is the input embedding (tied), pre-LN blocks
+    (zero_py.demo.Block) that can run under activation checkpointing ("reentrant" or
+    "non_reentrant"), one block that can run twice per forward (`repeat`), blocks a step can
+    skip, and GPT-2's init pass over model.apply when init="apply"."""
+
+    def __init__(self, vocab=32, n_layer=3, d_model=32, n_head=2, block=16, checkpoint="none",
+                 repeat=None, init="apply"):
+        super().__init__()
+        from zero_py.demo import Block
+
+        self.tok_emb = nn.Embedding(vocab, d_model)
+        self.pos_emb = nn.Embedding(block, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, 0.0) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        self.checkpoint = checkpoint
+        self.repeat = repeat
+        if init == "apply":
+            self.apply(self.init_weights)
+
+    @staticmethod
+    def init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.05)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.uniform_(module.bias, -0.1, 0.1)
+
+    def _block(self, block, x):
+        if self.checkpoint == "none":
+            return block(x)
+        return torch.utils.checkpoint.checkpoint(
+            block, x, use_reentrant=self.checkpoint == "reentrant")
+
+    def forward(self, idx, targets=None, skip=()):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for k, block in enumerate(self.blocks):
+            if k in skip:
+                continue
+            x = self._block(block, x)
+            if k == self.repeat:
+                x = self._block(block, x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1))

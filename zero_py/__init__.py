@@ -1,6 +1,7 @@
 """zero_py: ZeRO (Zero Redundancy Optimizer) for PyTorch, with a C core.
 
     import zero_py
+    model, optimizer = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=3e-4)
     optimizer = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=3e-4)
 
 See README.md for the quick start and docs/architecture.md for how the code is organised.
@@ -10,6 +11,8 @@ from zero_py import kernels
 from zero_py.lion import Lion
 from zero_py.loss_scaler import LossScaler
 from zero_py.optimizer import ZeroOptimizer
+from zero_py.stage3 import full_state_dict, gathered, initialize
 
 __version__ = "0.1.0"
-__all__ = ["ZeroOptimizer", "LossScaler", "Lion", "kernels", "__version__"]
+__all__ = ["ZeroOptimizer", "initialize", "gathered", "full_state_dict", "LossScaler", "Lion",
+           "kernels", "__version__"]

@@ -443,7 +443,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         master_psi = sum(p.numel() for p in fp.params if p.dtype != torch.float32)
         ids = {id(p) for p in fp.params}
         frozen = sum(p.numel() * p.element_size() for p in self._all_params if id(p) not in ids)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in fp.buffers)
+        buffer_bytes = sum(fp.bucket_numel[b] * fp.bucket_dtype(b).itemsize
+                           for b in range(fp.n_buckets))
         params = buffer_bytes + frozen
         grads = self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
         if self.stage == 1:

@@ -1,0 +1,394 @@
+"""ZeRO stage 3 against DDP + torch.optim, on gloo at 2 and 4 ranks.
+
+A GPT with tied input/output embeddings, trained 20 steps under activation checkpointing
+(reentrant and not), fp32 and bf16; a block run twice per forward; blocks skipped by every
+rank on some steps and by one rank only on others; evaluation under no_grad and model.eval();
+frozen parameters; the stage-3 options; gathered access with and without a modifier rank; the
+full state dict; partitioned construction from the meta device; per-rank memory of model
+states against 16 psi / N plus the working set.
+
+Every scenario of one world size runs in one set of processes; each test checks one result.
+"""
+
+import copy
+import resource
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distributed
+import models
+import zero_py
+from zero_py.demo import Block
+from test_mixed_precision import MasterAdamW
+
+STEPS = 20
+LR = dict(lr=3e-3, weight_decay=0.1)
+RTOL = 1e-5
+
+
+def _batch(gen, vocab=32, block=16, batch=4):
+    idx = torch.randint(0, vocab, (batch, block + 1), generator=gen)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _params_rel(zmodel, ref_module) -> float:
+    """Largest relative difference between the stage-3 model's full parameters and DDP's."""
+    with zero_py.gathered(zmodel):
+        return max(models.max_rel_diff(a, b) for a, b in
+                   zip(zmodel.parameters(), ref_module.parameters()))
+
+
+def _pair(rank, ref_kw=None, z_kw=None, dtype=None, find_unused=False, opt_cls=None, **init_kw):
+    torch.manual_seed(0)
+    ref = models.TiedGPT(**(ref_kw or {}))
+    if dtype is not None:
+        ref = ref.to(dtype)
+    zm = copy.deepcopy(ref)
+    for k, v in (z_kw or {}).items():
+        setattr(zm, k, v)
+    ddp = DDP(ref, find_unused_parameters=find_unused)
+    ref_opt = (opt_cls or torch.optim.AdamW)(ddp.parameters(), **LR)
+    init_kw.setdefault("wrap_policy", {Block})
+    zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, **init_kw, **LR)
+    return ddp, ref_opt, zm, zopt
+
+
+def _train(ddp, ref_opt, zm, zopt, rank, steps=STEPS, skip_for=lambda step: ()):
+    gen = torch.Generator().manual_seed(100 + rank)
+    worst = 0.0
+    for step in range(steps):
+        idx, tgt = _batch(gen)
+        losses = []
+        for model, opt in ((ddp, ref_opt), (zm, zopt)):
+            loss = model(idx, tgt, skip=skip_for(step))
+            loss.float().backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[1] - losses[0]) / abs(losses[0]))
+    return worst
+
+
+# -- scenarios (run inside the ranks) ------------------------------------------------------------
+
+def parity_fp32(rank, ckpt):
+    ddp, ref_opt, zm, zopt = _pair(rank, z_kw={"checkpoint": ckpt})
+    loss_rel = _train(ddp, ref_opt, zm, zopt, rank)
+    return {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module),
+            "tied": zm.lm_head.weight is zm.tok_emb.weight,
+            "units": len(zopt._engine.units)}
+
+
+def parity_bf16(rank):
+    torch.manual_seed(0)
+    ref = models.TiedGPT().to(torch.bfloat16)
+    zm = copy.deepcopy(ref)
+    zm.checkpoint = "non_reentrant"
+    ddp = DDP(ref)
+    ref_opt = MasterAdamW(ddp.parameters(), **LR)
+    zm, zopt = zero_py.initialize(zm, stage=3, wrap_policy={Block}, **LR)
+    loss_rel = _train(ddp, ref_opt, zm, zopt, rank)
+    with zero_py.gathered(zm):
+        dtypes = {p.dtype for p in zm.parameters()}
+    return {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module), "dtypes": dtypes}
+
+
+def repeated_and_skipped(rank):
+    """Block 1 runs twice per forward; block 2 is skipped by all ranks on some steps (the path
+    changes between steps), block 0 by rank 0 only on others (ranks take different paths)."""
+    ddp, ref_opt, zm, zopt = _pair(rank, ref_kw={"repeat": 1}, find_unused=True)
+
+    def skip(step):
+        if step % 4 == 1:
+            return (2,)
+        if step % 4 == 3 and rank == 0:
+            return (0,)
+        return ()
+
+    loss_rel = _train(ddp, ref_opt, zm, zopt, rank, skip_for=skip)
+    return {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module)}
+
+
+def eval_and_no_grad(rank):
+    """Evaluation between training steps: under no_grad, in eval mode, and a forward with grad
+    enabled whose loss is never backpropagated; training then goes on matching DDP."""
+    ddp, ref_opt, zm, zopt = _pair(rank, z_kw={"checkpoint": "non_reentrant"})
+    gen = torch.Generator().manual_seed(7 + rank)
+    _train(ddp, ref_opt, zm, zopt, rank, steps=5)
+    idx, _ = _batch(gen)
+    out = {}
+    zm.eval()
+    ddp.module.eval()
+    with torch.no_grad():
+        out["no_grad_rel"] = models.max_rel_diff(zm(idx), ddp.module(idx))
+    out["grad_enabled_rel"] = models.max_rel_diff(zm(idx).detach(), ddp.module(idx).detach())
+    zm.train()
+    ddp.module.train()
+    out["resumed_loss_rel"] = _train(ddp, ref_opt, zm, zopt, rank, steps=5)
+    out["rel"] = _params_rel(zm, ddp.module)
+    return out
+
+
+def frozen(rank):
+    torch.manual_seed(0)
+    ref = models.TiedGPT()
+    ref.pos_emb.requires_grad_(False)
+    ref.blocks[1].ln1.requires_grad_(False)
+    zm = copy.deepcopy(ref)
+    pos0 = ref.pos_emb.weight.detach().clone()
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], **LR)
+    zm, zopt = zero_py.initialize(zm, stage=3, wrap_policy={Block},
+                                  params=[p for p in zm.parameters() if p.requires_grad], **LR)
+    loss_rel = _train(ddp, ref_opt, zm, zopt, rank, steps=10)
+    return {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module),
+            "frozen_kept": bool(torch.equal(zm.pos_emb.weight, pos0))}
+
+
+def options(rank):
+    out = {}
+    cases = {"keep_until_backward": dict(reshard_after_forward=False),
+             "persistent_small": dict(persistence_threshold=200),
+             "no_prefetch": dict(prefetch_bytes=0),
+             "size_policy": dict(wrap_policy=2000)}
+    for name, kw in cases.items():
+        ddp, ref_opt, zm, zopt = _pair(rank, z_kw={"checkpoint": "non_reentrant"}, **kw)
+        loss_rel = _train(ddp, ref_opt, zm, zopt, rank, steps=8)
+        out[name] = {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module),
+                     "units": len(zopt._engine.units)}
+    return out
+
+
+def gathered_and_export(rank, world_size):
+    ddp, ref_opt, zm, zopt = _pair(rank)
+    _train(ddp, ref_opt, zm, zopt, rank, steps=4)
+    out = {"read_rel": _params_rel(zm, ddp.module)}
+    editor = world_size - 1
+    with zero_py.gathered(zm.blocks[0], modifier_rank=editor, optimizer=zopt):
+        with torch.no_grad():
+            # only the modifier rank's edit counts; the others' must be discarded
+            zm.blocks[0].mlp[0].weight.mul_(0.5 if rank == editor else 3.0)
+    with torch.no_grad():
+        ddp.module.blocks[0].mlp[0].weight.mul_(0.5)
+    out["edit_rel"] = _params_rel(zm, ddp.module)
+    out["after_edit_loss_rel"] = _train(ddp, ref_opt, zm, zopt, rank, steps=4)
+    out["after_edit_rel"] = _params_rel(zm, ddp.module)
+    full = zero_py.full_state_dict(zm)
+    if rank == 0:
+        ref_sd = ddp.module.state_dict()
+        out["export_keys"] = list(full) == list(ref_sd)
+        out["export_rel"] = max(models.max_rel_diff(full[k], ref_sd[k]) for k in ref_sd)
+    else:
+        out["export_none"] = full is None
+    try:
+        zm.blocks[0](torch.randn(2, 16, 32))
+    except RuntimeError as exc:
+        out["outside_error"] = str(exc)
+    return out
+
+
+def meta_build(rank):
+    """Partitioned construction: built on the meta device, materialized module by module, equal
+    to an ordinary build from the same seed, with GPT-2's apply(init) pass and without."""
+    out = {}
+    for init in ("apply", "none"):
+        torch.manual_seed(3)
+        plain = models.TiedGPT(init=init)
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            meta = models.TiedGPT(init=init)
+        fn = models.TiedGPT.init_weights if init == "apply" else None
+        meta, opt = zero_py.initialize(meta, stage=3, wrap_policy={Block}, init_fn=fn, **LR)
+        full = zero_py.full_state_dict(meta)
+        if rank == 0:
+            ref = plain.state_dict()
+            out[init] = all(torch.equal(full[k], ref[k]) for k in ref)
+        out[init + "_tied"] = meta.lm_head.weight is meta.tok_emb.weight
+        # and it trains: one step moves the parameters
+        idx, tgt = _batch(torch.Generator().manual_seed(rank))
+        meta(idx, tgt).backward()
+        opt.step()
+    return out
+
+
+class Wide(nn.Module):
+    def __init__(self, n=16, d=1024):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def meta_build_memory(rank):
+    """A 64 MiB model built on the meta device: the rank's peak resident memory grows by its
+    shard and one layer, never by the whole model."""
+    with torch.device("meta"):
+        model = Wide()
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    before = _rss_bytes()
+    model, opt = zero_py.initialize(model, stage=3, wrap_policy=nn.Linear)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"growth": peak - before, "full": full_bytes}
+
+
+def memory(rank, world_size):
+    torch.manual_seed(0)
+    model = models.TiedGPT(n_layer=8, d_model=64, vocab=64)
+    model, opt = zero_py.initialize(model, stage=3, wrap_policy={Block}, **LR)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        idx, tgt = _batch(gen, vocab=64)
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = opt.memory_report()
+    engine = opt._engine
+    units = engine.flat.unit_bytes[:len(engine.units)]
+    return {"report": rep, "psi": sum(p.numel() for p in model.parameters()),
+            "peak_bucket": opt._reducer.peak_bucket_bytes,
+            "root_bytes": units[0], "largest_unit": max(units[1:])}
+
+
+def _all(rank, world_size):
+    out = {}
+    for ckpt in ("none", "non_reentrant", "reentrant"):
+        out["fp32_" + ckpt] = parity_fp32(rank, ckpt)
+    out["bf16"] = parity_bf16(rank)
+    out["repeat_skip"] = repeated_and_skipped(rank)
+    out["eval"] = eval_and_no_grad(rank)
+    out["frozen"] = frozen(rank)
+    out["options"] = options(rank)
+    out["gathered"] = gathered_and_export(rank, world_size)
+    out["meta"] = meta_build(rank)
+    out["memory"] = memory(rank, world_size)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    return request.param, distributed.run(_all, request.param)
+
+
+def _worst(res, key, field):
+    return max(r[key][field] for r in res)
+
+
+@pytest.mark.parametrize("ckpt", ["none", "non_reentrant", "reentrant"])
+def test_tied_gpt_matches_ddp(results, ckpt):
+    _, res = results
+    key = "fp32_" + ckpt
+    assert all(r[key]["tied"] for r in res)
+    assert res[0][key]["units"] == 4  # root + 3 blocks
+    assert _worst(res, key, "loss_rel") < RTOL
+    assert _worst(res, key, "rel") < RTOL
+
+
+def test_bf16_matches_ddp_with_fp32_masters(results):
+    _, res = results
+    assert all(r["bf16"]["dtypes"] == {torch.bfloat16} for r in res)
+    assert _worst(res, "bf16", "loss_rel") < 1e-2
+    assert _worst(res, "bf16", "rel") < 2e-2
+
+
+def test_repeated_and_skipped_units(results):
+    _, res = results
+    assert _worst(res, "repeat_skip", "loss_rel") < RTOL
+    assert _worst(res, "repeat_skip", "rel") < RTOL
+
+
+def test_eval_between_steps(results):
+    _, res = results
+    for key in ("no_grad_rel", "grad_enabled_rel", "resumed_loss_rel", "rel"):
+        assert _worst(res, "eval", key) < RTOL, key
+
+
+def test_frozen_parameters(results):
+    _, res = results
+    assert all(r["frozen"]["frozen_kept"] for r in res)
+    assert _worst(res, "frozen", "loss_rel") < RTOL
+    assert _worst(res, "frozen", "rel") < RTOL
+
+
+@pytest.mark.parametrize("case", ["keep_until_backward", "persistent_small", "no_prefetch",
+                                  "size_policy"])
+def test_stage3_options(results, case):
+    _, res = results
+    assert max(r["options"][case]["loss_rel"] for r in res) < RTOL
+    assert max(r["options"][case]["rel"] for r in res) < RTOL
+    if case == "size_policy":  # 2000 parameters: every Linear of the blocks, not LayerNorms
+        assert res[0]["options"][case]["units"] > 4
+
+
+def test_gathered_access_and_export(results):
+    _, res = results
+    for key in ("read_rel", "edit_rel", "after_edit_loss_rel", "after_edit_rel"):
+        assert max(r["gathered"][key] for r in res) < RTOL, key
+    assert res[0]["gathered"]["export_keys"]
+    assert res[0]["gathered"]["export_rel"] < RTOL
+    assert all(r["gathered"]["export_none"] for r in res[1:])
+    assert all("zero_py.gathered" in r["gathered"]["outside_error"] for r in res)
+
+
+def test_meta_build_equals_ordinary_build(results):
+    _, res = results
+    assert res[0]["meta"]["apply"] and res[0]["meta"]["none"]
+    assert all(r["meta"]["apply_tied"] and r["meta"]["none_tied"] for r in res)
+
+
+def test_model_state_memory(results):
+    """Model states (fp32 AdamW: 4 B params + 4 B grads + 8 B states per parameter) within
+    16 psi / N plus the working set: the most gathered bytes at once, the bucket buffers of
+    the reductions in flight, and the alignment padding."""
+    n, res = results
+    for r in res:
+        rep = r["memory"]["report"]
+        total = rep["params"] + rep["grads"] + rep["optimizer_states"]
+        working = rep["gathered_peak"] + r["memory"]["peak_bucket"] + 4 * rep["padding"]
+        assert total <= 16 * r["memory"]["psi"] / n + working
+        # gathering holds at most the root, the unit in use and one prefetched unit
+        assert rep["gathered_peak"] <= r["memory"]["root_bytes"] + 2 * r["memory"]["largest_unit"]
+        ddp = rep["ddp_params"] + rep["ddp_grads"] + rep["ddp_optimizer_states"]
+        assert total < ddp
+
+
+def test_meta_build_never_holds_the_whole_model():
+    res = distributed.run(meta_build_memory, 2)
+    for r in res:
+        # the shard (half) and a layer (1/16) plus allocator slack, never the whole 64 MiB
+        assert r["growth"] < 0.75 * r["full"], r
+
+
+def test_initialize_errors():
+    model = models.TiedGPT()
+    with pytest.raises(ValueError, match="only apply to stage=3"):
+        zero_py.initialize(model, stage=2, wrap_policy={Block})
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        zero_py.initialize(model, stage=4)
+    with pytest.raises(TypeError, match="wrap_policy"):
+        zero_py.stage3.assign_units(model, "Block")
+    with pytest.raises(TypeError, match="nn.Module subclasses"):
+        zero_py.stage3.assign_units(model, [int])
+    with pytest.raises(ValueError, match="ZeroOptimizer takes stage 1 or 2"):
+        zero_py.ZeroOptimizer(model.parameters(), stage=3)
+
+
+def test_units_and_tied_parameters():
+    model = models.TiedGPT()
+    units, unit_of = zero_py.stage3.assign_units(model, {Block})
+    assert [n for n, _ in units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    # the tied embedding is used by the root's lm_head and tok_emb: it belongs to the root
+    assert unit_of[id(model.tok_emb.weight)] == 0
+    assert unit_of[id(model.blocks[2].mlp[0].weight)] == 3
+    units, _ = zero_py.stage3.assign_units(model, 2000)
+    assert all(isinstance(m, nn.Linear) or n == "" for n, m in units)
