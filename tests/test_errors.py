@@ -15,7 +15,7 @@ def test_needs_an_initialized_process_group():
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(stage=3), ValueError, "stage must be 1 or 2"),
+    (dict(stage=3), ValueError, "ZeroOptimizer takes stage 1 or 2"),
     (dict(optimizer_class=nn.Linear), TypeError, "torch.optim.Optimizer subclass"),
     (dict(bucket_bytes=0), ValueError, "bucket_bytes"),
     (dict(align_bytes=48), ValueError, "power of two"),

@@ -49,8 +49,8 @@ from zero_py.optimizer import ZeroOptimizer
 WrapPolicy = Union[None, int, Sequence[Type[nn.Module]], Callable[[nn.Module, str], bool]]
 
 DEFAULT_WRAP_THRESHOLD = 1_000_000  # parameters; the default policy wraps modules this large
-_NO_BUCKET_LIMIT = 2**62
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)             # stage 3 buckets are whole (unit, group, dtype) sets
+_NO_BUCKET_LIMIT = 2**62  # stage 3 buckets are whole (unit, group, dtype) sets
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _in_backward() -> bool:
@@ -598,8 +598,9 @@ def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
             if p is None or not p.is_meta:
                 continue
             if id(p) not in new:
-                t = torch.empty(p.shape, dtype=p.dtype, device=device)
-                _free_storage(t)
+                # the right shape and dtype over one element (stride 0): nothing the size of
+                # the parameter is allocated; build_flat points it at its gather buffer
+                t = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
                 new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
             m._parameters[name] = new[id(p)]
     return {id(p) for p in new.values()}
@@ -650,8 +651,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
                 flat.shards.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(
                     value.reshape(-1)[s.param_lo:s.param_hi])
         else:  # frozen: replicated, whole
-            _alloc_storage(p.data)
-            p.data.copy_(value)
+            p.data = value.clone()
 
     def meta_buffers(m: nn.Module) -> None:
         for name, buf in list(m._buffers.items()):
