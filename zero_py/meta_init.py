@@ -1,0 +1,163 @@
+"""Partitioned construction for stage 3: a model built on the meta device is materialized
+module by module, so it never exists whole on a rank, and gets the values an ordinary build from
+the same seed gives.
+
+`realize_meta` swaps every meta parameter for one with the right shape and dtype and no storage;
+zero_py.stage3 lays them out and shards them; `replay_init` then replays, one module at a time,
+what the constructors did (each module's reset_parameters(), children first, with the RNG state
+the constructor saw) and what an init_fn applied afterwards would do, and keeps only this rank's
+pieces of each value (rank 0's values, broadcast, as with an ordinary build)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from zero_py.stage3 import Stage3Engine
+
+
+def _post_order(model: nn.Module) -> List[nn.Module]:
+    """Modules children first, as a constructor finishes them and as Module.apply visits them."""
+    out: List[nn.Module] = []
+    seen: Set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        out.append(m)
+
+    visit(model)
+    return out
+
+
+def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
+    """Replaces every parameter on the meta device by a parameter on `device` with no storage
+    behind it (the same object in every module that shares it); returns their ids. Values
+    come later, from replay_init, one module at a time."""
+    new: Dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                # the right shape and dtype over one element (stride 0): nothing the size of
+                # the parameter is allocated; build_flat points it at its gather buffer
+                t = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
+                new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            m._parameters[name] = new[id(p)]
+    return {id(p) for p in new.values()}
+
+
+@contextlib.contextmanager
+def _scratch(module: nn.Module, values: Dict[str, torch.Tensor]):
+    """Module with its direct parameters temporarily replaced by `values` (full tensors)."""
+    saved = dict(module._parameters)
+    try:
+        for name, t in values.items():
+            module._parameters[name] = nn.Parameter(t, requires_grad=saved[name].requires_grad)
+        yield
+    finally:
+        for name, p in saved.items():
+            module._parameters[name] = p
+
+
+def replay_init(model: nn.Module, engine: Stage3Engine,
+                init_fn: Optional[Callable[[nn.Module], None]]) -> None:
+    """Fills the parameters realize_meta created, module by module, with the values an ordinary
+    build from the same seed gives: each module's reset_parameters() in construction order
+    (children first), then init_fn over the model as Module.apply(init_fn) would run it after
+    construction. Only one module's parameters are whole at a time (a tied parameter stays
+    whole from its first to its last owner). Rank 0's values are broadcast, as with an
+    ordinary build. Meta buffers are materialized by the same replay and stay replicated."""
+    flat = engine.flat
+    todo = engine.uninitialized
+    index = {id(p): i for i, p in enumerate(flat.params)}
+    order = _post_order(model)
+    owners: Dict[int, List[nn.Module]] = {}
+    for m in order:
+        for p in m._parameters.values():
+            if p is not None and id(p) in todo:
+                owners.setdefault(id(p), []).append(m)
+    device = flat.device
+
+    def fresh(m: nn.Module) -> Dict[str, torch.Tensor]:
+        return {name: torch.empty(p.shape, dtype=p.dtype, device=device)
+                for name, p in m._parameters.items() if p is not None and id(p) in todo}
+
+    def store(p: nn.Parameter, value: torch.Tensor) -> None:
+        value = value.detach().contiguous()
+        engine.gather_executor.broadcast(value, 0).wait()
+        if id(p) in index:
+            s = flat.slice_of_param.get(index[id(p)])
+            if s is not None:
+                flat.shards.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(
+                    value.reshape(-1)[s.param_lo:s.param_hi])
+        else:  # frozen: replicated, whole
+            p.data = value.clone()
+
+    def meta_buffers(m: nn.Module) -> None:
+        for name, buf in list(m._buffers.items()):
+            if buf is not None and buf.is_meta:
+                m._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+
+    filled: Set[int] = set()
+    snapshots: Dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for m in order:  # pass 1: what the constructors did
+            meta_buffers(m)
+            if not hasattr(m, "reset_parameters"):
+                continue
+            snapshots[id(m)] = torch.get_rng_state()
+            values = fresh(m)
+            with _scratch(m, values):
+                m.reset_parameters()
+            if init_fn is None:
+                for name, p in m._parameters.items():
+                    if p is not None and id(p) in todo and owners[id(p)][0] is m:
+                        store(p, values[name])
+                        filled.add(id(p))
+        if init_fn is not None:  # pass 2: init_fn applied after construction
+            carried: Dict[int, torch.Tensor] = {}
+            for m in order:
+                values = fresh(m)
+                if id(m) in snapshots:  # this module's values after construction
+                    state = torch.get_rng_state()
+                    torch.set_rng_state(snapshots[id(m)])
+                    with _scratch(m, values):
+                        m.reset_parameters()
+                    torch.set_rng_state(state)
+                for name, p in m._parameters.items():
+                    if p is not None and id(p) in carried:
+                        values[name] = carried[id(p)]
+                with _scratch(m, values):
+                    init_fn(m)
+                for name, p in m._parameters.items():
+                    if p is None or id(p) not in todo:
+                        continue
+                    if owners[id(p)][-1] is m:
+                        store(p, values[name])
+                        carried.pop(id(p), None)
+                        filled.add(id(p))
+                    else:
+                        carried[id(p)] = values[name]
+            filled |= set(owners)
+    missing = [n for n, p in model.named_parameters() if id(p) in todo and id(p) not in filled]
+    if missing:
+        raise ValueError(
+            f"zero_py: parameters {missing[:5]} were built on the meta device but no module that "
+            "owns them has reset_parameters(), so their initial values are unknown; pass "
+            "init_fn=fn (called on every module, children first, like model.apply(fn)) that "
+            "initializes them")
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ValueError(f"zero_py: buffers {left[:5]} are still on the meta device; create "
+                         "them on a real device in the constructor or set them in init_fn")
+    engine.uninitialized = set()
+    engine.regather_resident()
