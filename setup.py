@@ -171,7 +171,8 @@ class BuildExt(build_ext):
         os.makedirs(out_dir, exist_ok=True)
         flags = _nvcc_flags()
         headers = glob.glob("csrc/kernels/cuda/*.cuh") + glob.glob("csrc/kernels/cuda/*.h") + \
-            glob.glob("csrc/kernels/cpu/optim.h") + glob.glob("csrc/common/status.h")
+            glob.glob("csrc/kernels/*.h") + glob.glob("csrc/kernels/cpu/optim.h") + \
+            glob.glob("csrc/common/status.h")
         newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
 
         def one(src):

@@ -7,9 +7,9 @@
  * driver or device as an exception from the call. Tensors, streams and workspaces arrive as
  * addresses that zero_py/cuda.py and zero_py/nccl.py took from objects they own and checked;
  * validation, keyword arguments and docstrings live there. Statuses become exceptions in one
- * place (zp_raise). */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+ * place (zp_raise), and the optimizer tables are decoded as zero_py._C decodes them: both are
+ * binding.h's. */
+#include "python/binding.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,32 +19,8 @@
 #include "comm/nccl_lib.h"
 #include "kernels/cuda/optim_cuda.h"
 
-static PyObject *zp_raise(zp_status status) {
-  PyObject *type;
-  switch (status) {
-  case ZP_ERR_NOMEM:
-    type = PyExc_MemoryError;
-    break;
-  case ZP_ERR_INVALID:
-    type = PyExc_ValueError;
-    break;
-  case ZP_ERR_RANGE:
-    type = PyExc_IndexError;
-    break;
-  default:
-    type = PyExc_RuntimeError;
-    break;
-  }
-  PyErr_SetString(type, zp_last_error());
-  return NULL;
-}
+/* ---- tables: zero_py._C's segment and group rows (binding.h), and copy rows ---- */
 
-#define ZP_PTR(v) ((void *)(uintptr_t)(v))
-
-/* ---- tables: the rows of zero_py._C's opt_step and grad_stats (module.c), same layout ---- */
-
-#define ZP_OPT_SEG_FIELDS 10
-#define ZP_OPT_GROUP_FIELDS 11
 #define ZP_COPY_FIELDS 6
 
 static Py_ssize_t zp_rows(const Py_buffer *buf, int fields, const char *fn) {
@@ -59,50 +35,19 @@ static zp_opt_segment *zp_opt_segments(const Py_buffer *buf, const char *fn, Py_
   Py_ssize_t n = zp_rows(buf, ZP_OPT_SEG_FIELDS, fn);
   if (n < 0)
     return NULL;
-  zp_opt_segment *segs = malloc((size_t)(n > 0 ? n : 1) * sizeof *segs);
-  if (segs == NULL) {
-    PyErr_NoMemory();
-    return NULL;
-  }
-  for (Py_ssize_t s = 0; s < n; s++) {
-    int64_t row[ZP_OPT_SEG_FIELDS];
-    memcpy(row, (const char *)buf->buf + s * sizeof row, sizeof row);
-    int32_t group = row[8] < INT32_MIN || row[8] > INT32_MAX ? -1 : (int32_t)row[8];
-    segs[s] = (zp_opt_segment){ZP_PTR(row[0]), ZP_PTR(row[1]), ZP_PTR(row[2]), ZP_PTR(row[3]),
-                               ZP_PTR(row[4]), ZP_PTR(row[5]), row[6], row[7], group};
-  }
-  *n_out = n;
+  zp_opt_segment *segs = zp_py_opt_segment_rows(buf, n);
+  if (segs != NULL)
+    *n_out = n;
   return segs;
-}
-
-static int32_t zp_small_int(double v) {
-  return v >= -1.0 && v <= 1048576.0 && v == (double)(int32_t)v ? (int32_t)v : -1;
 }
 
 static zp_opt_group *zp_opt_groups(const Py_buffer *buf, Py_ssize_t *n_out) {
   Py_ssize_t n = zp_rows(buf, ZP_OPT_GROUP_FIELDS, "opt_step groups");
   if (n < 0)
     return NULL;
-  zp_opt_group *groups = malloc((size_t)(n > 0 ? n : 1) * sizeof *groups);
-  if (groups == NULL) {
-    PyErr_NoMemory();
-    return NULL;
-  }
-  for (Py_ssize_t k = 0; k < n; k++) {
-    double row[ZP_OPT_GROUP_FIELDS];
-    memcpy(row, (const char *)buf->buf + k * sizeof row, sizeof row);
-    if (!(row[10] >= 0.0 && row[10] <= 9007199254740992.0 &&
-          row[10] == (double)(uint64_t)row[10])) {
-      PyErr_Format(PyExc_ValueError, "opt_step: group %zd: seed must be an integer in "
-                   "[0, 2**53], got %g", k, row[10]);
-      free(groups);
-      return NULL;
-    }
-    groups[k] = (zp_opt_group){zp_small_int(row[0]), zp_small_int(row[1]), zp_small_int(row[2]),
-                               zp_small_int(row[3]), row[4], row[5], row[6], row[7], row[8],
-                               row[9], (uint64_t)row[10]};
-  }
-  *n_out = n;
+  zp_opt_group *groups = zp_py_opt_group_rows(buf, n);
+  if (groups != NULL)
+    *n_out = n;
   return groups;
 }
 
@@ -112,11 +57,9 @@ static zp_copy_segment *zp_copy_rows(const Py_buffer *buf, Py_ssize_t *n_out) {
   Py_ssize_t n = zp_rows(buf, ZP_COPY_FIELDS, "copy");
   if (n < 0)
     return NULL;
-  zp_copy_segment *segs = malloc((size_t)(n > 0 ? n : 1) * sizeof *segs);
-  if (segs == NULL) {
-    PyErr_NoMemory();
+  zp_copy_segment *segs = zp_py_alloc_rows(n, sizeof *segs);
+  if (segs == NULL)
     return NULL;
-  }
   for (Py_ssize_t s = 0; s < n; s++) {
     int64_t row[ZP_COPY_FIELDS];
     memcpy(row, (const char *)buf->buf + s * sizeof row, sizeof row);

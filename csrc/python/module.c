@@ -3,10 +3,9 @@
  * Parses arguments, calls one core function, and turns a failing zp_status into an exception
  * in one place (zp_raise). Keyword arguments, defaults, docstrings and validation of tensors
  * live in Python (zero_py/); tensors arrive here as addresses the Python side took from
- * tensors it owns and checked (contiguous, dtype, device). The only C file that includes
- * Python.h. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+ * tensors it owns and checked (contiguous, dtype, device). zp_raise and the table decoding are
+ * binding.h's, shared with zero_py._cuda (cuda_module.c). */
+#include "python/binding.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,31 +15,7 @@
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
 #include "layout/layout.h"
-#include "python/binding.h"
 #include "schedule/schedule.h"
-
-/* The one place where core statuses become Python exceptions. */
-PyObject *zp_raise(zp_status status) {
-  PyObject *type;
-  switch (status) {
-  case ZP_ERR_NOMEM:
-    type = PyExc_MemoryError;
-    break;
-  case ZP_ERR_INVALID:
-    type = PyExc_ValueError;
-    break;
-  case ZP_ERR_RANGE:
-    type = PyExc_IndexError;
-    break;
-  case ZP_ERR_STATE:
-  case ZP_ERR_SYSTEM:
-  default:
-    type = PyExc_RuntimeError;
-    break;
-  }
-  PyErr_SetString(type, zp_last_error());
-  return NULL;
-}
 
 /* Reads a sequence of Python ints into a new int64 array (caller frees). */
 static int64_t *zp_int64_array(PyObject *seq, const char *what, Py_ssize_t *n_out) {
@@ -48,10 +23,9 @@ static int64_t *zp_int64_array(PyObject *seq, const char *what, Py_ssize_t *n_ou
   if (fast == NULL)
     return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  int64_t *values = malloc((size_t)(n > 0 ? n : 1) * sizeof *values);
+  int64_t *values = zp_py_alloc_rows(n, sizeof *values);
   if (values == NULL) {
     Py_DECREF(fast);
-    PyErr_NoMemory();
     return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
@@ -105,11 +79,9 @@ static PyObject *zp_py_layout_plan(PyObject *self, PyObject *args) {
                                       "have one entry per parameter");
     goto done;
   }
-  descs = malloc((size_t)(n > 0 ? n : 1) * sizeof *descs);
-  if (descs == NULL) {
-    PyErr_NoMemory();
+  descs = zp_py_alloc_rows(n, sizeof *descs);
+  if (descs == NULL)
     goto done;
-  }
   for (Py_ssize_t i = 0; i < n; i++) {
     if (groups[i] > INT32_MAX || buffers[i] > INT32_MAX || elems[i] > INT32_MAX ||
         groups[i] < INT32_MIN || buffers[i] < INT32_MIN || elems[i] < INT32_MIN) {
@@ -150,12 +122,8 @@ done:
   return result;
 }
 
-/* opt_step(segments, groups, n_threads): segments is a buffer of int64 rows (master, grad,
- * state0, state1, state2, param_out addresses [0 = NULL], numel, step, group, unused); groups a
- * buffer of float64 rows (kind, grad_dtype, param_dtype, flags, lr, beta1, beta2, eps,
- * weight_decay, grad_scale, seed), the first four and seed integers stored as float64. */
-#define ZP_OPT_SEG_FIELDS 10
-#define ZP_OPT_GROUP_FIELDS 11
+/* opt_step(segments, groups, n_threads): the tables of binding.h (ZP_OPT_SEG_FIELDS int64
+ * rows, ZP_OPT_GROUP_FIELDS float64 rows). */
 
 /* Segment rows -> zp_opt_segment (caller frees *out). Sets a Python error and returns -1 on
  * failure. */
@@ -169,28 +137,8 @@ static Py_ssize_t zp_opt_segments(const Py_buffer *buf, const char *fn, zp_opt_s
     PyErr_Format(PyExc_ValueError, "%s: too many segments (%zd)", fn, n);
     return -1;
   }
-  zp_opt_segment *segs = malloc((size_t)(n > 0 ? n : 1) * sizeof *segs);
-  if (segs == NULL) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  for (Py_ssize_t s = 0; s < n; s++) {
-    int64_t row[ZP_OPT_SEG_FIELDS];
-    memcpy(row, (const char *)buf->buf + s * sizeof row, sizeof row);
-    int32_t group = row[8] < INT32_MIN || row[8] > INT32_MAX ? -1 : (int32_t)row[8];
-    segs[s] = (zp_opt_segment){(float *)(uintptr_t)row[0], (const void *)(uintptr_t)row[1],
-                               (float *)(uintptr_t)row[2], (float *)(uintptr_t)row[3],
-                               (float *)(uintptr_t)row[4], (void *)(uintptr_t)row[5],
-                               row[6], row[7], group};
-  }
-  *out = segs;
-  return n;
-}
-
-/* A float64 that must hold a small integer (kind, dtype, flags) -> int32, or -1 when it does
- * not (the core then rejects it with a message naming the field). */
-static int32_t zp_small_int(double v) {
-  return v >= -1.0 && v <= 1048576.0 && v == (double)(int32_t)v ? (int32_t)v : -1;
+  *out = zp_py_opt_segment_rows(buf, n);
+  return *out == NULL ? -1 : n;
 }
 
 static PyObject *zp_py_opt_step(PyObject *self, PyObject *args) {
@@ -212,23 +160,9 @@ static PyObject *zp_py_opt_step(PyObject *self, PyObject *args) {
     goto done;
   }
   Py_ssize_t n_groups = group_buf.len / (ZP_OPT_GROUP_FIELDS * 8);
-  groups = malloc((size_t)(n_groups > 0 ? n_groups : 1) * sizeof *groups);
-  if (groups == NULL) {
-    PyErr_NoMemory();
+  groups = zp_py_opt_group_rows(&group_buf, n_groups);
+  if (groups == NULL)
     goto done;
-  }
-  for (Py_ssize_t k = 0; k < n_groups; k++) {
-    double row[ZP_OPT_GROUP_FIELDS];
-    memcpy(row, (const char *)group_buf.buf + k * sizeof row, sizeof row);
-    if (!(row[10] >= 0.0 && row[10] <= 9007199254740992.0 && row[10] == (double)(uint64_t)row[10])) {
-      PyErr_Format(PyExc_ValueError, "opt_step: group %zd: seed must be an integer in "
-                   "[0, 2**53], got %g", k, row[10]);
-      goto done;
-    }
-    groups[k] = (zp_opt_group){zp_small_int(row[0]), zp_small_int(row[1]), zp_small_int(row[2]),
-                               zp_small_int(row[3]), row[4], row[5], row[6], row[7], row[8],
-                               row[9], (uint64_t)row[10]};
-  }
   zp_status status;
   Py_BEGIN_ALLOW_THREADS status =
       zp_opt_step_cpu(segs, (int32_t)n_segs, groups, (int32_t)n_groups, n_threads);
@@ -297,10 +231,10 @@ static PyObject *zp_schedule_new(PyTypeObject *type, PyObject *args, PyObject *k
   int64_t *map64 = zp_int64_array(map_o, "param_bucket must be a sequence", &n);
   if (map64 == NULL)
     return NULL;
-  int32_t *map = malloc((size_t)(n > 0 ? n : 1) * sizeof *map);
+  int32_t *map = zp_py_alloc_rows(n, sizeof *map);
   if (map == NULL) {
     free(map64);
-    return PyErr_NoMemory();
+    return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++)
     map[i] = map64[i] < INT32_MIN || map64[i] > INT32_MAX ? -1 : (int32_t)map64[i];

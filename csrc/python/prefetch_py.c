@@ -1,7 +1,7 @@
 /* prefetch_py.c - zero_py._C.Prefetch: a Python object owning one zp_prefetch (prefetch.h).
  *
  * Commands come back as a tuple of (kind, unit) pairs, kind PF_GATHER or PF_FREE; the core's
- * reason for each command stays in C. Failing calls raise through zp_raise (module.c). */
+ * reason for each command stays in C. Failing calls raise through zp_raise (binding.h). */
 #include "python/binding.h"
 
 #include <stdint.h>

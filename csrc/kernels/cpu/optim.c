@@ -18,6 +18,7 @@
 
 #include "common/parallel.h"
 #include "kernels/cpu/convert.h"
+#include "kernels/optim_common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -29,25 +30,8 @@
 #define ZP_OPT_ALL_FLAGS \
   (ZP_OPT_MAXIMIZE | ZP_OPT_AMSGRAD | ZP_OPT_NESTEROV | ZP_OPT_STOCHASTIC_ROUNDING)
 
-/* Per-segment constants, as the float values torch would use. Each kind reads its own. */
-typedef struct {
-  int32_t kind, grad_dtype, param_dtype, flags;
-  float scale;       /* grad_scale, negated for maximize */
-  float decay;       /* AdamW, Lion: 1 - lr * weight_decay; Adam: 1 */
-  float wd;          /* Adam, SGD, Adagrad: L2 term added to the gradient when use_l2 */
-  int use_l2;
-  float lerp_w;      /* Adam*: 1 - beta1, and ATen's other branch w - 1 when w >= 0.5 */
-  float lerp_wm1;
-  int lerp_small;
-  float b1, omb1;    /* Lion: beta1, 1 - beta1; SGD: b1 = momentum */
-  float b2, omb2;    /* Adam*, Lion: beta2, 1 - beta2; SGD: omb2 = 1 - dampening */
-  float neg_step;    /* Adam*: -lr / bc1; SGD, Lion: -lr; Adagrad: -clr */
-  float pos_lr;      /* Lion: lr */
-  float bc2_sqrt;    /* Adam*: sqrt(1 - beta2^step) */
-  float eps;
-  int amsgrad, momentum, first, nesterov;
-  uint64_t seed;
-} zp_opt_coef;
+/* zp_opt_coef and zp_opt_coef_make (the per-segment constants) are optim_common.h's, shared
+ * with the CUDA family. */
 
 typedef void (*zp_opt_body)(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                             float *restrict s0, float *restrict s1, float *restrict s2, int64_t n);
@@ -546,55 +530,6 @@ static zp_status zp_opt_check_segment(const zp_opt_segment *seg, int32_t s,
                    "param_out; pass one, or param_dtype 0 (fp32) when the master is the param",
                    s, kind, g->param_dtype);
   return ZP_OK;
-}
-
-static zp_opt_coef zp_opt_coef_make(const zp_opt_group *g, int64_t step) {
-  zp_opt_coef c;
-  memset(&c, 0, sizeof c);
-  c.kind = g->kind, c.grad_dtype = g->grad_dtype, c.param_dtype = g->param_dtype;
-  c.flags = g->flags, c.seed = g->seed;
-  c.scale = (float)g->grad_scale;
-  if (g->flags & ZP_OPT_MAXIMIZE)
-    c.scale = -c.scale; /* -(g * s) == g * -s exactly */
-  c.decay = 1.0f;
-  c.wd = (float)g->weight_decay;
-  c.use_l2 = g->kind != ZP_OPT_ADAMW && g->kind != ZP_OPT_LION && g->weight_decay != 0.0;
-  c.eps = (float)g->eps;
-  switch (g->kind) {
-  case ZP_OPT_ADAMW:
-  case ZP_OPT_ADAM: {
-    double bc1 = 1.0 - pow(g->beta1, (double)step), bc2 = 1.0 - pow(g->beta2, (double)step);
-    if (g->kind == ZP_OPT_ADAMW)
-      c.decay = (float)(1.0 - g->lr * g->weight_decay);
-    c.lerp_w = (float)(1.0 - g->beta1);
-    c.lerp_wm1 = c.lerp_w - 1.0f;
-    c.lerp_small = fabsf(c.lerp_w) < 0.5f;
-    c.b2 = (float)g->beta2;
-    c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-(g->lr / bc1));
-    c.bc2_sqrt = (float)sqrt(bc2);
-    c.amsgrad = (g->flags & ZP_OPT_AMSGRAD) != 0;
-    break;
-  }
-  case ZP_OPT_SGD:
-    c.b1 = (float)g->beta1;
-    c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-g->lr);
-    c.momentum = g->beta1 != 0.0;
-    c.first = step == 1;
-    c.nesterov = (g->flags & ZP_OPT_NESTEROV) != 0;
-    break;
-  case ZP_OPT_ADAGRAD:
-    c.neg_step = (float)(-(g->lr / (1.0 + (double)(step - 1) * g->beta1)));
-    break;
-  default: /* ZP_OPT_LION */
-    c.decay = (float)(1.0 - g->lr * g->weight_decay);
-    c.b1 = (float)g->beta1, c.omb1 = (float)(1.0 - g->beta1);
-    c.b2 = (float)g->beta2, c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-g->lr), c.pos_lr = (float)g->lr;
-    break;
-  }
-  return c;
 }
 
 zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,

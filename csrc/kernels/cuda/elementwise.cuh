@@ -1,6 +1,7 @@
 /* elementwise.cuh - the per-element math of the CUDA kernels, as __host__ __device__ code:
- * fp32 <-> bf16/fp16 conversions, the stochastic-rounding hash, the optimizer family's
- * coefficients and update, and the vector loads and stores of 4 elements.
+ * fp32 <-> bf16/fp16 conversions, the stochastic-rounding hash, the optimizer family's update
+ * of one element (its coefficients, zp_opt_coef, are the CPU family's: kernels/optim_common.h),
+ * and the vector loads and stores of 4 elements.
  *
  * Invariant: every function gives the bits of its twin in the CPU family
  * (kernels/cpu/convert.h, kernels/cpu/optim.c): the same float operations in the same order,
@@ -15,6 +16,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels/optim_common.h"
 
 #define ZP_HD static __host__ __device__ __forceinline__
 
@@ -249,35 +252,16 @@ ZP_HD int32_t zp_cu_find_row(const Row *rows, int32_t n, int64_t tile) {
   return lo;
 }
 
-/* ---- the optimizer family (optim.h): coefficients and the update of one element ---- */
-
-enum { ZP_CU_ADAMW = 0, ZP_CU_ADAM = 1, ZP_CU_SGD = 2, ZP_CU_ADAGRAD = 3, ZP_CU_LION = 4 };
-
-/* Per-segment constants, as the float values torch would use (optim.c's zp_opt_coef). */
-typedef struct {
-  int32_t kind, param_dtype, flags;
-  float scale;    /* grad_scale, negated for maximize */
-  float decay;    /* AdamW, Lion: 1 - lr * weight_decay; Adam: 1 */
-  float wd;       /* Adam, SGD, Adagrad: L2 term added to the gradient when use_l2 */
-  int32_t use_l2;
-  float lerp_w, lerp_wm1; /* Adam*: 1 - beta1 and lerp_w - 1 (ATen's two-branch lerp) */
-  int32_t lerp_small;
-  float b1, omb1; /* Lion: beta1, 1 - beta1; SGD: b1 = momentum */
-  float b2, omb2; /* Adam*, Lion: beta2, 1 - beta2; SGD: omb2 = 1 - dampening */
-  float neg_step; /* Adam*: -lr / bc1; SGD, Lion: -lr; Adagrad: -clr */
-  float pos_lr;   /* Lion: lr */
-  float bc2_sqrt; /* Adam*: sqrt(1 - beta2^step) */
-  float eps;
-  int32_t amsgrad, momentum, first, nesterov;
-} zp_cu_coef;
+/* ---- the optimizer family (optim.h): the update of one element, with the coefficients of
+ * kernels/optim_common.h ---- */
 
 /* One element: p the fp32 master, g the widened gradient times `scale`, s0..s2 the states
  * (meaningful per kind, as optim.h says). */
-ZP_HD void zp_cu_update(const zp_cu_coef *c, float gi, float *p, float *s0, float *s1,
+ZP_HD void zp_cu_update(const zp_opt_coef *c, float gi, float *p, float *s0, float *s1,
                         float *s2) {
   switch (c->kind) {
-  case ZP_CU_ADAMW:
-  case ZP_CU_ADAM: {
+  case ZP_OPT_ADAMW:
+  case ZP_OPT_ADAM: {
     if (c->use_l2)
       gi = fmaf(c->wd, *p, gi);
     float pi = *p * c->decay;
@@ -295,7 +279,7 @@ ZP_HD void zp_cu_update(const zp_cu_coef *c, float gi, float *p, float *s0, floa
     *s1 = vi;
     break;
   }
-  case ZP_CU_SGD:
+  case ZP_OPT_SGD:
     if (c->use_l2)
       gi = fmaf(c->wd, *p, gi);
     if (c->momentum) {
@@ -305,7 +289,7 @@ ZP_HD void zp_cu_update(const zp_cu_coef *c, float gi, float *p, float *s0, floa
     }
     *p = fmaf(c->neg_step, gi, *p);
     break;
-  case ZP_CU_ADAGRAD: {
+  case ZP_OPT_ADAGRAD: {
     if (c->use_l2)
       gi = fmaf(c->wd, *p, gi);
     float si = fmaf(gi, gi, *s0);
@@ -313,7 +297,7 @@ ZP_HD void zp_cu_update(const zp_cu_coef *c, float gi, float *p, float *s0, floa
     *p = *p + (c->neg_step * gi) / (sqrtf(si) + c->eps);
     break;
   }
-  default: { /* ZP_CU_LION */
+  default: { /* ZP_OPT_LION */
     float ci = fmaf(c->omb1, gi, *s0 * c->b1);
     float u = ci > 0.0f ? c->neg_step : ci < 0.0f ? c->pos_lr : -0.0f;
     *p = *p * c->decay + u;

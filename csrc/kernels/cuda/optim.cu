@@ -1,9 +1,9 @@
 /* optim.cu - the fused optimizer family on CUDA (optim_cuda.h): one launch updates a whole
  * segment table, each element with the CPU family's float operations.
  *
- * The host turns the caller's rows into device rows (coefficients computed once per row, in
- * double then rounded to float as the CPU does; empty rows dropped; each row's first tile),
- * copies them into the workspace, and launches one block per tile of ZP_CU_TILE elements.
+ * The host turns the caller's rows into device rows (coefficients computed once per row by the
+ * CPU family's zp_opt_coef_make, kernels/optim_common.h; empty rows dropped; each row's first
+ * tile), copies them into the workspace, and launches one block per tile of ZP_CU_TILE elements.
  * A block finds its row by binary search, each thread updates 4 consecutive elements with
  * 16-byte fp32 and 8-byte 16-bit accesses when the row's addresses allow it, else one element
  * at a time. Memory is crossed once: 28 bytes per element for AdamW with an fp32 master and
@@ -22,62 +22,11 @@ typedef struct {
   void *out;          /* NULL when the master is the parameter */
   int64_t numel;      /* > 0 */
   int64_t tile0;      /* the first tile (block) of this row */
-  zp_cu_coef c;
-  int32_t grad_dtype;
+  zp_opt_coef c;      /* optim_common.h's, as the CPU family computes them (grad_dtype, seed) */
   int32_t index;      /* the row's index in the caller's table: the rounding noise's stream */
-  uint64_t seed;
-  uint32_t sr_key0;   /* zp_cu_sr_key(seed, index, 0): the key below element 2^32 */
+  uint32_t sr_key0;   /* zp_cu_sr_key(c.seed, index, 0): the key below element 2^32 */
   int32_t vec;        /* every address is aligned for 4-element accesses */
 } zp_cu_opt_row;
-
-/* optim.c's zp_opt_coef_make, field for field. */
-static zp_cu_coef zp_cu_coef_make(const zp_opt_group *g, int64_t step) {
-  zp_cu_coef c;
-  memset(&c, 0, sizeof c);
-  c.kind = g->kind, c.param_dtype = g->param_dtype, c.flags = g->flags;
-  c.scale = (float)g->grad_scale;
-  if (g->flags & ZP_OPT_MAXIMIZE)
-    c.scale = -c.scale;
-  c.decay = 1.0f;
-  c.wd = (float)g->weight_decay;
-  c.use_l2 = g->kind != ZP_OPT_ADAMW && g->kind != ZP_OPT_LION && g->weight_decay != 0.0;
-  c.eps = (float)g->eps;
-  switch (g->kind) {
-  case ZP_OPT_ADAMW:
-  case ZP_OPT_ADAM: {
-    double bc1 = 1.0 - pow(g->beta1, (double)step), bc2 = 1.0 - pow(g->beta2, (double)step);
-    if (g->kind == ZP_OPT_ADAMW)
-      c.decay = (float)(1.0 - g->lr * g->weight_decay);
-    c.lerp_w = (float)(1.0 - g->beta1);
-    c.lerp_wm1 = c.lerp_w - 1.0f;
-    c.lerp_small = fabsf(c.lerp_w) < 0.5f;
-    c.b2 = (float)g->beta2;
-    c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-(g->lr / bc1));
-    c.bc2_sqrt = (float)sqrt(bc2);
-    c.amsgrad = (g->flags & ZP_OPT_AMSGRAD) != 0;
-    break;
-  }
-  case ZP_OPT_SGD:
-    c.b1 = (float)g->beta1;
-    c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-g->lr);
-    c.momentum = g->beta1 != 0.0;
-    c.first = step == 1;
-    c.nesterov = (g->flags & ZP_OPT_NESTEROV) != 0;
-    break;
-  case ZP_OPT_ADAGRAD:
-    c.neg_step = (float)(-(g->lr / (1.0 + (double)(step - 1) * g->beta1)));
-    break;
-  default: /* ZP_OPT_LION */
-    c.decay = (float)(1.0 - g->lr * g->weight_decay);
-    c.b1 = (float)g->beta1, c.omb1 = (float)(1.0 - g->beta1);
-    c.b2 = (float)g->beta2, c.omb2 = (float)(1.0 - g->beta2);
-    c.neg_step = (float)(-g->lr), c.pos_lr = (float)g->lr;
-    break;
-  }
-  return c;
-}
 
 /* Thread `tid` of block `tile`: elements [j, j + 4) of its row. `extra` multiplies the scale
  * when has_extra (the device scale factor). */
@@ -89,12 +38,12 @@ ZP_HD void zp_opt_thread(const zp_cu_opt_row *rows, int32_t n_rows, int64_t tile
     return;
   const int m = r->numel - j < ZP_CU_VEC ? (int)(r->numel - j) : ZP_CU_VEC;
   const int vec = r->vec && m == ZP_CU_VEC;
-  const zp_cu_coef *c = &r->c;
+  const zp_opt_coef *c = &r->c;
   const float scale = has_extra ? c->scale * extra : c->scale;
-  const int gsize = r->grad_dtype == ZP_CU_F32 ? 4 : 2;
+  const int gsize = c->grad_dtype == ZP_CU_F32 ? 4 : 2;
   float p[4], g[4], s0[4] = {0, 0, 0, 0}, s1[4] = {0, 0, 0, 0}, s2[4] = {0, 0, 0, 0};
   zp_cu_load4f(r->master + j, vec, m, p);
-  zp_cu_load4((const char *)r->grad + j * gsize, r->grad_dtype, vec, m, g);
+  zp_cu_load4((const char *)r->grad + j * gsize, c->grad_dtype, vec, m, g);
   if (r->s0)
     zp_cu_load4f(r->s0 + j, vec, m, s0);
   if (r->s1)
@@ -123,7 +72,7 @@ ZP_UNROLL
 ZP_UNROLL
     for (int k = 0; k < 4; k++) {
       const uint64_t e = (uint64_t)(j + k);
-      const uint32_t key = (e >> 32) == 0 ? r->sr_key0 : zp_cu_sr_key(r->seed, (uint64_t)r->index, e >> 32);
+      const uint32_t key = (e >> 32) == 0 ? r->sr_key0 : zp_cu_sr_key(c->seed, (uint64_t)r->index, e >> 32);
       h[k] = zp_cu_to_bf16_sr(p[k], zp_cu_sr_bits(key, (uint32_t)e));
     }
   } else {
@@ -168,10 +117,8 @@ static zp_status zp_opt_rows(const zp_opt_segment *segments, int32_t n_segments,
     r->out = seg->param_out;
     r->numel = seg->numel;
     r->tile0 = tiles;
-    r->c = zp_cu_coef_make(g, seg->step);
-    r->grad_dtype = g->grad_dtype;
+    r->c = zp_opt_coef_make(g, seg->step);
     r->index = s;
-    r->seed = g->seed;
     r->sr_key0 = zp_cu_sr_key(g->seed, (uint64_t)s, 0);
     const int gsize = g->grad_dtype == ZP_F32 ? 4 : 2, osize = g->param_dtype == ZP_F32 ? 4 : 2;
     r->vec = zp_cu_vec_aligned(r->master, 4) && zp_cu_vec_aligned(r->grad, gsize) &&
