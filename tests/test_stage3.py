@@ -331,6 +331,10 @@ def test_model_state_memory(results):
         assert total <= 16 * r["memory"]["psi"] / n + working
         # gathering holds at most the root, the unit in use and one prefetched unit
         assert rep["gathered_peak"] <= r["memory"]["root_bytes"] + 2 * r["memory"]["largest_unit"]
+        # gradient buckets: the root's (open through backward: tied embeddings), the unit being
+        # filled and the one reduction in flight, each buffer the size of its bucket
+        assert r["memory"]["peak_bucket"] <= r["memory"]["root_bytes"] + \
+            2 * r["memory"]["largest_unit"]
         ddp = rep["ddp_params"] + rep["ddp_grads"] + rep["ddp_optimizer_states"]
         assert total < ddp
 

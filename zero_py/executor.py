@@ -3,12 +3,18 @@
 Every call is asynchronous and returns a handle with wait(); the caller decides when to wait,
 so reductions overlap with backward. Works with gloo (CPU), NCCL and MPI groups.
 
-Reduce-scatter on gloo uses the list form of the collective, reduce_scatter(output,
-input.chunk(world_size)), whose chunks are views of the input: gloo's reduce_scatter_tensor
-runs the same reduction through extra copies and was measured 1.5-2x slower (29 MB on 2 ranks:
-41 ms against 31 ms; 4 MB: 6.4 ms against 3.7 ms). Other backends get reduce_scatter_tensor.
-Where a backend has neither, the reduction falls back to an all-reduce of the whole input and a
-copy of this rank's chunk.
+On gloo (CPU) two collectives take faster forms than the flat ones, measured side by side by
+benchmarks/gloo_collectives.py (numbers in benchmarks/RESULTS.md):
+  reduce-scatter = all-reduce of the input (a scratch bucket) and a copy of this rank's chunk.
+      gloo's reduce_scatter is slower at every size measured at 4 ranks (3.2 MB: 20.6 ms
+      against 9.3 ms; 12.8 MB: 56.5 against 50.4) and reduce_scatter_tensor slower still
+      (12.8 MB: 92.9 ms); at 2 ranks the list form wins only below 1 MB, by about 0.6 ms.
+  all-gather of at least BROADCAST_ALL_GATHER_BYTES = one async broadcast per rank from its
+      chunk, all in flight at once: all_gather_into_tensor takes 1.2-1.9x as long from 3.2 MB
+      up (12.8 MB: 36.8 ms against 19.3 ms at 4 ranks, 18.2 against 9.8 at 2); below about
+      1.6 MB the flat collective is faster and is kept.
+Other backends get reduce_scatter_tensor and all_gather_into_tensor. Where a backend has no
+reduce-scatter, the reduction falls back to the all-reduce form too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch.distributed as dist
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+BROADCAST_ALL_GATHER_BYTES = 2 * 2**20  # gloo: all-gathers this large use broadcasts (above)
 
 
 class Pending:
@@ -46,6 +54,23 @@ class Pending:
             then()
 
 
+class PendingAll:
+    """Several collectives in flight as one: wait() finishes them all."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works):
+        self._works = list(works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
 class TorchDistExecutor:
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         if not dist.is_available() or not dist.is_initialized():
@@ -56,23 +81,22 @@ class TorchDistExecutor:
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self._native_reduce_scatter = True
-        self._chunked_reduce_scatter = dist.get_backend(self.group) == "gloo"
+        gloo = dist.get_backend(self.group) == "gloo"
+        self._native_reduce_scatter = not gloo  # gloo: the all-reduce form (see above)
+        self._broadcast_all_gather = gloo
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
-        """output = this rank's chunk of the sum of `input` over ranks."""
+        """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
+        its contents are undefined afterwards (the gloo form sums into it)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None)
         if self._native_reduce_scatter:
             try:
-                if self._chunked_reduce_scatter:
-                    return Pending(dist.reduce_scatter(output, list(input.chunk(self.world_size)),
-                                                       group=self.group, async_op=True))
                 return Pending(_reduce_scatter_flat(output, input, group=self.group,
                                                     async_op=True))
             except (RuntimeError, NotImplementedError) as exc:
@@ -90,6 +114,14 @@ class TorchDistExecutor:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None)
+        if (self._broadcast_all_gather
+                and output.numel() * output.element_size() >= BROADCAST_ALL_GATHER_BYTES):
+            chunks = output.chunk(self.world_size)
+            mine = chunks[self.rank]
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input)
+            return PendingAll(dist.broadcast(c, src=self.global_rank(k), group=self.group,
+                                             async_op=True) for k, c in enumerate(chunks))
         return Pending(_all_gather_flat(output, input, group=self.group, async_op=True))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:

@@ -21,7 +21,7 @@ from zero_py import cuda, kernels, state_dict as sd_util
 from zero_py.flat import FlatParams, PieceStore
 from zero_py.loss_scaler import LossScaler
 from zero_py.nccl import make_executor
-from zero_py.reducer import GradReducer
+from zero_py.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -123,7 +123,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._flat = self._make_flat(managed, groups_of, align_bytes, bucket_bytes)
         self._broadcast_frozen(managed)
         # stage 3 reduces as stage 2 does: from hooks, during backward
-        self._reducer = GradReducer(self._flat, self.executor, min(stage, 2), grad_reduce_dtype)
+        self._reducer = GradReducer(self._flat, self.executor, min(stage, 2), grad_reduce_dtype,
+                                    self._MAX_REDUCTIONS_IN_FLIGHT)
         self._step_count = [0] * len(managed)  # per managed parameter, as torch's state["step"]
         fp = self._flat
         self._masters = PieceStore(
@@ -154,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- construction ---------------------------------------------------------------------------
 
     _STAGES = (1, 2)
+    _MAX_REDUCTIONS_IN_FLIGHT = MAX_BUCKETS_IN_FLIGHT
 
     def _make_flat(self, managed: List[torch.Tensor], groups_of: List[int], align_bytes: int,
                    bucket_bytes: int) -> FlatParams:

@@ -36,8 +36,10 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(self, flat: FlatParams, executor: TorchDistExecutor, stage: int,
-                 reduce_dtype: Optional[torch.dtype] = None):
+                 reduce_dtype: Optional[torch.dtype] = None,
+                 max_in_flight: int = MAX_BUCKETS_IN_FLIGHT):
         self.flat = flat
+        self.max_in_flight = max_in_flight  # reductions in flight before backward waits
         self.executor = executor
         self.stage = stage
         self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
@@ -50,16 +52,15 @@ class GradReducer:
         self._used_pending: Optional[Pending] = None
         self._open: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (pooled, view)
         self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, pooled buffer)
-        # Bucket buffers are recycled, one pool per dtype, each buffer as large as the largest
-        # bucket of that dtype: a new pass costs no allocation and no full memset, only zeroing
-        # the slots that receive no gradient.
-        self._max_numel: Dict[torch.dtype, int] = {}
-        for b in range(flat.n_buckets):
-            dtype = self.grads.dtype_of[b]
-            self._max_numel[dtype] = max(self._max_numel.get(dtype, 0), flat.bucket_numel[b])
-        self._pool: Dict[torch.dtype, List[torch.Tensor]] = {d: [] for d in self._max_numel}
+        # Bucket buffers are recycled, one pool per dtype: a new pass costs no allocation and no
+        # full memset, only zeroing the slots that receive no gradient. A bucket takes the
+        # smallest pooled buffer that fits it, and a new buffer of its own size when none does,
+        # so a small bucket held open through backward (e.g. tied embeddings, whose gradient
+        # arrives first and last) does not pin a buffer the size of the largest.
+        self._pool: Dict[torch.dtype, List[torch.Tensor]] = {}
         self._device = device
-        self.peak_bucket_bytes = 0
+        self._bucket_bytes = 0  # bucket buffers alive: pooled, open or in flight
+        self.peak_bucket_bytes = 0  # the most bucket buffer bytes alive at once
         self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
         self._finished = False  # finish() ran since the last pass: its result stands
@@ -121,11 +122,18 @@ class GradReducer:
         entry = self._open.get(b)
         if entry is None:
             dtype = self.grads.dtype_of[b]
-            pool = self._pool[dtype]
-            if not pool:
-                pool.append(torch.empty(self._max_numel[dtype], dtype=dtype, device=self._device))
-                self.peak_bucket_bytes += pool[0].numel() * pool[0].element_size()
-            pooled = pool.pop()
+            numel = self.flat.bucket_numel[b]
+            pool = self._pool.setdefault(dtype, [])
+            fits = [k for k, t in enumerate(pool) if t.numel() >= numel]
+            if fits:
+                pooled = pool.pop(min(fits, key=lambda k: pool[k].numel()))
+            else:  # idle buffers too small for it are dropped: they would only add up
+                for t in pool:
+                    self._bucket_bytes -= t.numel() * t.element_size()
+                pool.clear()
+                pooled = torch.empty(numel, dtype=dtype, device=self._device)
+                self._bucket_bytes += pooled.numel() * pooled.element_size()
+                self.peak_bucket_bytes = max(self.peak_bucket_bytes, self._bucket_bytes)
             view = pooled[:self.flat.bucket_numel[b]]
             for lo, hi in self.flat.bucket_gaps[b]:
                 view[lo:hi].zero_()
@@ -168,7 +176,7 @@ class GradReducer:
             work = self.executor.reduce_scatter(tmp, buf)
             work = Pending(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
         self._in_flight.append((work, pooled))
-        self._retire(block_over=MAX_BUCKETS_IN_FLIGHT)
+        self._retire(block_over=self.max_in_flight)
 
     def _retire(self, block_over: int) -> None:
         """Finishes completed reductions in order, and waits while more than `block_over` are

@@ -534,6 +534,9 @@ class Stage3Optimizer(ZeroOptimizer):
     gathered from them at their next use."""
 
     _STAGES = (3,)
+    # a stage-3 bucket is a whole unit: one reduction in flight (it overlaps the backward of the
+    # next unit) keeps the gradient working set at two unit-sized buffers
+    _MAX_REDUCTIONS_IN_FLIGHT = 1
 
     def __init__(self, engine: "Stage3Engine", params, optimizer_class, **kwargs):
         self._engine = engine
