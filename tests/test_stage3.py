@@ -210,7 +210,54 @@ def meta_build(rank):
         idx, tgt = _batch(torch.Generator().manual_seed(rank))
         meta(idx, tgt).backward()
         opt.step()
+    # an initializer that replaces its parameters instead of filling them is followed
+    torch.manual_seed(5)
+    plain = nn.Sequential(_Rebinding(), nn.Linear(8, 8))
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = nn.Sequential(_Rebinding(), nn.Linear(8, 8))
+    meta, _ = zero_py.initialize(meta, stage=3, wrap_policy=1, **LR)
+    full = zero_py.full_state_dict(meta)
+    if rank == 0:
+        ref = plain.state_dict()
+        out["rebinding"] = all(torch.equal(full[k], ref[k]) for k in ref)
+    # an init_fn that leaves a parameter unwritten is an error on every rank, never garbage
+    with torch.device("meta"):
+        meta = nn.Sequential(_NoReset(), nn.Linear(8, 8))
+    try:
+        zero_py.initialize(meta, stage=3, wrap_policy=1, init_fn=lambda m: None, **LR)
+        out["unwritten_error"] = ""
+    except ValueError as exc:
+        out["unwritten_error"] = str(exc)
     return out
+
+
+class _Rebinding(nn.Module):
+    """reset_parameters() assigns new Parameters (and one new .data) instead of writing in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(8, 8))
+        self.bias = nn.Parameter(torch.empty(8))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.weight = nn.Parameter(torch.randn(8, 8, device=self.weight.device))
+        self.bias.data = torch.rand(8, device=self.bias.device)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class _NoReset(nn.Module):
+    """No reset_parameters(): nothing initializes `scale` unless init_fn does."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(8))
+
+    def forward(self, x):
+        return x * self.scale
 
 
 def memory(rank, world_size):
@@ -316,6 +363,10 @@ def test_gathered_access_and_export(results):
 def test_meta_build_equals_ordinary_build(results):
     _, res = results
     assert res[0]["meta"]["apply"] and res[0]["meta"]["none"]
+    assert res[0]["meta"]["rebinding"]
+    for r in res:
+        assert "'0.scale'" in r["meta"]["unwritten_error"], r["meta"]["unwritten_error"]
+        assert "init_fn" in r["meta"]["unwritten_error"]
     assert all(r["meta"]["apply_tied"] and r["meta"]["none_tied"] for r in res)
 
 

@@ -57,15 +57,28 @@ def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
 
 @contextlib.contextmanager
 def _scratch(module: nn.Module, values: Dict[str, torch.Tensor]):
-    """Module with its direct parameters temporarily replaced by `values` (full tensors)."""
+    """Module with its direct parameters temporarily replaced by `values` (full tensors). An
+    initializer that replaces a parameter (`self.weight = nn.Parameter(...)`) or its .data
+    instead of filling it in place is followed: `values` gets the replacement on exit."""
     saved = dict(module._parameters)
+    placed = {name: nn.Parameter(t, requires_grad=saved[name].requires_grad)
+              for name, t in values.items()}
     try:
-        for name, t in values.items():
-            module._parameters[name] = nn.Parameter(t, requires_grad=saved[name].requires_grad)
+        module._parameters.update(placed)
         yield
+        for name, t in placed.items():
+            now = module._parameters.get(name)
+            if now is t and now.data_ptr() == values[name].data_ptr():
+                continue
+            if now is None or tuple(now.shape) != tuple(values[name].shape):
+                raise ValueError(
+                    f"zero_py: initializing {type(module).__name__}.{name} replaced it by "
+                    f"{'None' if now is None else tuple(now.shape)}; a parameter built on the "
+                    f"meta device must keep its shape {tuple(values[name].shape)}")
+            values[name] = now.detach().to(values[name].dtype)
     finally:
-        for name, p in saved.items():
-            module._parameters[name] = p
+        module._parameters.clear()
+        module._parameters.update(saved)
 
 
 class _ScratchArena:
@@ -101,8 +114,9 @@ class _ScratchArena:
         return -(-n // cls._ALIGN) * cls._ALIGN
 
     def values(self, m: nn.Module) -> Dict[str, torch.Tensor]:
-        """Uninitialized tensors for m's parameters still to be filled, by name: views into
-        the arena, valid until the next call (keep one longer with .clone())."""
+        """Tensors for m's parameters still to be filled, by name: views into the arena, valid
+        until the next call (keep one longer with .clone()). Floating-point ones are filled
+        with NaN, so a value no initializer wrote is caught when it is stored."""
         out: Dict[str, torch.Tensor] = {}
         at: Dict[torch.dtype, int] = {}
         for name, p in m._parameters.items():
@@ -110,6 +124,8 @@ class _ScratchArena:
                 continue
             lo = at.get(p.dtype, 0)
             out[name] = self._buffers[p.dtype][lo:lo + p.numel()].view(p.shape)
+            if p.dtype.is_floating_point or p.dtype.is_complex:
+                out[name].fill_(float("nan"))
             at[p.dtype] = lo + self._round(p.numel())
         return out
 
@@ -136,9 +152,18 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
     # every module's values are made in this one arena, in turn (see _ScratchArena)
     scratch = _ScratchArena(order, todo, device)
 
+    names = {id(p): n for n, p in model.named_parameters()}
+
     def store(p: nn.Parameter, value: torch.Tensor) -> None:
         value = value.detach().contiguous()
         engine.gather_executor.broadcast(value, 0).wait()
+        # rank 0's value on every rank: all of them raise, or none
+        if (value.is_floating_point() or value.is_complex()) and bool(value.isnan().any()):
+            raise ValueError(
+                f"zero_py: parameter {names[id(p)]!r} (built on the meta device) was not "
+                "initialized, or only in part: its module's reset_parameters()"
+                + (" and init_fn leave" if init_fn is not None else " leaves")
+                + " elements unwritten (or NaN); initialize every element, e.g. in init_fn")
         if id(p) in index:
             s = flat.slice_of_param.get(index[id(p)])
             if s is not None:

@@ -184,10 +184,10 @@ class ShardedParams(FlatLayout):
         self.unit_bytes = [sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
                                for b in bs) for bs in self.unit_buckets]
         self.shards = PieceStore(self, self.bucket_dtype, self.device)
-        self.gather_buffers = [torch.empty(self.bucket_numel[b], dtype=self.bucket_dtype(b),
-                                           device=self.device) for b in range(self.n_buckets)]
-        for buf in self.gather_buffers:
-            _free_storage(buf)
+        # One gather buffer per bucket, appended by Stage3Engine.build_flat as it fills the
+        # shards bucket by bucket: each is allocated once, there, and only one is whole at a
+        # time (the persistent pseudo-unit's stay allocated).
+        self.gather_buffers: List[torch.Tensor] = []
 
     def bucket_piece(self, b: int) -> torch.Tensor:
         return self.shards.piece(b)
@@ -267,8 +267,13 @@ class Stage3Engine:
     def build_flat(self, managed: List[nn.Parameter], groups_of: List[int],
                    align_bytes: int) -> ShardedParams:
         """The sharded layout of the trainable parameters, filled from their current values
-        (rank 0's, unit by unit, so only one unit is ever whole at a time beyond the model
-        the caller built)."""
+        (rank 0's), one bucket at a time: each bucket's gather buffer is allocated here, once,
+        the parameters' .data become views of it, and its storage is released again unless it
+        belongs to the persistent pseudo-unit. The caller's storage of a parameter is dropped
+        as soon as its bucket is done, so no more than one unit is whole at a time beyond the
+        model the caller built. Buckets whose parameters are all still to be initialized
+        (built on the meta device) are neither filled nor broadcast: replay_init fills their
+        pieces later, and regathers the persistent ones."""
         persistent = len(self.units)  # pseudo-unit id
         unit_of = []
         for p in managed:
@@ -278,22 +283,29 @@ class Stage3Engine:
         flat = ShardedParams(managed, groups_of, unit_of, n_units, self.executor.world_size,
                              self.executor.rank, align_bytes)
         self.flat = flat
-        values = [p.detach() for p in managed]
         with torch.no_grad():
             for b in range(flat.n_buckets):
-                buf = flat.gather_buffers[b]
-                _alloc_storage(buf)
+                members = flat.bucket_params[b]
+                # the values to lay out, taken before rewire() points .data elsewhere
+                values = {i: flat.params[i].detach() for i in members
+                          if id(flat.params[i]) not in self.uninitialized}
+                buf = torch.empty(flat.bucket_numel[b], dtype=flat.bucket_dtype(b),
+                                  device=flat.device)
+                flat.gather_buffers.append(buf)
+                # views can only be made while the storage exists; they live on through frees
                 flat.rewire(b)
-                for lo, hi in flat.bucket_gaps[b]:
-                    buf[lo:hi].zero_()
-                for i in flat.bucket_params[b]:
-                    if id(flat.params[i]) not in self.uninitialized:  # else: replay_init fills it
-                        flat.param_view(i).copy_(values[i].reshape(-1))
-                self.gather_executor.broadcast(buf, 0).wait()
-                flat.load_pieces_from(b, buf)
+                if values:
+                    for lo, hi in flat.bucket_gaps[b]:
+                        buf[lo:hi].zero_()
+                    for i, value in values.items():
+                        flat.param_view(i).copy_(value.reshape(-1))
+                    del values  # the caller's storage of these parameters can go now
+                    self.gather_executor.broadcast(buf, 0).wait()
+                    flat.load_pieces_from(b, buf)
+                # else every parameter of the bucket is built on the meta device: its piece
+                # stays zeros (padding included) until replay_init stores the values
                 if flat.bucket_unit[b] != persistent:
                     _free_storage(buf)
-        del values
         return flat
 
     @property
