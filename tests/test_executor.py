@@ -1,9 +1,9 @@
 """The torch.distributed executor's collectives against torch.distributed's own, on gloo.
 
-The executor picks other forms than the flat collectives on gloo (reduce-scatter as an
-all-reduce plus a copy; all-gather as one broadcast per rank from a size up): each must give
-what dist.all_gather_into_tensor / a sum over every rank's input give, for sizes on both sides
-of the switch, several dtypes and an input that aliases its output chunk."""
+On gloo the executor builds all-gather and reduce-scatter from point-to-point messages: each
+must give what dist.all_gather_into_tensor / a sum over every rank's input give, for several
+sizes and dtypes, an input that aliases its output chunk, and several collectives in flight at
+once (messages of one must never be taken for another's)."""
 
 import pytest
 import torch
@@ -12,8 +12,7 @@ import torch.distributed as dist
 from tests.distributed import run
 from zero_py import executor as ex
 
-# below and above the broadcast all-gather switch (in elements of fp32)
-SIZES = [12, 1000, ex.BROADCAST_ALL_GATHER_BYTES // 4 + 8]
+SIZES = [12, 1000, 600_000]  # elements
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
@@ -43,21 +42,47 @@ def collectives(rank, world):
             total = sum(_data(r, numel, dtype).double() for r in range(world))
             shard = torch.full((numel // world,), float("nan"), dtype=dtype)
             e.reduce_scatter(shard, full.clone()).wait()
+            out.setdefault("scratch_direct", e.scratch_peak_bytes)  # the first reduce-scatter
             n = numel // world
+            # in place: the output is this rank's chunk of the input
+            inplace = full.clone()
+            e.reduce_scatter(inplace[rank * n:(rank + 1) * n], inplace).wait()
             out[(numel, str(dtype))] = {
                 "ag_equal": torch.equal(got, ref),
                 "ag_aliased_equal": torch.equal(aliased, ref),
                 "rs_err": (shard.double() - total[rank * n:(rank + 1) * n]).abs().max().item(),
+                "rs_inplace_equal": torch.equal(inplace[rank * n:(rank + 1) * n], shard),
                 "rs_tol": 1e-12 if dtype == torch.float64 else (
                     4e-6 if dtype == torch.float32 else 0.1),
             }
+    # several in flight before any wait: two all-gathers and two reduce-scatters
+    pieces = [_data(rank + 10 * k, 240 // world, torch.float32) for k in range(2)]
+    fulls = [_data(rank + 20 * k, 240, torch.float32) for k in range(2)]
+    gathered = [torch.empty(240 // world * world) for _ in range(2)]
+    shards = [torch.empty(240 // world) for _ in range(2)]
+    pending = [e.all_gather(gathered[0], pieces[0]), e.reduce_scatter(shards[0], fulls[0].clone()),
+               e.all_gather(gathered[1], pieces[1]), e.reduce_scatter(shards[1], fulls[1].clone())]
+    for p in reversed(pending):
+        p.wait()
+    n = 240 // world
+    out["in_flight"] = all(
+        torch.equal(gathered[k], torch.cat([_data(r + 10 * k, n, torch.float32)
+                                            for r in range(world)]))
+        and torch.allclose(shards[k], sum(_data(r + 20 * k, 240, torch.float32)
+                                          for r in range(world))[rank * n:(rank + 1) * n],
+                           rtol=0, atol=1e-5)
+        for k in range(2))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_collectives_match_torch_distributed(world):
     for rank, res in enumerate(run(collectives, world)):
+        assert res.pop("in_flight"), (rank, "collectives in flight together got mixed up")
+        # receive buffers beyond the output: one chunk per peer after the first (none at 2)
+        assert (res.pop("scratch_direct") > 0) == (world > 2)
         for key, r in res.items():
             assert r["ag_equal"], (rank, key, "all_gather differs from all_gather_into_tensor")
             assert r["ag_aliased_equal"], (rank, key, "all_gather with an aliased input differs")
             assert r["rs_err"] <= r["rs_tol"], (rank, key, r)
+            assert r["rs_inplace_equal"], (rank, key, "in-place reduce-scatter differs")

@@ -275,6 +275,7 @@ def memory(rank, world_size):
     units = engine.flat.unit_bytes[:len(engine.units)]
     return {"report": rep, "psi": sum(p.numel() for p in model.parameters()),
             "peak_bucket": opt._reducer.peak_bucket_bytes,
+            "scratch": opt.executor.scratch_peak_bytes,
             "root_bytes": units[0], "largest_unit": max(units[1:])}
 
 
@@ -378,7 +379,8 @@ def test_model_state_memory(results):
     for r in res:
         rep = r["memory"]["report"]
         total = rep["params"] + rep["grads"] + rep["optimizer_states"]
-        working = rep["gathered_peak"] + r["memory"]["peak_bucket"] + 4 * rep["padding"]
+        working = (rep["gathered_peak"] + r["memory"]["peak_bucket"] + r["memory"]["scratch"]
+                   + 4 * rep["padding"])
         assert total <= 16 * r["memory"]["psi"] / n + working
         # gathering holds at most the root, the unit in use and one prefetched unit
         assert rep["gathered_peak"] <= r["memory"]["root_bytes"] + 2 * r["memory"]["largest_unit"]
@@ -386,6 +388,8 @@ def test_model_state_memory(results):
         # filled and the one reduction in flight, each buffer the size of its bucket
         assert r["memory"]["peak_bucket"] <= r["memory"]["root_bytes"] + \
             2 * r["memory"]["largest_unit"]
+        # receive buffers of the reduce-scatters: (N - 2) / N of a unit per reduction in flight
+        assert r["memory"]["scratch"] <= 2 * (n - 2) / n * r["memory"]["largest_unit"]
         ddp = rep["ddp_params"] + rep["ddp_grads"] + rep["ddp_optimizer_states"]
         assert total < ddp
 

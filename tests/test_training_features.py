@@ -291,12 +291,22 @@ def test_several_param_groups(results):
         assert r["n_groups"] == 2 and r["rel"] <= RTOL, f"{where}: {r}"
 
 
+# Adam with amsgrad and lr 1e-2 turns the last-bit differences between two valid summation
+# orders (DDP's gloo ring all-reduce; zero_py's reduce-scatter adds in rank order) into up to
+# 2e-4 of a parameter's scale in 12 steps: an element whose gradient is near zero gets an
+# update of about +-lr whose sign follows that last bit. SGD on the same gradients stays within
+# 2e-7, so the reduction is right; the update itself is checked against torch.optim (atol
+# 1e-6 over 100 steps, weight decay and amsgrad included) in tests/test_optim_kernels.py.
+AMPLIFYING_RTOL = {"adam": 1e-3}
+
+
 def test_other_optimizers_fused_or_on_the_shard(results):
     fused = {name: f for name, _, _, f in OTHER_OPTIMIZERS}
     for where, r in _each(results, "other_optimizers"):
         for name, x in r.items():
             assert x["fused"] == fused[name], f"{where} {name}"
-            assert x["rel"] <= RTOL, f"{where} {name}: {x['rel']:.2e}"
+            tol = AMPLIFYING_RTOL.get(name, RTOL)
+            assert x["rel"] <= tol, f"{where} {name}: {x['rel']:.2e}"
 
 
 def test_save_load_then_identical_training(results):
@@ -344,8 +354,10 @@ def test_stage2_keeps_only_the_gradient_shard(results):
             assert s2["grads_after_backward"] == 0, where  # param.grad dropped after reduction
             assert s1["grads_after_backward"] == s1["n_params"], where
             shard_bytes = 4 * s2["shard_numel"]
-            # the shard plus the buckets in flight and one being filled, never all gradients
-            bound = shard_bytes + (MAX_BUCKETS_IN_FLIGHT + 1) * s2["max_bucket_bytes"]
+            # the shard plus the buckets in flight and one being filled, never all gradients;
+            # each reduction in flight may hold a receive buffer of (N - 2) / N of a bucket
+            in_flight = MAX_BUCKETS_IN_FLIGHT + 1
+            bound = shard_bytes + in_flight * s2["max_bucket_bytes"] * (1 + (ws - 2) / ws)
             assert s2["report"]["grads"] <= bound, where
             # stage 1 keeps param.grad; its bucket copies are bounded the same way
             assert s1["report"]["grads"] <= 4 * s1["psi"] + bound, where

@@ -3,18 +3,17 @@
 Every call is asynchronous and returns a handle with wait(); the caller decides when to wait,
 so reductions overlap with backward. Works with gloo (CPU), NCCL and MPI groups.
 
-On gloo (CPU) two collectives take faster forms than the flat ones, measured side by side by
-benchmarks/gloo_collectives.py (numbers in benchmarks/RESULTS.md):
-  reduce-scatter = all-reduce of the input (a scratch bucket) and a copy of this rank's chunk.
-      gloo's reduce_scatter is slower at every size measured at 4 ranks (3.2 MB: 20.6 ms
-      against 9.3 ms; 12.8 MB: 56.5 against 50.4) and reduce_scatter_tensor slower still
-      (12.8 MB: 92.9 ms); at 2 ranks the list form wins only below 1 MB, by about 0.6 ms.
-  all-gather of at least BROADCAST_ALL_GATHER_BYTES = one async broadcast per rank from its
-      chunk, all in flight at once: all_gather_into_tensor takes 1.2-1.9x as long from 3.2 MB
-      up (12.8 MB: 36.8 ms against 19.3 ms at 4 ranks, 18.2 against 9.8 at 2); below about
-      1.6 MB the flat collective is faster and is kept.
-Other backends get reduce_scatter_tensor and all_gather_into_tensor. Where a backend has no
-reduce-scatter, the reduction falls back to the all-reduce form too.
+On gloo (CPU), all-gather and reduce-scatter are built from point-to-point messages (each rank
+sends every peer its chunk and receives theirs, all in flight at once): gloo's own collectives
+go through its process group's worker threads and, for reduce-scatter, through extra copies,
+and measured side by side (benchmarks/gloo_collectives.py, numbers in benchmarks/RESULTS.md)
+they take 1.3-2x as long as the messages at 3.2 MB and up, on 2 and 4 ranks, and are no faster
+below. The reduce-scatter receives the first peer's copy of this rank's chunk straight into the
+output and the others' into a scratch buffer ((world_size - 2) chunks: none at 2 ranks; kept for
+reuse and counted by scratch_peak_bytes), and adds them in rank order, so the result does not
+depend on arrival order. Other backends get
+reduce_scatter_tensor and all_gather_into_tensor; where a backend has no reduce-scatter, the
+reduction is an all-reduce of the input and a copy of this rank's chunk.
 """
 
 from __future__ import annotations
@@ -30,7 +29,10 @@ import torch.distributed as dist
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-BROADCAST_ALL_GATHER_BYTES = 2 * 2**20  # gloo: all-gathers this large use broadcasts (above)
+# tags of zero_py's point-to-point messages on gloo: far from small user tags (gloo keeps
+# collectives on slots of their own)
+_P2P_TAG_ALL_GATHER = 0x5A500000
+_P2P_TAG_REDUCE_SCATTER = 0x5A510000
 
 
 class Pending:
@@ -52,6 +54,12 @@ class Pending:
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the memory of the two (contiguous) tensors overlaps."""
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 class PendingAll:
@@ -81,9 +89,12 @@ class TorchDistExecutor:
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        gloo = dist.get_backend(self.group) == "gloo"
-        self._native_reduce_scatter = not gloo  # gloo: the all-reduce form (see above)
-        self._broadcast_all_gather = gloo
+        self._p2p = dist.get_backend(self.group) == "gloo"  # the point-to-point forms (above)
+        self._native_reduce_scatter = True
+        self._peers = [self.global_rank(r) for r in range(self.world_size)]
+        self._scratch: List[torch.Tensor] = []  # reduce-scatter receive buffers, idle
+        self._scratch_bytes = 0
+        self.scratch_peak_bytes = 0  # the most scratch bytes alive at once
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -95,6 +106,8 @@ class TorchDistExecutor:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None)
+        if self._p2p:
+            return self._p2p_reduce_scatter(output, input)
         if self._native_reduce_scatter:
             try:
                 return Pending(_reduce_scatter_flat(output, input, group=self.group,
@@ -114,15 +127,81 @@ class TorchDistExecutor:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Pending(None)
-        if (self._broadcast_all_gather
-                and output.numel() * output.element_size() >= BROADCAST_ALL_GATHER_BYTES):
-            chunks = output.chunk(self.world_size)
-            mine = chunks[self.rank]
-            if mine.data_ptr() != input.data_ptr():
-                mine.copy_(input)
-            return PendingAll(dist.broadcast(c, src=self.global_rank(k), group=self.group,
-                                             async_op=True) for k, c in enumerate(chunks))
+        if self._p2p:
+            return self._p2p_all_gather(output, input)
         return Pending(_all_gather_flat(output, input, group=self.group, async_op=True))
+
+    # -- point-to-point forms (gloo) -------------------------------------------------------------
+
+    def _exchange(self, sends, recvs, tag: int) -> list:
+        """Every peer's message in flight: sends[k] goes to group rank k, recvs[k] is filled
+        from group rank k (this rank's entries are skipped). Peers are visited from the next
+        rank on, so no two ranks start with the same peer."""
+        works = []
+        n, me = self.world_size, self.rank
+        for step in range(1, n):
+            dst, src = (me + step) % n, (me - step) % n
+            works.append(dist.isend(sends[dst], self._peers[dst], group=self.group, tag=tag))
+            works.append(dist.irecv(recvs[src], self._peers[src], group=self.group, tag=tag))
+        return works
+
+    def _p2p_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingAll:
+        chunks = output.chunk(self.world_size)
+        mine = chunks[self.rank]
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        sends = [input] * self.world_size
+        return PendingAll(self._exchange(sends, chunks, _P2P_TAG_ALL_GATHER))
+
+    def _p2p_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        n, me = self.world_size, self.rank
+        numel = output.numel()
+        mine = input[me * numel:(me + 1) * numel]
+        # the first peer in rank order is received straight into output (unless output is
+        # this rank's chunk of input), the others into scratch: none at 2 ranks
+        first = 1 if me == 0 else 0
+        direct = not _overlaps(output, input)
+        others = [r for r in range(n) if r != me and not (direct and r == first)]
+        scratch = self._take_scratch(len(others) * numel, input.dtype, input.device) \
+            if others else None
+        recvs: List[Optional[torch.Tensor]] = [None] * n
+        for k, r in enumerate(others):
+            recvs[r] = scratch[k * numel:(k + 1) * numel]
+        if direct:
+            recvs[first] = output
+        works = self._exchange(list(input.chunk(n)), recvs, _P2P_TAG_REDUCE_SCATTER)
+
+        def finish() -> None:
+            # the sum in rank order, whatever order the messages arrived in (a + b == b + a
+            # exactly, so starting from output = the first peer's part changes nothing)
+            own = mine if direct else mine.clone()  # output may be mine: keep a copy
+            parts = recvs[:me] + [own] + recvs[me + 1:]
+            if direct:
+                output.add_(parts[1] if first == 0 else parts[0])
+            else:
+                torch.add(parts[0], parts[1], out=output)
+            for part in parts[2:]:
+                output.add_(part)
+            if scratch is not None:
+                self._scratch.append(scratch if scratch._base is None else scratch._base)
+        return Pending(PendingAll(works), finish)
+
+    def _take_scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A receive buffer of numel elements: the smallest idle one that fits (a view of it),
+        else a new one, and then the idle ones too small to serve are dropped, so what is
+        kept never exceeds the most buffers in use at once, each as large as the largest."""
+        fits = [k for k, t in enumerate(self._scratch)
+                if t.numel() >= numel and t.dtype == dtype and t.device == device]
+        if fits:
+            k = min(fits, key=lambda k: self._scratch[k].numel())
+            return self._scratch.pop(k)[:numel]
+        for t in self._scratch:
+            self._scratch_bytes -= t.numel() * t.element_size()
+        self._scratch.clear()
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self._scratch_bytes += t.numel() * t.element_size()
+        self.scratch_peak_bytes = max(self.scratch_peak_bytes, self._scratch_bytes)
+        return t
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
         if self.world_size == 1:

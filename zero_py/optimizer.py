@@ -435,8 +435,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp32 masters).
 
         params: flat parameter buffers (padding included) and frozen parameters; grads: the
-        gradient shard plus the most bucket buffers live at once (and, in stage 1, the full
-        param.grad); optimizer_states: state tensors of this rank's shard and its fp32 masters.
+        gradient shard plus the most bucket buffers live at once and the executor's
+        reduce-scatter receive buffers (and, in stage 1, the full param.grad);
+        optimizer_states: state tensors of this rank's shard and its fp32 masters.
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat
@@ -448,7 +449,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buffer_bytes = sum(fp.bucket_numel[b] * fp.bucket_dtype(b).itemsize
                            for b in range(fp.n_buckets))
         params = buffer_bytes + frozen
-        grads = self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
+        grads = (self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
+                 + getattr(self.executor, "scratch_peak_bytes", 0))  # receive buffers
         if self.stage == 1:
             grads += param_bytes
         states = self._update.state_bytes()
