@@ -7,10 +7,12 @@ timed over a few calls between barriers; rank 0 prints the median ms per call:
 
     all-gather     flat      dist.all_gather_into_tensor(out, piece)
                    list      dist.all_gather(list(out.chunk(n)), piece)
-                   bcast     one async broadcast per rank from its chunk of out (zero_py on gloo)
+                   bcast     one async broadcast per rank from its chunk of out
+                   zero_py   TorchDistExecutor.all_gather: point-to-point messages
     reduce-scatter list      dist.reduce_scatter(piece, list(full.chunk(n)))
                    flat      dist.reduce_scatter_tensor(piece, full)
-                   allreduce dist.all_reduce(full) + copy of this rank's chunk (zero_py on gloo)
+                   allreduce dist.all_reduce(full) + copy of this rank's chunk
+                   zero_py   TorchDistExecutor.reduce_scatter: point-to-point messages
     reference      allreduce the same all-reduce alone (what DDP runs)
 
 zero_py.executor picks its gloo forms from these numbers. Each rank uses one intra-op thread.
@@ -22,6 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from zero_py.executor import TorchDistExecutor
 
 # torch 2.13 renamed the flat collectives (*_single) and deprecated the old names
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,6 +45,8 @@ def forms(numel, rank, world):
         for w in works:
             w.wait()
 
+    executor = TorchDistExecutor()
+
     def rs_allreduce():
         dist.all_reduce(full)
         piece.copy_(fulls[rank])
@@ -49,9 +55,11 @@ def forms(numel, rank, world):
         "all-gather flat": lambda: _all_gather_flat(out, piece),
         "all-gather list": lambda: dist.all_gather(outs, piece),
         "all-gather bcast": ag_bcast,
+        "all-gather zero_py": lambda: executor.all_gather(out, piece).wait(),
         "reduce-scatter list": lambda: dist.reduce_scatter(piece, fulls),
         "reduce-scatter flat": lambda: _reduce_scatter_flat(piece, full),
         "reduce-scatter allreduce": rs_allreduce,
+        "reduce-scatter zero_py": lambda: executor.reduce_scatter(piece, full).wait(),
         "all-reduce (reference)": lambda: dist.all_reduce(full),
     }
 

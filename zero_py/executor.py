@@ -5,15 +5,17 @@ so reductions overlap with backward. Works with gloo (CPU), NCCL and MPI groups.
 
 On gloo (CPU), all-gather and reduce-scatter are built from point-to-point messages (each rank
 sends every peer its chunk and receives theirs, all in flight at once): gloo's own collectives
-go through its process group's worker threads and, for reduce-scatter, through extra copies,
-and measured side by side (benchmarks/gloo_collectives.py, numbers in benchmarks/RESULTS.md)
-they take 1.3-2x as long as the messages at 3.2 MB and up, on 2 and 4 ranks, and are no faster
-below. The reduce-scatter receives the first peer's copy of this rank's chunk straight into the
+go through its process group's worker threads and, for reduce-scatter, through extra copies.
+Side by side (benchmarks/gloo_collectives.py, numbers in benchmarks/RESULTS.md), from 3.2 MB
+up the messages take 0.4-0.75x the time of all_gather_into_tensor and 0.3-0.5x that of
+reduce_scatter_tensor, at 2 and 4 ranks; at 0.4 MB they win at 4 ranks and lose at 2 (1.2 ms
+against 0.7 for the all-gather), where the whole exchange is a millisecond either way.
+The reduce-scatter receives the first peer's copy of this rank's chunk straight into the
 output and the others' into a scratch buffer ((world_size - 2) chunks: none at 2 ranks; kept for
 reuse and counted by scratch_peak_bytes), and adds them in rank order, so the result does not
-depend on arrival order. Other backends get
-reduce_scatter_tensor and all_gather_into_tensor; where a backend has no reduce-scatter, the
-reduction is an all-reduce of the input and a copy of this rank's chunk.
+depend on arrival order. Other backends get reduce_scatter_tensor and all_gather_into_tensor;
+where a backend has no reduce-scatter, the reduction is an all-reduce of the input and a copy of
+this rank's chunk.
 """
 
 from __future__ import annotations
