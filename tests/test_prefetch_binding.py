@@ -114,3 +114,21 @@ def test_call_errors_leave_the_schedule_usable():
         pf.done(0)
     assert pf.end() == ((F, 1), (F, 2))
     assert pf.seen() == (0,)
+
+
+def test_set_keep_last_unit():
+    pf = _C.Prefetch([10, 10, 10], [True, False, False], budget_bytes=20)
+    pf.set_keep([True, False, True])  # the root and the last unit of the order
+    pf.begin(_C.PF_FORWARD)
+    with pytest.raises(RuntimeError, match="set_keep during an open phase"):
+        pf.set_keep([True, False, False])
+    assert pf.need(0) == ((G, 0), (G, 1))
+    assert pf.done(1) == ((F, 1), (G, 2))
+    assert pf.done(2) == ()  # kept for backward
+    assert pf.end() == ()
+    pf.begin(_C.PF_BACKWARD)
+    assert pf.need(2) == ()  # still resident: not gathered again (and the budget is full)
+    assert pf.done(2) == ((F, 2), (G, 1))
+    assert pf.end() == ((F, 0), (F, 1))
+    with pytest.raises(ValueError, match="one per unit"):
+        pf.set_keep([True, False])

@@ -14,7 +14,8 @@ once the unit is gathered for backward.
   pre-forward of a unit   -> need(u): gather it (and, ahead, the next units of the recorded
                              order within a live-bytes budget); wait for it
   post-forward            -> done(u): free it (kept until backward with
-                             reshard_after_forward=False, and always for the root)
+                             reshard_after_forward=False, and always for the root and the
+                             last unit of the recorded order, which backward needs first)
   grad of a unit's output -> need(u) in the backward phase (gathered again)
   grad of a unit's inputs -> done(u): its backward is over, free it
   end of backward         -> drain the schedule, free everything, agree on the next order
@@ -426,7 +427,17 @@ class Stage3Engine:
             self._order_pending = None
             n = len(self.units)
             ranked = sorted((n - int(v), k) for k, v in enumerate(positions.tolist()) if v > 0)
-            self.prefetch.set_order([k for _, k in ranked])
+            order = [k for _, k in ranked]
+            self.prefetch.set_order(order)
+            if self.reshard_after_forward:
+                # the last unit of the forward is the first of the backward: keep it gathered
+                # in between rather than free it and gather it again at once (the peak is the
+                # same: it is resident there anyway, next to the unit before or after it)
+                keep = [u == 0 for u in range(n)]
+                last = [k for k in order if k != 0]
+                if last:
+                    keep[last[-1]] = True
+                self.prefetch.set_keep(keep)
         self._phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
         self.prefetch.begin(self._phase)
         self._post_pending = [0] * len(self.units)

@@ -167,6 +167,37 @@ done:
   return result;
 }
 
+static PyObject *zp_prefetch_set_keep_py(zp_py_prefetch *self, PyObject *arg) {
+  PyObject *fast = PySequence_Fast(arg, "Prefetch.set_keep: keep must be a sequence of bool");
+  if (fast == NULL)
+    return NULL;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  const int32_t n_units = zp_prefetch_n_units(self->pf);
+  if (n != n_units) {
+    Py_DECREF(fast);
+    return PyErr_Format(PyExc_ValueError, "Prefetch.set_keep: keep has %zd entries; give one "
+                        "per unit (%d)", n, n_units);
+  }
+  uint8_t *keep = malloc((size_t)(n > 0 ? n : 1));
+  if (keep == NULL) {
+    Py_DECREF(fast);
+    return PyErr_NoMemory();
+  }
+  PyObject *result = NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int k = PyObject_IsTrue(PySequence_Fast_GET_ITEM(fast, i));
+    if (k < 0)
+      goto done;
+    keep[i] = (uint8_t)k;
+  }
+  zp_status status = zp_prefetch_set_keep(self->pf, keep);
+  result = status == ZP_OK ? Py_NewRef(Py_None) : zp_raise(status);
+done:
+  free(keep);
+  Py_DECREF(fast);
+  return result;
+}
+
 static PyObject *zp_prefetch_order_py(zp_py_prefetch *self, PyObject *args) {
   (void)args;
   int32_t n = zp_prefetch_order(self->pf, self->ids, zp_prefetch_n_units(self->pf));
@@ -241,6 +272,8 @@ static PyObject *zp_prefetch_peak_bytes_get(zp_py_prefetch *self, void *closure)
 }
 
 static PyMethodDef zp_prefetch_methods[] = {
+    {"set_keep", (PyCFunction)zp_prefetch_set_keep_py, METH_O,
+     "set_keep(keep): one bool per unit, the units kept gathered from forward into backward"},
     {"set_order", (PyCFunction)zp_prefetch_set_order_py, METH_O,
      "set_order(order): the forward order (distinct unit ids) the following phases follow"},
     {"order", (PyCFunction)zp_prefetch_order_py, METH_NOARGS, "order() -> tuple of unit ids"},

@@ -161,6 +161,14 @@ zp_status zp_prefetch_set_order(zp_prefetch *pf, const int32_t *order, int32_t n
   return ZP_OK;
 }
 
+zp_status zp_prefetch_set_keep(zp_prefetch *pf, const uint8_t *keep) {
+  if (pf->phase >= 0)
+    return zp_fail(ZP_ERR_STATE, "prefetch: set_keep during an open phase; call end() first");
+  for (int32_t u = 0; u < pf->n_units; u++)
+    pf->keep[u] = keep != NULL && keep[u] != 0;
+  return ZP_OK;
+}
+
 int32_t zp_prefetch_order(const zp_prefetch *pf, int32_t *out, int32_t cap) {
   for (int32_t k = 0; k < pf->n_order && k < cap; k++)
     out[k] = pf->order[k];

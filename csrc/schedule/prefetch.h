@@ -69,6 +69,13 @@ int32_t zp_prefetch_cmd_capacity(const zp_prefetch *pf);
  * n_units). Initially 0, 1, ..., n_units-1. Not allowed while a phase is open. */
 zp_status zp_prefetch_set_order(zp_prefetch *pf, const int32_t *order, int32_t n);
 
+/* Which units stay gathered from FORWARD into BACKWARD: keep[u] != 0 (NULL for none), as given
+ * to create. The executor may widen it between phases, e.g. to the last unit of the order,
+ * which backward needs first (kept, it is not gathered again; the residency carried between
+ * phases is still the same on every rank that set the same keep). Not allowed while a phase
+ * is open. */
+zp_status zp_prefetch_set_keep(zp_prefetch *pf, const uint8_t *keep);
+
 /* Writes min(n, cap) ids of the order to out and returns n, its length. */
 int32_t zp_prefetch_order(const zp_prefetch *pf, int32_t *out, int32_t cap);
 

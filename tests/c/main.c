@@ -17,6 +17,7 @@
   X(test_schedule_flush_and_reset) \
   X(test_schedule_errors)          \
   X(test_prefetch_exact_commands)  \
+  X(test_prefetch_keep_last_unit)  \
   X(test_prefetch_order_and_seen)  \
   X(test_prefetch_random_two_ranks) \
   X(test_prefetch_errors)          \

@@ -141,6 +141,51 @@ void test_prefetch_exact_commands(void) {
   zp_prefetch_destroy(pf);
 }
 
+void test_prefetch_keep_last_unit(void) {
+  /* the executor keeps the root (0) and, from the second step on, the last unit of the order
+   * (3): backward starts on it without gathering it again, and the peak stays at the root plus
+   * two units, as without it */
+  static const int64_t bytes[4] = {10, 10, 10, 10};
+  static const uint8_t root[4] = {1, 0, 0, 0}, root_and_last[4] = {1, 0, 0, 1};
+  zp_prefetch *pf = make(4, bytes, root, 30);
+  if (!pf)
+    return;
+  CHECK_OK(zp_prefetch_set_keep(pf, root_and_last));
+  CHECK_OK(zp_prefetch_begin(pf, ZP_PF_FORWARD));
+  CHECK_FAILS(zp_prefetch_set_keep(pf, root), ZP_ERR_STATE); /* not during a phase */
+  NEED(pf, 0, G(0, NEEDED), G(1, PREFETCHED), G(2, PREFETCHED));
+  NEED(pf, 1);
+  DONE(pf, 1, F(1, RELEASED), G(3, PREFETCHED));
+  NEED(pf, 2);
+  DONE(pf, 2, F(2, RELEASED));
+  NEED(pf, 3);
+  DONE(pf, 3); /* kept */
+  DONE(pf, 0);
+  END(pf);
+  CHECK_EQ(zp_prefetch_live_bytes(pf), 20);
+  CHECK_OK(zp_prefetch_begin(pf, ZP_PF_BACKWARD)); /* schedule 2, 1 */
+  NEED(pf, 3, G(2, PREFETCHED));                   /* resident: no gather */
+  DONE(pf, 3, F(3, RELEASED), G(1, PREFETCHED));
+  NEED(pf, 2);
+  DONE(pf, 2, F(2, RELEASED));
+  NEED(pf, 1);
+  DONE(pf, 1, F(1, RELEASED));
+  NEED(pf, 0);
+  END(pf, F(0, RELEASED));
+  CHECK_EQ(zp_prefetch_live_bytes(pf), 0);
+  CHECK_EQ(zp_prefetch_peak_bytes(pf), 30);
+  /* back to the root alone: the last unit is freed after its forward again */
+  CHECK_OK(zp_prefetch_set_keep(pf, root));
+  CHECK_OK(zp_prefetch_begin(pf, ZP_PF_FORWARD));
+  NEED(pf, 0, G(0, NEEDED), G(1, PREFETCHED), G(2, PREFETCHED));
+  NEED(pf, 3, G(3, NEEDED));
+  DONE(pf, 3, F(3, RELEASED));
+  END(pf, F(1, RELEASED), F(2, RELEASED)); /* prefetched, never needed */
+  CHECK_EQ(zp_prefetch_is_resident(pf, 0), 1);
+  CHECK_EQ(zp_prefetch_live_bytes(pf), 10);
+  zp_prefetch_destroy(pf);
+}
+
 void test_prefetch_order_and_seen(void) {
   static const int64_t bytes[5] = {1, 2, 3, 4, 5};
   static const uint8_t keep[5] = {0, 0, 1, 0, 0};
