@@ -221,6 +221,24 @@ def meta_build(rank):
     if rank == 0:
         ref = plain.state_dict()
         out["rebinding"] = all(torch.equal(full[k], ref[k]) for k in ref)
+    # built partly on a real device: those parameters keep their values, the meta ones are
+    # initialized (init_fn writes into copies of the real ones)
+    torch.manual_seed(7)
+    real = nn.Linear(8, 8)
+    kept = {k: v.detach().clone() for k, v in real.state_dict().items()}
+    with torch.device("meta"):
+        mixed = nn.Sequential(real, nn.Linear(8, 8))
+
+    def normal_init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+            nn.init.zeros_(m.bias)
+    mixed, _ = zero_py.initialize(mixed, stage=3, wrap_policy=1, init_fn=normal_init, **LR)
+    full = zero_py.full_state_dict(mixed)
+    if rank == 0:
+        out["mixed_real_kept"] = all(torch.equal(full["0." + k], v) for k, v in kept.items())
+        out["mixed_meta_std"] = full["1.weight"].std().item()
+        out["mixed_meta_bias_zero"] = bool((full["1.bias"] == 0).all())
     # an init_fn that leaves a parameter unwritten is an error on every rank, never garbage
     with torch.device("meta"):
         meta = nn.Sequential(_NoReset(), nn.Linear(8, 8))
@@ -365,6 +383,8 @@ def test_meta_build_equals_ordinary_build(results):
     _, res = results
     assert res[0]["meta"]["apply"] and res[0]["meta"]["none"]
     assert res[0]["meta"]["rebinding"]
+    assert res[0]["meta"]["mixed_real_kept"]
+    assert 0.5 < res[0]["meta"]["mixed_meta_std"] < 2 and res[0]["meta"]["mixed_meta_bias_zero"]
     for r in res:
         assert "'0.scale'" in r["meta"]["unwritten_error"], r["meta"]["unwritten_error"]
         assert "init_fn" in r["meta"]["unwritten_error"]

@@ -63,8 +63,12 @@ def _scratch(module: nn.Module, values: Dict[str, torch.Tensor]):
     saved = dict(module._parameters)
     placed = {name: nn.Parameter(t, requires_grad=saved[name].requires_grad)
               for name, t in values.items()}
+    # parameters built on a real device keep their values: the initializer gets copies
+    others = {name: nn.Parameter(_throwaway(p), requires_grad=p.requires_grad)
+              for name, p in saved.items() if p is not None and name not in values}
     try:
         module._parameters.update(placed)
+        module._parameters.update(others)
         yield
         for name, t in placed.items():
             now = module._parameters.get(name)
@@ -79,6 +83,15 @@ def _scratch(module: nn.Module, values: Dict[str, torch.Tensor]):
     finally:
         module._parameters.clear()
         module._parameters.update(saved)
+
+
+def _throwaway(p: torch.Tensor) -> torch.Tensor:
+    """A copy of a real parameter for an initializer to write into; zeros where its values
+    live only as shards now (its storage is released between gathers)."""
+    t = p.detach()
+    if t.numel() and t.untyped_storage().nbytes() == 0:
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.clone()
 
 
 class _ScratchArena:
@@ -135,7 +148,9 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
     """Fills the parameters realize_meta created, module by module, with the values an ordinary
     build from the same seed gives: each module's reset_parameters() in construction order
     (children first), then init_fn over the model as Module.apply(init_fn) would run it after
-    construction. Only one module's parameters are whole at a time, in one reused arena (a
+    construction. Only what was built on the meta device is initialized: parameters of a model
+    built partly on a real device keep their values (initializers write into copies of them),
+    and modules with nothing on the meta device are not reset again. Only one module's parameters are whole at a time, in one reused arena (a
     tied parameter stays whole from its first to its last owner); each value is broadcast from
     rank 0, as with an ordinary build, and only this rank's slice of it is kept. Meta buffers
     are materialized by the same replay and stay replicated."""
@@ -182,8 +197,12 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
     snapshots: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for m in order:  # pass 1: what the constructors did
+            had_meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
             meta_buffers(m)
-            if not hasattr(m, "reset_parameters"):
+            # a module built on a real device was initialized by its constructor already
+            if not hasattr(m, "reset_parameters") or not (
+                    had_meta_buffers or any(p is not None and id(p) in todo
+                                            for p in m._parameters.values())):
                 continue
             snapshots[id(m)] = torch.get_rng_state()
             values = scratch.values(m)
