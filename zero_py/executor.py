@@ -64,6 +64,36 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
+class BufferPool:
+    """Recycled flat buffers (the reducer's gradient buckets, the reduce-scatter's receive
+    buffers). take(numel, dtype) gives a view of the smallest idle buffer that fits; when none
+    does, the idle buffers of that dtype (all too small) are dropped and one of exactly numel
+    elements is made, so what the pool holds never exceeds, per dtype, the most buffers in use
+    at once, each as large as the largest asked for. peak_bytes: the most bytes alive at once,
+    idle or in use."""
+
+    def __init__(self, device):
+        self._device = device
+        self._idle: List[torch.Tensor] = []
+        self._bytes = 0
+        self.peak_bytes = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        fits = [k for k, t in enumerate(self._idle) if t.numel() >= numel and t.dtype == dtype]
+        if fits:
+            return self._idle.pop(min(fits, key=lambda k: self._idle[k].numel()))[:numel]
+        self._bytes -= sum(t.numel() * t.element_size() for t in self._idle if t.dtype == dtype)
+        self._idle = [t for t in self._idle if t.dtype != dtype]
+        t = torch.empty(numel, dtype=dtype, device=self._device)
+        self._bytes += t.numel() * t.element_size()
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        return t
+
+    def give(self, t: torch.Tensor) -> None:
+        """Returns a buffer (or a view take() gave) for reuse."""
+        self._idle.append(t if t._base is None else t._base)
+
+
 class PendingAll:
     """Several collectives in flight as one: wait() finishes them all."""
 
@@ -94,16 +124,19 @@ class TorchDistExecutor:
         self._p2p = dist.get_backend(self.group) == "gloo"  # the point-to-point forms (above)
         self._native_reduce_scatter = True
         self._peers = [self.global_rank(r) for r in range(self.world_size)]
-        self._scratch: List[torch.Tensor] = []  # reduce-scatter receive buffers, idle
-        self._scratch_bytes = 0
-        self.scratch_peak_bytes = 0  # the most scratch bytes alive at once
+        self._scratch: Optional[BufferPool] = None  # the reduce-scatter's receive buffers
+
+    @property
+    def scratch_peak_bytes(self) -> int:
+        """The most bytes of reduce-scatter receive buffers alive at once."""
+        return self._scratch.peak_bytes if self._scratch is not None else 0
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
-        its contents are undefined afterwards (the gloo form sums into it)."""
+        its contents are undefined afterwards (the all-reduce fallback sums into it)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -164,8 +197,11 @@ class TorchDistExecutor:
         first = 1 if me == 0 else 0
         direct = not _overlaps(output, input)
         others = [r for r in range(n) if r != me and not (direct and r == first)]
-        scratch = self._take_scratch(len(others) * numel, input.dtype, input.device) \
-            if others else None
+        scratch = None
+        if others:
+            if self._scratch is None:
+                self._scratch = BufferPool(input.device)
+            scratch = self._scratch.take(len(others) * numel, input.dtype)
         recvs: List[Optional[torch.Tensor]] = [None] * n
         for k, r in enumerate(others):
             recvs[r] = scratch[k * numel:(k + 1) * numel]
@@ -185,25 +221,8 @@ class TorchDistExecutor:
             for part in parts[2:]:
                 output.add_(part)
             if scratch is not None:
-                self._scratch.append(scratch if scratch._base is None else scratch._base)
+                self._scratch.give(scratch)
         return Pending(PendingAll(works), finish)
-
-    def _take_scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """A receive buffer of numel elements: the smallest idle one that fits (a view of it),
-        else a new one, and then the idle ones too small to serve are dropped, so what is
-        kept never exceeds the most buffers in use at once, each as large as the largest."""
-        fits = [k for k, t in enumerate(self._scratch)
-                if t.numel() >= numel and t.dtype == dtype and t.device == device]
-        if fits:
-            k = min(fits, key=lambda k: self._scratch[k].numel())
-            return self._scratch.pop(k)[:numel]
-        for t in self._scratch:
-            self._scratch_bytes -= t.numel() * t.element_size()
-        self._scratch.clear()
-        t = torch.empty(numel, dtype=dtype, device=device)
-        self._scratch_bytes += t.numel() * t.element_size()
-        self.scratch_peak_bytes = max(self.scratch_peak_bytes, self._scratch_bytes)
-        return t
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
         if self.world_size == 1:

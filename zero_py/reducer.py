@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from zero_py._native import _C
-from zero_py.executor import Pending, TorchDistExecutor
+from zero_py.executor import BufferPool, Pending, TorchDistExecutor
 from zero_py.flat import FlatParams, PieceStore
 
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
@@ -50,17 +50,14 @@ class GradReducer:
         self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
         self._global_used: Optional[torch.Tensor] = None
         self._used_pending: Optional[Pending] = None
-        self._open: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (pooled, view)
-        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, pooled buffer)
-        # Bucket buffers are recycled, one pool per dtype: a new pass costs no allocation and no
-        # full memset, only zeroing the slots that receive no gradient. A bucket takes the
-        # smallest pooled buffer that fits it, and a new buffer of its own size when none does,
-        # so a small bucket held open through backward (e.g. tied embeddings, whose gradient
-        # arrives first and last) does not pin a buffer the size of the largest.
-        self._pool: Dict[torch.dtype, List[torch.Tensor]] = {}
-        self._device = device
-        self._bucket_bytes = 0  # bucket buffers alive: pooled, open or in flight
-        self.peak_bucket_bytes = 0  # the most bucket buffer bytes alive at once
+        self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
+        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, its buffer)
+        # Bucket buffers are recycled: a new pass costs no allocation and no full memset, only
+        # zeroing the slots that receive no gradient. A bucket takes the smallest idle buffer
+        # that fits it (BufferPool), so a small bucket held open through backward (e.g. tied
+        # embeddings, whose gradient arrives first and last) does not pin one the size of the
+        # largest.
+        self._pool = BufferPool(device)
         self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
         self._finished = False  # finish() ran since the last pass: its result stands
@@ -116,29 +113,21 @@ class GradReducer:
         self._begin_pass()
         self._end_pass()
 
+    @property
+    def peak_bucket_bytes(self) -> int:
+        """The most bucket buffer bytes alive at once (idle, open or in flight)."""
+        return self._pool.peak_bytes
+
     # -- buckets --------------------------------------------------------------------------------
 
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         entry = self._open.get(b)
         if entry is None:
-            dtype = self.grads.dtype_of[b]
-            numel = self.flat.bucket_numel[b]
-            pool = self._pool.setdefault(dtype, [])
-            fits = [k for k, t in enumerate(pool) if t.numel() >= numel]
-            if fits:
-                pooled = pool.pop(min(fits, key=lambda k: pool[k].numel()))
-            else:  # idle buffers too small for it are dropped: they would only add up
-                for t in pool:
-                    self._bucket_bytes -= t.numel() * t.element_size()
-                pool.clear()
-                pooled = torch.empty(numel, dtype=dtype, device=self._device)
-                self._bucket_bytes += pooled.numel() * pooled.element_size()
-                self.peak_bucket_bytes = max(self.peak_bucket_bytes, self._bucket_bytes)
-            view = pooled[:self.flat.bucket_numel[b]]
+            view = self._pool.take(self.flat.bucket_numel[b], self.grads.dtype_of[b])
             for lo, hi in self.flat.bucket_gaps[b]:
                 view[lo:hi].zero_()
-            entry = self._open[b] = (pooled, view)
-        return entry[1]
+            entry = self._open[b] = view
+        return entry
 
     def _copy_in(self, i: int) -> None:
         p = self.flat.params[i]
@@ -163,7 +152,7 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         buf = self._bucket_buffer(b)
-        pooled = self._open.pop(b)[0]
+        self._open.pop(b)
         for i in self.flat.bucket_params[b]:
             if not self._copied[i]:  # no gradient on this rank: reduce zeros
                 lo = self.flat.param_offset[i]
@@ -175,7 +164,7 @@ class GradReducer:
             tmp = torch.empty_like(piece)
             work = self.executor.reduce_scatter(tmp, buf)
             work = Pending(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
-        self._in_flight.append((work, pooled))
+        self._in_flight.append((work, buf))
         self._retire(block_over=self.max_in_flight)
 
     def _retire(self, block_over: int) -> None:
@@ -183,9 +172,9 @@ class GradReducer:
         in flight."""
         while self._in_flight and (len(self._in_flight) > block_over
                                    or self._in_flight[0][0].is_completed()):
-            work, pooled = self._in_flight.pop(0)
+            work, buf = self._in_flight.pop(0)
             work.wait()
-            self._pool[pooled.dtype].append(pooled)
+            self._pool.give(buf)
 
     # -- what the optimizer asks -------------------------------------------------------------
 
