@@ -203,11 +203,8 @@ static void zp_stats_chunks(void *ctx, int64_t begin, int64_t end) {
   }
 }
 
-zp_status zp_grad_stats_cpu(const zp_opt_segment *segments, int32_t n_segments,
-                            int32_t grad_dtype, double norm_type, int32_t n_threads,
-                            double *sum_pow, int32_t *nonfinite) {
-  if (sum_pow == NULL || nonfinite == NULL)
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: sum_pow and nonfinite must not be NULL");
+zp_status zp_grad_stats_check(const zp_opt_segment *segments, int32_t n_segments,
+                              int32_t grad_dtype, double norm_type) {
   if (n_segments < 0 || (n_segments > 0 && segments == NULL))
     return zp_fail(ZP_ERR_INVALID, "grad_stats: bad segment list (n_segments=%d)", n_segments);
   if (grad_dtype < ZP_F32 || grad_dtype > ZP_F16)
@@ -223,6 +220,15 @@ zp_status zp_grad_stats_cpu(const zp_opt_segment *segments, int32_t n_segments,
     if (segments[s].numel > 0 && segments[s].grad == NULL)
       return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has a NULL grad", s);
   }
+  return ZP_OK;
+}
+
+zp_status zp_grad_stats_cpu(const zp_opt_segment *segments, int32_t n_segments,
+                            int32_t grad_dtype, double norm_type, int32_t n_threads,
+                            double *sum_pow, int32_t *nonfinite) {
+  if (sum_pow == NULL || nonfinite == NULL)
+    return zp_fail(ZP_ERR_INVALID, "grad_stats: sum_pow and nonfinite must not be NULL");
+  ZP_TRY(zp_grad_stats_check(segments, n_segments, grad_dtype, norm_type));
   *sum_pow = 0.0;
   *nonfinite = 0;
   int64_t *starts = malloc(((size_t)n_segments + 1) * sizeof *starts);

@@ -112,4 +112,9 @@ zp_status zp_grad_stats_cpu(const zp_opt_segment *segments, int32_t n_segments,
                             int32_t grad_dtype, double norm_type, int32_t n_threads,
                             double *sum_pow, int32_t *nonfinite);
 
+/* The argument checks of zp_grad_stats_cpu (segments, grad_dtype, norm_type), shared with the
+ * CUDA statistics so that both devices accept and refuse the same tables. */
+zp_status zp_grad_stats_check(const zp_opt_segment *segments, int32_t n_segments,
+                              int32_t grad_dtype, double norm_type);
+
 #endif /* ZP_OPTIM_H */

@@ -155,25 +155,11 @@ extern "C" size_t zp_grad_stats_workspace_bytes_cuda(int32_t n_segments, int64_t
   return zp_align16(rows * sizeof(zp_cu_stats_row)) + tiles * sizeof(zp_cu_partial);
 }
 
-/* Validates (as zp_grad_stats_cpu) and builds the device rows (caller frees *out). */
+/* Validates (zp_grad_stats_check, as the CPU) and builds the device rows (caller frees *out). */
 static zp_status zp_stats_rows(const zp_opt_segment *segments, int32_t n_segments,
                                int32_t grad_dtype, double norm_type, zp_cu_stats_row **out,
                                int32_t *n_out, int64_t *n_tiles, int *kind) {
-  if (n_segments < 0 || (n_segments > 0 && segments == NULL))
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: bad segment list (n_segments=%d)", n_segments);
-  if (grad_dtype < ZP_F32 || grad_dtype > ZP_F16)
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: unknown grad dtype %d (0 fp32, 1 bf16, 2 fp16)",
-                   grad_dtype);
-  if (!(norm_type > 0.0))
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: norm_type must be > 0 (or +inf), got %g",
-                   norm_type);
-  for (int32_t s = 0; s < n_segments; s++) {
-    if (segments[s].numel < 0)
-      return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has numel %lld; need >= 0", s,
-                     (long long)segments[s].numel);
-    if (segments[s].numel > 0 && segments[s].grad == NULL)
-      return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has a NULL grad", s);
-  }
+  ZP_TRY(zp_grad_stats_check(segments, n_segments, grad_dtype, norm_type));
   *kind = isinf(norm_type) ? ZP_CU_POW_MAX
           : norm_type == 2.0 ? ZP_CU_POW_2
           : norm_type == 1.0 ? ZP_CU_POW_1
