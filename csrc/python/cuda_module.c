@@ -385,7 +385,9 @@ static PyMethodDef zp_comm_methods[] = {
      "NcclWork"},
     {"check", (PyCFunction)zp_comm_check_py, METH_NOARGS,
      "raises RuntimeError with the reason once the communicator has failed"},
-    {"abort", (PyCFunction)zp_comm_abort_py, METH_VARARGS, "abort([reason])"},
+    {"abort", (PyCFunction)zp_comm_abort_py, METH_VARARGS,
+     "abort([reason]): ncclCommAbort on this communicator; the process goes on, and waits on "
+     "it raise with the reason"},
     {NULL, NULL, 0, NULL}};
 
 static PyType_Slot zp_comm_slots[] = {
