@@ -25,7 +25,7 @@ deps:
 build: deps
 	ZP_WERROR=1 $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	@$(PYTHON) -c "import zero_py._C as c; print('zero_py._C built, CPU kernels:', c.cpu_isa())"
-	@$(PYTHON) -c "import zero_py.cuda as c; m = c.native_module(); \
+	@$(PYTHON) -c "import zero_py.kernels.cuda as c; m = c.native_module(); \
 	print('zero_py._cuda', 'built' if m else 'not built', '(GPU: ' + (c.unavailable_reason() or 'usable') + ')')"
 
 build/ctest: $(CORE_SRC) $(CTEST_SRC) $(wildcard csrc/*/*.h csrc/kernels/*/*.h tests/c/*.h)
@@ -41,7 +41,7 @@ pytest: build
 test: ctest pytest
 
 demo: build
-	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m zero_py.demo
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m zero_py.examples.demo
 
 bench: build
 	$(PYTHON) benchmarks/adamw_kernel.py
@@ -57,9 +57,9 @@ gpu-check: SHELL := /bin/bash
 gpu-check: build
 	@mkdir -p "$(GPU_OUT)"
 	@{ date -u; nvidia-smi || echo "nvidia-smi: not found"; \
-	  $(PYTHON) -c "import torch, zero_py.cuda as c, zero_py.nccl as n; \
+	  $(PYTHON) -c "import torch, zero_py.kernels.cuda as c, zero_py.collectives.nccl as n; \
 	print('torch', torch.__version__, 'cuda', torch.version.cuda); \
-	print('zero_py.cuda:', c.unavailable_reason() or 'usable'); \
+	print('zero_py.kernels.cuda:', c.unavailable_reason() or 'usable'); \
 	print('NCCL:', n.unavailable_reason() or n.load_nccl())"; } > "$(GPU_OUT)/env.txt" 2>&1; \
 	cat "$(GPU_OUT)/env.txt"
 	@set -o pipefail; \

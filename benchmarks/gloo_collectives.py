@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_py.executor import TorchDistExecutor
+from zero_py.collectives import TorchDistExecutor
 
 # torch 2.13 renamed the flat collectives (*_single) and deprecated the old names
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

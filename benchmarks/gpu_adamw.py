@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zero_py import cuda  # noqa: E402
+from zero_py import kernels  # noqa: E402
+from zero_py.kernels import cuda  # noqa: E402
 
 BYTES_PER_PARAM = 28  # master r+w 8, m r+w 8, v r+w 8, grad bf16 r 2, param bf16 w 2
 
@@ -66,7 +67,7 @@ def _bench(n: int, reps: int) -> dict:
 
     def ours():
         step[0] += 1
-        cuda.optim_step_flat("adamw", master, grad, m, v, None, param, step=step[0], **hp)
+        kernels.optim_step_flat("adamw", master, grad, m, v, None, param, step=step[0], **hp)
 
     ms_ours = _time(ours, 3, reps)
 

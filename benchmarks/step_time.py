@@ -36,7 +36,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_py
-from zero_py.demo import Block, TinyGPT, get_batch, load_corpus
+from zero_py.examples.demo import Block, TinyGPT, get_batch, load_corpus
 
 CONFIGS = ["DDP + AdamW", "DDP + ZeroRedundancyOptimizer", "zero_py stage 1", "zero_py stage 2",
            "zero_py stage 3", "FSDP2 (fully_shard)"]

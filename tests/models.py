@@ -34,7 +34,7 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny_gpt(vocab=32, block=16):
-    from zero_py.demo import TinyGPT
+    from zero_py.examples.demo import TinyGPT
 
     return TinyGPT(vocab, n_layer=2, n_head=2, d_model=32, block_size=block)
 
@@ -72,14 +72,14 @@ class Branchy(nn.Module):
 
 class TiedGPT(nn.Module):
     """A GPT for stage 3: the output projection is the input embedding (tied), pre-LN blocks
-    (zero_py.demo.Block) that can run under activation checkpointing ("reentrant" or
+    (zero_py.examples.demo.Block) that can run under activation checkpointing ("reentrant" or
     "non_reentrant"), one block that can run twice per forward (`repeat`), blocks a step can
     skip, and GPT-2's init pass over model.apply when init="apply"."""
 
     def __init__(self, vocab=32, n_layer=3, d_model=32, n_head=2, block=16, checkpoint="none",
                  repeat=None, init="apply"):
         super().__init__()
-        from zero_py.demo import Block
+        from zero_py.examples.demo import Block
 
         self.tok_emb = nn.Embedding(vocab, d_model)
         self.pos_emb = nn.Embedding(block, d_model)

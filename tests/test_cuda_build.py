@@ -69,11 +69,11 @@ def test_zero_py_imports_without_the_cuda_module():
         "        if name == 'zero_py._cuda':\n"
         "            raise ImportError('blocked for the test')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import zero_py, zero_py.cuda, zero_py.nccl\n"
-        "assert zero_py.cuda.native_module() is None\n"
-        "why = zero_py.cuda.unavailable_reason()\n"
+        "import zero_py, zero_py.kernels.cuda, zero_py.collectives.nccl\n"
+        "assert zero_py.kernels.cuda.native_module() is None\n"
+        "why = zero_py.kernels.cuda.unavailable_reason()\n"
         "assert 'not built' in why and 'blocked for the test' in why, why\n"
-        "assert zero_py.nccl.unavailable_reason() == why\n"
+        "assert zero_py.collectives.nccl.unavailable_reason() == why\n"
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr

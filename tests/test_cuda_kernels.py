@@ -19,7 +19,8 @@ from array import array
 import pytest
 import torch
 
-from zero_py import cuda, kernels
+from zero_py import kernels
+from zero_py.kernels import cuda
 
 pytestmark = pytest.mark.skipif(cuda.native_module() is None,
                                 reason=str(cuda._import_native()[1]))
@@ -153,7 +154,7 @@ def test_device_scale_multiplies_and_skips():
     b = [t.clone() for t in (master, grad, m, v, out)]
     kernels.optim_step_flat("adamw", a[0], a[1], a[2], a[3], None, a[4], step=1, lr=1e-2,
                             weight_decay=0.1, grad_scale=0.75 * 0.25)
-    rows, group = cuda.flat_step_table("adamw", b[0], b[1], b[2], b[3], None, b[4], step=1,
+    rows, group = kernels.flat_step_table("adamw", b[0], b[1], b[2], b[3], None, b[4], step=1,
                                        lr=1e-2, weight_decay=0.1, grad_scale=0.75)
     cuda.optim_step_emulate(rows, [group], scale=0.25)  # 0.75 * 0.25 is exact in float
     for x, y, name in zip(a, b, ("master", "grad", "m", "v", "out")):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run
-from zero_py import executor as ex
+from zero_py.collectives import torch_dist as ex
 
 SIZES = [12, 1000, 600_000]  # elements
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]

@@ -187,7 +187,8 @@ if __name__ == "__main__":
         os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
     unit = (width * width + width) * 4
     res = distributed.run(_body, WORLD, units, width)
-    print(f"{units} x Linear({width}, {width}) at {WORLD} ranks: model {units * unit / 1e6:.1f} MB, "
+    print(f"{units} x Linear({width}, {width}) at {WORLD} ranks: "
+          f"model {units * unit / 1e6:.1f} MB, "
           f"one unit {unit / 1e6:.2f} MB")
     for how in ("reset_parameters", "init_fn"):
         for rank, r in enumerate(res):

@@ -11,7 +11,7 @@ from zero_py._native import _C
 
 def test_the_c_extension_is_really_loaded():
     assert _C.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
-    assert zero_py.kernels._C is _C
+    assert zero_py.kernels.cpu._C is _C
 
 
 def test_layout_plan_shards_tile_each_bucket():

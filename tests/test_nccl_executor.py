@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import zero_py
-from zero_py import nccl
-from zero_py.executor import TorchDistExecutor
+from zero_py.collectives import nccl
+from zero_py.collectives import TorchDistExecutor, make_executor
 
 
 def test_ops_and_dtypes_map_to_nccls_codes():
@@ -30,18 +30,18 @@ def test_library_search_starts_with_the_loaded_one(monkeypatch):
 
 
 def test_make_executor_choices(single_rank_group):
-    assert isinstance(nccl.make_executor(single_rank_group, torch.device("cpu")),
+    assert isinstance(make_executor(single_rank_group, torch.device("cpu")),
                       TorchDistExecutor)
-    assert isinstance(nccl.make_executor(single_rank_group, torch.device("cpu"), "torch"),
+    assert isinstance(make_executor(single_rank_group, torch.device("cpu"), "torch"),
                       TorchDistExecutor)
     with pytest.raises(ValueError, match="needs CUDA parameters"):
-        nccl.make_executor(single_rank_group, torch.device("cpu"), "nccl")
+        make_executor(single_rank_group, torch.device("cpu"), "nccl")
     with pytest.raises(ValueError, match="'auto', 'nccl', 'torch'"):
-        nccl.make_executor(single_rank_group, torch.device("cpu"), "mpi")
+        make_executor(single_rank_group, torch.device("cpu"), "mpi")
     with pytest.raises(TypeError, match="has no reduce_scatter"):
-        nccl.make_executor(single_rank_group, torch.device("cpu"), object())
+        make_executor(single_rank_group, torch.device("cpu"), object())
     mine = TorchDistExecutor(single_rank_group)
-    assert nccl.make_executor(single_rank_group, torch.device("cpu"), mine) is mine
+    assert make_executor(single_rank_group, torch.device("cpu"), mine) is mine
 
 
 def test_zero_optimizer_executor_argument(single_rank_group):

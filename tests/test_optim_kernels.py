@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from zero_py import kernels
-from zero_py.optim_reference import grad_stats_reference, optim_step_reference, sr_key
+from zero_py.testing.reference import grad_stats_reference, optim_step_reference, sr_key
 
 TORCH_FUSES = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

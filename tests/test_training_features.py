@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed
 import models
 import zero_py
-from zero_py.reducer import MAX_BUCKETS_IN_FLIGHT
+from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT
 
 RTOL = 1e-5
 

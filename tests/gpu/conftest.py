@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from zero_py import cuda  # noqa: E402
+from zero_py.kernels import cuda  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

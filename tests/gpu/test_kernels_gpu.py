@@ -16,7 +16,8 @@ from array import array
 import pytest
 import torch
 
-from zero_py import cuda, kernels
+from zero_py import kernels
+from zero_py.kernels import cuda
 
 DEV = torch.device("cuda", 0)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,7 +73,7 @@ def test_optimizer_family_on_device_equals_cpu_family(kind, extra, grad_dtype, p
         states_h = host[1:] + [None] * (3 - n_states)
         states_d = dev[1:] + [None] * (3 - n_states)
         kernels.optim_step_flat(kind, host[0], g, *states_h, out_h, **kw)
-        cuda.optim_step_flat(kind, dev[0], g.to(DEV), *states_d, out_d, **kw)
+        kernels.optim_step_flat(kind, dev[0], g.to(DEV), *states_d, out_d, **kw)
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(host, dev)):
             _same(a, b, f"step {step} tensor {i}")
@@ -91,7 +92,7 @@ def test_adamw_against_torch_fused_adamw_on_gpu():
         g = torch.randn(n, device=DEV)
         ref.grad = g.clone()
         opt.step()
-        cuda.optim_step_flat("adamw", master, g, m, v, step=step, lr=1e-3, weight_decay=0.1)
+        kernels.optim_step_flat("adamw", master, g, m, v, step=step, lr=1e-3, weight_decay=0.1)
     torch.cuda.synchronize()
     assert (master - ref.detach()).abs().max().item() <= 1e-6
     st = opt.state[ref]
@@ -132,15 +133,15 @@ def test_device_scale_multiplies_and_nonfinite_skips():
     master, g = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
     m, v = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
     a = [t.clone() for t in (master, m, v)]
-    cuda.optim_step_flat("adamw", a[0], g, a[1], a[2], step=1, lr=1e-2, grad_scale=0.125)
+    kernels.optim_step_flat("adamw", a[0], g, a[1], a[2], step=1, lr=1e-2, grad_scale=0.125)
     scale = torch.tensor([0.25], device=DEV)
-    cuda.optim_step_flat("adamw", master, g, m, v, step=1, lr=1e-2, grad_scale=0.5, scale=scale)
+    kernels.optim_step_flat("adamw", master, g, m, v, step=1, lr=1e-2, grad_scale=0.5, scale=scale)
     for x, y in zip(a, (master, m, v)):
         _same(x, y, "scaled")
     before = [t.clone() for t in (master, m, v)]
     for bad in (float("inf"), float("nan")):
         scale.fill_(bad)
-        cuda.optim_step_flat("adamw", master, g, m, v, step=2, lr=1e-2, scale=scale)
+        kernels.optim_step_flat("adamw", master, g, m, v, step=2, lr=1e-2, scale=scale)
         for x, y in zip(before, (master, m, v)):
             _same(x, y, f"skipped with scale {bad}")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_py.nccl import NcclExecutor, make_executor
+from zero_py.collectives import NcclExecutor, make_executor
 
 DEV = torch.device("cuda", 0)
 
@@ -99,7 +99,7 @@ def test_abort_reports_its_reason(ex):
 
 
 def test_make_executor_picks_by_device_and_backend(single_rank_group):
-    from zero_py.executor import TorchDistExecutor
+    from zero_py.collectives import TorchDistExecutor
     # a gloo group over CUDA tensors: the torch.distributed executor (several ranks may share a
     # GPU); asked for by name: the native one
     assert isinstance(make_executor(single_rank_group, DEV), TorchDistExecutor)

@@ -20,12 +20,13 @@ this rank's chunk.
 
 from __future__ import annotations
 
-import ctypes
-import io
-from typing import Any, Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.work import AllOf, Work
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -37,82 +38,18 @@ _P2P_TAG_ALL_GATHER = 0x5A500000
 _P2P_TAG_REDUCE_SCATTER = 0x5A510000
 
 
-class Pending:
-    """A collective in flight; wait() finishes it and runs the follow-up, once."""
-
-    __slots__ = ("_work", "_then")
-
-    def __init__(self, work, then: Optional[Callable[[], None]] = None):
-        self._work = work
-        self._then = then
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if the memory of the two (contiguous) tensors overlaps."""
     a_lo, b_lo = a.data_ptr(), b.data_ptr()
     return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
-class BufferPool:
-    """Recycled flat buffers (the reducer's gradient buckets, the reduce-scatter's receive
-    buffers). take(numel, dtype) gives a view of the smallest idle buffer that fits; when none
-    does, the idle buffers of that dtype (all too small) are dropped and one of exactly numel
-    elements is made, so what the pool holds never exceeds, per dtype, the most buffers in use
-    at once, each as large as the largest asked for. peak_bytes: the most bytes alive at once,
-    idle or in use."""
-
-    def __init__(self, device):
-        self._device = device
-        self._idle: List[torch.Tensor] = []
-        self._bytes = 0
-        self.peak_bytes = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        fits = [k for k, t in enumerate(self._idle) if t.numel() >= numel and t.dtype == dtype]
-        if fits:
-            return self._idle.pop(min(fits, key=lambda k: self._idle[k].numel()))[:numel]
-        self._bytes -= sum(t.numel() * t.element_size() for t in self._idle if t.dtype == dtype)
-        self._idle = [t for t in self._idle if t.dtype != dtype]
-        t = torch.empty(numel, dtype=dtype, device=self._device)
-        self._bytes += t.numel() * t.element_size()
-        self.peak_bytes = max(self.peak_bytes, self._bytes)
-        return t
-
-    def give(self, t: torch.Tensor) -> None:
-        """Returns a buffer (or a view take() gave) for reuse."""
-        self._idle.append(t if t._base is None else t._base)
-
-
-class PendingAll:
-    """Several collectives in flight as one: wait() finishes them all."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works):
-        self._works = list(works)
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works = []
-
-
 class TorchDistExecutor:
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+    """The collectives of one process group through torch.distributed. `device`: where its
+    tensors live (default: the CPU for gloo, the current CUDA device otherwise)."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
@@ -121,7 +58,12 @@ class TorchDistExecutor:
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self._p2p = dist.get_backend(self.group) == "gloo"  # the point-to-point forms (above)
+        backend = str(dist.get_backend(self.group)).lower()
+        if device is None:
+            device = torch.device("cpu") if "gloo" in backend or not torch.cuda.is_available() \
+                else torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self._p2p = backend == "gloo"  # the point-to-point forms (above)
         self._native_reduce_scatter = True
         self._peers = [self.global_rank(r) for r in range(self.world_size)]
         self._scratch: Optional[BufferPool] = None  # the reduce-scatter's receive buffers
@@ -134,18 +76,18 @@ class TorchDistExecutor:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
         its contents are undefined afterwards (the all-reduce fallback sums into it)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return Pending(None)
+            return Work(None)
         if self._p2p:
             return self._p2p_reduce_scatter(output, input)
         if self._native_reduce_scatter:
             try:
-                return Pending(_reduce_scatter_flat(output, input, group=self.group,
+                return Work(_reduce_scatter_flat(output, input, group=self.group,
                                                     async_op=True))
             except (RuntimeError, NotImplementedError) as exc:
                 if "support" not in str(exc).lower():
@@ -154,17 +96,17 @@ class TorchDistExecutor:
         n = output.numel()
         lo = self.rank * n
         work = dist.all_reduce(input, group=self.group, async_op=True)
-        return Pending(work, lambda: output.copy_(input[lo:lo + n]))
+        return Work(work, lambda: output.copy_(input[lo:lo + n]))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return Pending(None)
+            return Work(None)
         if self._p2p:
             return self._p2p_all_gather(output, input)
-        return Pending(_all_gather_flat(output, input, group=self.group, async_op=True))
+        return Work(_all_gather_flat(output, input, group=self.group, async_op=True))
 
     # -- point-to-point forms (gloo) -------------------------------------------------------------
 
@@ -180,15 +122,15 @@ class TorchDistExecutor:
             works.append(dist.irecv(recvs[src], self._peers[src], group=self.group, tag=tag))
         return works
 
-    def _p2p_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingAll:
+    def _p2p_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         chunks = output.chunk(self.world_size)
         mine = chunks[self.rank]
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input)
         sends = [input] * self.world_size
-        return PendingAll(self._exchange(sends, chunks, _P2P_TAG_ALL_GATHER))
+        return Work(AllOf(self._exchange(sends, chunks, _P2P_TAG_ALL_GATHER)))
 
-    def _p2p_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+    def _p2p_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         n, me = self.world_size, self.rank
         numel = output.numel()
         mine = input[me * numel:(me + 1) * numel]
@@ -222,42 +164,18 @@ class TorchDistExecutor:
                 output.add_(part)
             if scratch is not None:
                 self._scratch.give(scratch)
-        return Pending(PendingAll(works), finish)
+        return Work(AllOf(works), finish)
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         if self.world_size == 1:
-            return Pending(None)
-        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+            return Work(None)
+        return Work(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> Pending:
+    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self.all_reduce(tensor, dist.ReduceOp.MAX)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
         if self.world_size == 1:
-            return Pending(None)
-        return Pending(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
+            return Work(None)
+        return Work(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
                                       async_op=True))
-
-    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
-        """The list of every rank's `obj` on group rank `dst`, None elsewhere.
-
-        Objects travel as torch.save bytes in uint8 tensors and are read back with
-        weights_only=True (tensors, numbers, strings, containers: nothing that runs code).
-        torch.distributed.gather_object is not used because it needs NumPy."""
-        if self.world_size == 1:
-            return [obj]
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        sizes = torch.zeros(self.world_size, dtype=torch.int64)
-        sizes[self.rank] = payload.numel()
-        dist.all_reduce(sizes, group=self.group)
-        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-        padded[:payload.numel()] = payload
-        out = [torch.empty_like(padded) for _ in range(self.world_size)] \
-            if self.rank == dst else None
-        dist.gather(padded, out, dst=self.global_rank(dst), group=self.group)
-        if out is None:
-            return None
-        return [torch.load(io.BytesIO(ctypes.string_at(t.data_ptr(), int(n))), weights_only=True)
-                for t, n in zip(out, sizes.tolist())]

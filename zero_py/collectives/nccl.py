@@ -12,25 +12,19 @@ peer): waits then raise RuntimeError with the reason instead of hanging.
 
 CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
 through the device: copied in, reduced, and copied back when wait() is called.
-
-make_executor() picks the executor: this one for CUDA parameters, TorchDistExecutor otherwise
-or on request.
 """
 
 from __future__ import annotations
 
-import ctypes
-import io
 import itertools
 import os
-import warnings
-from typing import Any, Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from zero_py import cuda
-from zero_py.executor import TorchDistExecutor
+from zero_py.collectives.work import Work
+from zero_py.kernels import cuda
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -106,36 +100,24 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-class NcclWork:
-    """A collective in flight: wait() orders the caller's current stream after it (and runs a
-    follow-up once); is_completed() asks the device without blocking."""
+class _StreamHandle:
+    """A native NCCL collective as a Work handle: wait() orders the caller's current stream
+    after it (the host does not block); synchronize() blocks the host."""
 
-    __slots__ = ("_work", "_device", "_keep", "_then")
+    __slots__ = ("_work", "_device")
 
-    def __init__(self, work, device: torch.device, keep: tuple = (),
-                 then: Optional[Callable[[], None]] = None):
+    def __init__(self, work, device: torch.device):
         self._work = work
         self._device = device
-        self._keep = keep   # tensors the collective reads or writes, alive until wait()
-        self._then = then
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        return self._work.is_completed()
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait(torch.cuda.current_stream(self._device).cuda_stream)
-            self._work = None
-            self._keep = ()
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        self._work.wait(torch.cuda.current_stream(self._device).cuda_stream)
 
     def synchronize(self) -> None:
-        """Blocks the host until the collective finished (raises if the communicator fails)."""
-        if self._work is not None:
-            self._work.synchronize()
-        self.wait()
+        self._work.synchronize()
 
 
 class NcclExecutor:
@@ -166,6 +148,7 @@ class NcclExecutor:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self.timeout = float(timeout)
         self.version = load_nccl()
         unique_id = self._exchange_id()
         with torch.cuda.device(device):
@@ -222,9 +205,9 @@ class NcclExecutor:
         nccl_dtype(t.dtype)
 
     def _issue(self, coll: int, send: torch.Tensor, recv: torch.Tensor, count: int, op: int = 0,
-               root: int = 0) -> NcclWork:
+               root: int = 0) -> Work:
         if count == 0:
-            return NcclWork(None, self.device)
+            return Work()
         after = torch.cuda.current_stream(self.device)
         work = self._comm.collective(coll, send.data_ptr(), recv.data_ptr(), count,
                                      nccl_dtype(send.dtype), op, root, self.stream.cuda_stream,
@@ -234,9 +217,9 @@ class NcclExecutor:
         send.record_stream(self.stream)
         if recv.data_ptr() != send.data_ptr():
             recv.record_stream(self.stream)
-        return NcclWork(work, self.device, (send, recv))
+        return Work(_StreamHandle(work, self.device), keep=(send, recv))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> NcclWork:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks."""
         self._tensor("output", output)
         self._tensor("input", input)
@@ -246,7 +229,7 @@ class NcclExecutor:
                              f"{input.numel()} of {input.dtype}")
         return self._issue(REDUCE_SCATTER, input, output, output.numel(), _SUM)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> NcclWork:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
         self._tensor("output", output)
         self._tensor("input", input)
@@ -256,17 +239,17 @@ class NcclExecutor:
                              f"{output.numel()} of {output.dtype}")
         return self._issue(ALL_GATHER, input, output, input.numel())
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> NcclWork:
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         code = nccl_op(op)
         if tensor.device.type == "cpu":
             return self._through_device(tensor, lambda dev: self.all_reduce(dev, op))
         self._tensor("tensor", tensor)
         return self._issue(ALL_REDUCE, tensor, tensor, tensor.numel(), code)
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> NcclWork:
+    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self.all_reduce(tensor, dist.ReduceOp.MAX)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> NcclWork:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
         """tensor = group rank `src`'s tensor."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} is not a rank of this group of "
@@ -276,7 +259,7 @@ class NcclExecutor:
         self._tensor("tensor", tensor)
         return self._issue(BROADCAST, tensor, tensor, tensor.numel(), root=src)
 
-    def _through_device(self, host: torch.Tensor, run) -> NcclWork:
+    def _through_device(self, host: torch.Tensor, run) -> Work:
         """A collective on a CPU tensor: through a device copy, copied back at wait()."""
         dev = host.to(self.device)
         work = run(dev)
@@ -284,63 +267,4 @@ class NcclExecutor:
         def back():
             work.synchronize()
             host.copy_(dev)
-        return NcclWork(None, self.device, (), back)
-
-    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
-        """The list of every rank's `obj` on group rank `dst`, None elsewhere (as
-        TorchDistExecutor.gather_object: torch.save bytes, read back with weights_only=True),
-        moved with this executor's all-gathers."""
-        if self.world_size == 1:
-            return [obj]
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        mine = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self.all_gather(sizes, mine).synchronize()
-        sizes_host = sizes.tolist()
-        width = int(max(sizes_host))
-        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        padded[:payload.numel()].copy_(payload)
-        everything = torch.empty(width * self.world_size, dtype=torch.uint8, device=self.device)
-        self.all_gather(everything, padded).synchronize()
-        if self.rank != dst:
-            return None
-        host = everything.cpu()
-        return [torch.load(io.BytesIO(ctypes.string_at(host.data_ptr() + r * width, int(n))),
-                           weights_only=True) for r, n in enumerate(sizes_host)]
-
-
-def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.device,
-                  executor="auto"):
-    """The executor for parameters on `device`: executor is "nccl", "torch", an executor object,
-    or "auto": the NCCL executor for CUDA parameters in a group whose backend is NCCL (the
-    usual torchrun set-up; it falls back to the torch.distributed executor, with a warning,
-    where the NCCL executor cannot run), the torch.distributed executor otherwise (CPU
-    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU)."""
-    if not isinstance(executor, str):
-        for name in ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size",
-                     "rank"):
-            if not hasattr(executor, name):
-                raise TypeError(f"executor must be 'auto', 'nccl', 'torch' or an executor "
-                                f"object; {type(executor).__name__} has no {name}")
-        return executor
-    if executor not in ("auto", "nccl", "torch"):
-        raise ValueError(f"executor must be 'auto', 'nccl', 'torch' or an executor object, got "
-                         f"{executor!r}")
-    on_cuda = torch.device(device).type == "cuda"
-    if executor == "auto":
-        if not on_cuda or not dist.is_initialized() or "nccl" not in str(
-                dist.get_backend(process_group)).lower():
-            return TorchDistExecutor(process_group)
-        why = unavailable_reason()
-        if why is not None:
-            warnings.warn(f"zero_py: the native NCCL executor is unavailable ({why}); using "
-                          "the torch.distributed executor", RuntimeWarning, stacklevel=3)
-            return TorchDistExecutor(process_group)
-        return NcclExecutor(process_group, torch.device(device))
-    if executor == "torch":
-        return TorchDistExecutor(process_group)
-    if not on_cuda:
-        raise ValueError(f"executor='nccl' needs CUDA parameters; these are on {device}")
-    return NcclExecutor(process_group, torch.device(device))
+        return Work(None, back)

@@ -18,9 +18,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zero_py import cuda, kernels
-from zero_py.flat import FlatParams, PieceStore, ShardSlice
-from zero_py.lion import Lion
+from zero_py import kernels
+from zero_py.optim.lion import Lion
+from zero_py.sharding.layout import FlatLayout, ShardSlice
+from zero_py.sharding.storage import PieceStore
 
 _KINDS = {torch.optim.AdamW: kernels.OPT_ADAMW, torch.optim.Adam: kernels.OPT_ADAM,
           torch.optim.SGD: kernels.OPT_SGD, torch.optim.Adagrad: kernels.OPT_ADAGRAD,
@@ -60,7 +61,7 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
 
 
 class _Update:
-    def __init__(self, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+    def __init__(self, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
                  param_groups: List[dict]):
         self.flat = flat
         self.grads = grads
@@ -73,7 +74,7 @@ class _Update:
 
 
 class FusedUpdate(_Update):
-    def __init__(self, kind: int, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+    def __init__(self, kind: int, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
                  param_groups: List[dict]):
         super().__init__(flat, grads, masters, param_groups)
         self.kind = kind
@@ -115,23 +116,18 @@ class FusedUpdate(_Update):
 
     def _group_row(self, g: dict, grad_dtype: torch.dtype, param_dtype: torch.dtype,
                    grad_scale: float, seed: int, stochastic_rounding: bool) -> list:
-        flags = 0
-        if g.get("maximize"):
-            flags |= kernels.MAXIMIZE
-        if g.get("amsgrad"):
-            flags |= kernels.AMSGRAD
-        if g.get("nesterov"):
-            flags |= kernels.NESTEROV
-        if stochastic_rounding and param_dtype == torch.bfloat16:
-            flags |= kernels.STOCHASTIC_ROUNDING
+        flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")),
+                                  bool(g.get("nesterov")),
+                                  stochastic_rounding and param_dtype == torch.bfloat16)
         if self.kind in _ADAM_KINDS or self.kind == kernels.OPT_LION:
             beta1, beta2 = g["betas"]
         elif self.kind == kernels.OPT_SGD:
             beta1, beta2 = g["momentum"], g["dampening"]
         else:
             beta1, beta2 = g["lr_decay"], 0.0
-        return [self.kind, kernels.dtype_code(grad_dtype), kernels.dtype_code(param_dtype), flags,
-                g["lr"], beta1, beta2, g.get("eps", 0.0), g["weight_decay"], grad_scale, seed]
+        return kernels.opt_group_row(self.kind, kernels.dtype_code(grad_dtype),
+                                     kernels.dtype_code(param_dtype), flags, g["lr"], beta1, beta2,
+                                     g.get("eps", 0.0), g["weight_decay"], grad_scale, seed)
 
     def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
              seed: int, stochastic_rounding: bool) -> None:
@@ -156,16 +152,17 @@ class FusedUpdate(_Update):
             shard_lo = flat.bucket_shard_offset[b]
             for lo, hi, step in self._runs(b, used, step_count):
                 at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space state tensors
-                rows.extend((master.data_ptr() + lo * 4, grad.data_ptr() + lo * g_size,
-                             state_base[0] and state_base[0] + at,
-                             state_base[1] and state_base[1] + at,
-                             state_base[2] and state_base[2] + at,
-                             0 if param_out is None else param_out.data_ptr() + lo * p_size,
-                             hi - lo, step, row_of[key], 0))
-        if flat.device.type == "cuda":  # the CUDA family: one launch, same math and bits
-            cuda.optim_step_segments(rows, group_rows, flat.device)
-        else:
-            kernels.optim_step_segments(rows, group_rows, n_threads=torch.get_num_threads())
+                rows.extend(kernels.segment_row(
+                    hi - lo, master=master.data_ptr() + lo * 4, grad=grad.data_ptr() + lo * g_size,
+                    state0=state_base[0] and state_base[0] + at,
+                    state1=state_base[1] and state_base[1] + at,
+                    state2=state_base[2] and state_base[2] + at,
+                    param_out=0 if param_out is None else param_out.data_ptr() + lo * p_size,
+                    step=step, group=row_of[key]))
+        # CPU: the C family on this process's threads; CUDA: one launch, same math and bits
+        kernels.optim_step_segments(rows, group_rows, flat.device,
+                                    n_threads=torch.get_num_threads()
+                                    if flat.device.type == "cpu" else None)
 
     def slice_state(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
         if self.states is None:
@@ -192,7 +189,7 @@ class FusedUpdate(_Update):
 
 
 class TorchUpdate(_Update):
-    def __init__(self, optimizer_class, flat: FlatParams, grads: PieceStore, masters: PieceStore,
+    def __init__(self, optimizer_class, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
                  param_groups: List[dict]):
         super().__init__(flat, grads, masters, param_groups)
         groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}}

@@ -1,8 +1,8 @@
 """The CUDA kernels of the C core (zero_py._cuda), on device tensors: the fused optimizer
 family, gradient statistics and segment copies (pack, unpack, cast).
 
-Same tables as the CPU family (kernels.py): segment rows of addresses (array('q'), now of
-device memory) and group rows. Every call enqueues on the current stream of the tensors'
+Same tables as the CPU family (kernels/table.py): segment rows of addresses (array('q'),
+now of device memory) and group rows. Every call enqueues on the current stream of the tensors'
 device and returns at once; its table reaches the device through a workspace allocated here
 from PyTorch's caching allocator on that stream (so it is not reused before the kernel ran).
 The same tables run through the kernels' own code on host memory with the *_emulate
@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from zero_py import kernels
+from zero_py.kernels import table
+from zero_py.kernels.table import FLOAT_DTYPES as _FLOATS, group_rows as _group_rows
 
 # Row layout of copy_segments: src, dst (0 src = zeros), numel, src_dtype, dst_dtype,
 # scale (the float32's bits).
@@ -116,7 +117,7 @@ def optim_step_segments(rows: array, groups: Sequence[list], device, *,
             raise ValueError(f"scale must be a 1-element float32 tensor on {device}, got "
                              f"{scale.dtype} with {scale.numel()} elements on {scale.device}")
         scale_ptr = scale.data_ptr()
-    n_rows = len(rows) // kernels.OPT_SEGMENT_FIELDS
+    n_rows = len(rows) // table.OPT_SEGMENT_FIELDS
     with torch.cuda.device(device):
         ws = _workspace(device, mod.opt_workspace_bytes(n_rows))
         mod.opt_step(rows, flat_groups, scale_ptr, ws.data_ptr(), ws.numel(),
@@ -134,8 +135,8 @@ def grad_stats_segments(rows: array, grad_dtype: int, norm_type: float, out: tor
         raise ValueError(f"out must be 2 contiguous float64 values on a cuda device, got "
                          f"{out.dtype}, {out.numel()} elements on {out.device}")
     device = out.device
-    n_rows = len(rows) // kernels.OPT_SEGMENT_FIELDS
-    total = sum(rows[i * kernels.OPT_SEGMENT_FIELDS + 6] for i in range(n_rows))
+    n_rows = len(rows) // table.OPT_SEGMENT_FIELDS
+    total = sum(rows[i * table.OPT_SEGMENT_FIELDS + table.SEGMENT_NUMEL] for i in range(n_rows))
     with torch.cuda.device(device):
         ws = _workspace(device, mod.grad_stats_workspace_bytes(n_rows, max(int(total), 0)))
         mod.grad_stats(rows, int(grad_dtype), float(norm_type), out.data_ptr(), bool(accumulate),
@@ -159,14 +160,6 @@ def copy_row(src: Optional[int], dst: int, numel: int, src_dtype: int, dst_dtype
     return (int(src or 0), int(dst), int(numel), int(src_dtype), int(dst_dtype), bits)
 
 
-def _group_rows(groups: Sequence[list]) -> array:
-    for k, row in enumerate(groups):
-        if len(row) != kernels.OPT_GROUP_FIELDS:
-            raise ValueError(f"group row {k} has {len(row)} fields, expected "
-                             f"{kernels.OPT_GROUP_FIELDS}")
-    return array("d", [float(v) for row in groups for v in row])
-
-
 # ---- the kernels' code on host memory (tests) ----------------------------------------------------
 
 def optim_step_emulate(rows: array, groups: Sequence[list], scale: Optional[float] = None) -> None:
@@ -187,19 +180,7 @@ def copy_emulate(rows: array) -> None:
 
 # ---- tensor-level helpers ------------------------------------------------------------------------
 
-def _check(name: str, t, device: Optional[torch.device], dtypes=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16, "
-                         "float16")
-
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_check = table.check_tensor
 
 
 def pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int],
@@ -208,14 +189,14 @@ def pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequenc
     zeros over `gaps` ((lo, hi) element ranges): one launch on the current stream."""
     _check("bucket", bucket, None, _FLOATS)
     rows = array("q")
-    dcode, esize = kernels.dtype_code(bucket.dtype), bucket.element_size()
+    dcode, esize = table.dtype_code(bucket.dtype), bucket.element_size()
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         _check(f"tensors[{i}]", t, bucket.device, _FLOATS)
         if off < 0 or off + t.numel() > bucket.numel():
             raise IndexError(f"tensors[{i}] ({t.numel()} elements at {off}) does not fit the "
                              f"bucket of {bucket.numel()}")
         rows.extend(copy_row(t.data_ptr(), bucket.data_ptr() + off * esize, t.numel(),
-                             kernels.dtype_code(t.dtype), dcode, scale))
+                             table.dtype_code(t.dtype), dcode, scale))
     for lo, hi in gaps:
         if not 0 <= lo <= hi <= bucket.numel():
             raise IndexError(f"gap ({lo}, {hi}) is outside the bucket of {bucket.numel()}")
@@ -229,14 +210,14 @@ def unpack(bucket: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Seque
     one launch on the current stream."""
     _check("bucket", bucket, None, _FLOATS)
     rows = array("q")
-    scode, esize = kernels.dtype_code(bucket.dtype), bucket.element_size()
+    scode, esize = table.dtype_code(bucket.dtype), bucket.element_size()
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         _check(f"tensors[{i}]", t, bucket.device, _FLOATS)
         if off < 0 or off + t.numel() > bucket.numel():
             raise IndexError(f"tensors[{i}] ({t.numel()} elements at {off}) does not fit the "
                              f"bucket of {bucket.numel()}")
         rows.extend(copy_row(bucket.data_ptr() + off * esize, t.data_ptr(), t.numel(), scode,
-                             kernels.dtype_code(t.dtype), scale))
+                             table.dtype_code(t.dtype), scale))
     copy_segments(rows, bucket.device)
 
 
@@ -247,68 +228,8 @@ def cast(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
     if src.numel() != dst.numel():
         raise ValueError(f"src has {src.numel()} elements, dst {dst.numel()}")
     copy_segments(array("q", copy_row(src.data_ptr(), dst.data_ptr(), src.numel(),
-                                      kernels.dtype_code(src.dtype),
-                                      kernels.dtype_code(dst.dtype), scale)), src.device)
-
-
-def optim_step_flat(kind, master: torch.Tensor, grad: torch.Tensor,
-                    state0: Optional[torch.Tensor] = None, state1: Optional[torch.Tensor] = None,
-                    state2: Optional[torch.Tensor] = None,
-                    param_out: Optional[torch.Tensor] = None, *, step: int, lr: float,
-                    beta1: Optional[float] = None, beta2: Optional[float] = None,
-                    eps: Optional[float] = None, weight_decay: float = 0.0,
-                    grad_scale: float = 1.0, maximize: bool = False, amsgrad: bool = False,
-                    nesterov: bool = False, stochastic_rounding: bool = False, seed: int = 0,
-                    scale: Optional[torch.Tensor] = None) -> None:
-    """kernels.optim_step_flat on whole contiguous tensors of one CUDA device (same arguments,
-    same math and bits), plus `scale` (see optim_step_segments)."""
-    rows, group = flat_step_table(
-        kind, master, grad, state0, state1, state2, param_out, step=step, lr=lr, beta1=beta1,
-        beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
-        maximize=maximize, amsgrad=amsgrad, nesterov=nesterov,
-        stochastic_rounding=stochastic_rounding, seed=seed)
-    optim_step_segments(rows, [group], master.device, scale=scale)
-
-
-def flat_step_table(kind, master: torch.Tensor, grad: torch.Tensor,
-                    state0: Optional[torch.Tensor] = None, state1: Optional[torch.Tensor] = None,
-                    state2: Optional[torch.Tensor] = None,
-                    param_out: Optional[torch.Tensor] = None, *, step: int, lr: float,
-                    beta1: Optional[float] = None, beta2: Optional[float] = None,
-                    eps: Optional[float] = None, weight_decay: float = 0.0,
-                    grad_scale: float = 1.0, maximize: bool = False, amsgrad: bool = False,
-                    nesterov: bool = False, stochastic_rounding: bool = False,
-                    seed: int = 0) -> tuple:
-    """(segment rows, group row) of one step over whole tensors on master's device, checked as
-    kernels.optim_step_flat checks CPU tensors: for optim_step_segments on CUDA tensors, or
-    optim_step_emulate on CPU ones."""
-    k = kernels.opt_kind(kind)
-    _check("master", master, None, (torch.float32,))
-    device, n = master.device, master.numel()
-    _check("grad", grad, device, _FLOATS)
-    b1d, b2d, epsd = kernels._OPT_DEFAULTS[k]
-    beta1 = b1d if beta1 is None else beta1
-    beta2 = b2d if beta2 is None else beta2
-    eps = epsd if eps is None else eps
-    given = {"state0": state0, "state1": state1, "state2": state2}
-    for name, t in list(given.items()) + [("param_out", param_out), ("grad", grad)]:
-        if t is None:
-            continue
-        _check(name, t, device, _FLOATS if name in ("param_out", "grad") else (torch.float32,))
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, expected {n} (same as master)")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the step count after this update), got "
-                         f"{step!r}")
-    if not 0 <= int(seed) <= 2 ** 53:
-        raise ValueError(f"seed must be in [0, 2**53], got {seed}")
-    ptrs = [0 if t is None else t.data_ptr() for t in (state0, state1, state2, param_out)]
-    rows = array("q", [master.data_ptr(), grad.data_ptr(), *ptrs, n, int(step), 0, 0])
-    param_dtype = kernels.F32 if param_out is None else kernels.dtype_code(param_out.dtype)
-    flags = kernels.opt_flags(maximize, amsgrad, nesterov, stochastic_rounding)
-    group = kernels.opt_group_row(k, kernels.dtype_code(grad.dtype), param_dtype, flags, lr, beta1,
-                                  beta2, eps, weight_decay, grad_scale, seed)
-    return rows, group
+                                      table.dtype_code(src.dtype),
+                                      table.dtype_code(dst.dtype), scale)), src.device)
 
 
 def grad_stats_flat(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -318,13 +239,6 @@ def grad_stats_flat(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> to
     grads = list(grads)
     if not grads:
         raise ValueError("grad_stats_flat needs at least one gradient (for its device)")
-    device = grads[0].device
-    by_dtype = {}
-    for i, g in enumerate(grads):
-        _check(f"grads[{i}]", g, device, _FLOATS)
-        by_dtype.setdefault(g.dtype, array("q")).extend(
-            (0, g.data_ptr(), 0, 0, 0, 0, g.numel(), 1, 0, 0))
-    out = torch.zeros(2, dtype=torch.float64, device=device)
-    for k, (dtype, rows) in enumerate(by_dtype.items()):
-        grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type, out, accumulate=k > 0)
-    return out
+    from zero_py import kernels  # the face dispatches by device
+    return kernels.grad_stats(table.grad_rows(grads, grads[0].device), norm_type,
+                              _device_of(grads[0].device))

@@ -6,10 +6,13 @@ feeds it events and carries out its answers through the executor.
 Stage 2 registers a post-accumulate-grad hook on every managed parameter: the gradient is
 divided by the world size into its slot of a bucket buffer (as DDP averages), param.grad is
 dropped, and every bucket the schedule releases is reduce-scattered at once, asynchronously,
-while backward goes on. A callback queued on the autograd engine ends the pass: gradients
-that arrived outside hooks (accumulated under no_sync()) are copied in, and the rest of the
-buckets are flushed in order. Stage 1 runs the same pass from step(), over param.grad, which
-it leaves in place.
+while backward goes on. A pass is opened by begin_pass() (the first hook of a backward, or
+stage 3's engine when a unit's backward starts), which queues the one end-of-backward callback
+on the autograd engine; that callback ends the pass (gradients that arrived outside hooks,
+accumulated under no_sync(), are copied in, and the rest of the buckets are flushed in order)
+and then runs the listeners given to on_backward_end(). Stage 1 runs the same pass from step(),
+over param.grad, which it leaves in place. Under no_sync() no pass is opened: gradients stay in
+param.grad until the first backward after the block.
 
 Gradients are reduced in the parameters' dtype, or in `reduce_dtype` when given (fp32 for
 bf16/fp16 models that want an exact sum). The gradient shard (the rank's piece of every
@@ -21,13 +24,15 @@ gradient under DDP.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from zero_py._native import _C
-from zero_py.executor import BufferPool, Pending, TorchDistExecutor
-from zero_py.flat import FlatParams, PieceStore
+from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.work import Work
+from zero_py.sharding.layout import FlatLayout
+from zero_py.sharding.storage import PieceStore
 
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
@@ -35,7 +40,7 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class GradReducer:
-    def __init__(self, flat: FlatParams, executor: TorchDistExecutor, stage: int,
+    def __init__(self, flat: FlatLayout, executor, stage: int,
                  reduce_dtype: Optional[torch.dtype] = None,
                  max_in_flight: int = MAX_BUCKETS_IN_FLIGHT):
         self.flat = flat
@@ -49,9 +54,10 @@ class GradReducer:
         self.sync_enabled = True       # False inside no_sync()
         self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
         self._global_used: Optional[torch.Tensor] = None
-        self._used_pending: Optional[Pending] = None
+        self._used_pending: Optional[Work] = None
         self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
-        self._in_flight: List[Tuple[Pending, torch.Tensor]] = []  # (reduction, its buffer)
+        self._in_flight: List[Tuple[Work, torch.Tensor]] = []  # (reduction, its buffer)
+        self._listeners: List[Callable[[], None]] = []  # run after each backward's pass
         # Bucket buffers are recycled: a new pass costs no allocation and no full memset, only
         # zeroing the slots that receive no gradient. A bucket takes the smallest idle buffer
         # that fits it (BufferPool), so a small bucket held open through backward (e.g. tied
@@ -60,6 +66,7 @@ class GradReducer:
         self._pool = BufferPool(device)
         self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
+        self._callback_queued = False  # the end-of-backward callback is queued
         self._finished = False  # finish() ran since the last pass: its result stands
         self.passes_since_step = 0
         if stage == 2:
@@ -70,16 +77,42 @@ class GradReducer:
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
-            if not self.sync_enabled:
+            if not self.begin_pass():
                 return
-            if not self._pass_open:
-                self._begin_pass()
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
             with torch.no_grad():
                 self._copy_in(i)
                 for b in self.schedule.grad_ready(i):
                     self._launch(b)
         return hook
+
+    @property
+    def pass_open(self) -> bool:
+        """A backward pass is being reduced (begin_pass() ran, its end has not)."""
+        return self._pass_open
+
+    def on_backward_end(self, fn: Callable[[], None]) -> None:
+        """Runs fn after every backward, once its pass has been ended (stage 3 frees its units
+        there). fn also runs after backwards under no_sync(), where no pass is opened."""
+        self._listeners.append(fn)
+
+    def begin_pass(self) -> bool:
+        """Called from inside backward: opens this backward's pass (once) and queues its end on
+        the autograd engine. Returns whether gradients are reduced in this backward (False
+        under no_sync())."""
+        if self._callback_queued:
+            return self._pass_open
+        self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if self.sync_enabled:
+            self._begin_pass()
+        return self._pass_open
+
+    def _backward_done(self) -> None:
+        self._callback_queued = False
+        if self._pass_open:
+            self._end_pass()
+        for fn in self._listeners:
+            fn()
 
     def _begin_pass(self) -> None:
         self._pass_open = True
@@ -156,14 +189,14 @@ class GradReducer:
         for i in self.flat.bucket_params[b]:
             if not self._copied[i]:  # no gradient on this rank: reduce zeros
                 lo = self.flat.param_offset[i]
-                buf[lo:lo + self.flat.params[i].numel()].zero_()
+                buf[lo:lo + self.flat.param_numel[i]].zero_()
         piece = self.grads.piece(b)
         if not self.grad_shard_valid:
             work = self.executor.reduce_scatter(piece, buf)
         else:
             tmp = torch.empty_like(piece)
             work = self.executor.reduce_scatter(tmp, buf)
-            work = Pending(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
+            work = Work(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
         self._in_flight.append((work, buf))
         self._retire(block_over=self.max_in_flight)
 

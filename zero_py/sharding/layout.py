@@ -1,15 +1,16 @@
-"""Flat parameter buffers: parameters rewired as views into one buffer per dtype, per the C plan.
+"""The flat layout: the C planner's answer for a list of parameters, and what follows from it.
 
-After construction every managed parameter's .data is a view into `buffers[k]`, laid out as
-zero_py._C.layout_plan decided (see csrc/layout/layout.h). This module answers the questions
-that follow from the plan: where bucket b lives, which piece of it this rank owns, and which
-slice of each parameter falls into this rank's pieces.
+zero_py._C.layout_plan (csrc/layout/layout.h) puts parameters in buckets (runs of one param
+group and one dtype), pads every bucket so it splits into world_size equal, aligned pieces, and
+gives rank r piece r of every bucket. FlatLayout answers the questions that follow: where
+bucket b lives, which piece of it this rank owns, and which slice of each parameter falls into
+this rank's pieces (ShardSlice). It holds no storage: sharding/storage.py does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -53,6 +54,9 @@ class FlatLayout:
         self.world_size = world_size
         self.rank = rank
         self.device = self.params[0].device
+        # sizes as planned: stage 3 later shows a parameter as its shard slice between uses
+        self.param_numel: List[int] = [p.numel() for p in self.params]
+        self.param_shapes: List[tuple] = [tuple(p.shape) for p in self.params]
         dtypes: List[torch.dtype] = []
         for p in self.params:
             if p.dtype not in dtypes:
@@ -60,7 +64,7 @@ class FlatLayout:
         self.dtypes = dtypes
         buffer_of = [dtypes.index(p.dtype) for p in self.params]
         keys = list(groups) if layout_keys is None else list(layout_keys)
-        plan = _C.layout_plan([p.numel() for p in self.params], keys, buffer_of,
+        plan = _C.layout_plan(list(self.param_numel), keys, buffer_of,
                               [p.element_size() for p in self.params], world_size, align_bytes,
                               bucket_bytes)
         self.plan = plan
@@ -103,7 +107,7 @@ class FlatLayout:
         for i in self.bucket_params[b]:
             if self.param_offset[i] > end:
                 gaps.append((end, self.param_offset[i]))
-            end = self.param_offset[i] + self.params[i].numel()
+            end = self.param_offset[i] + self.param_numel[i]
         if end < self.bucket_numel[b]:
             gaps.append((end, self.bucket_numel[b]))
         return gaps
@@ -115,92 +119,9 @@ class FlatLayout:
             piece_lo, piece_hi = self.rank * n, (self.rank + 1) * n
             for i in self.bucket_params[b]:
                 lo = self.param_offset[i]
-                hi = lo + self.params[i].numel()
+                hi = lo + self.param_numel[i]
                 a, z = max(lo, piece_lo), min(hi, piece_hi)
                 if a < z:
                     out.append(ShardSlice(i, b, a - lo, z - lo, a - piece_lo,
                                           self.bucket_shard_offset[b] + a - piece_lo))
         return out
-
-
-class FlatParams(FlatLayout):
-    """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
-                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
-        super().__init__(params, groups, world_size, rank, align_bytes, bucket_bytes)
-        self.buffers = [torch.zeros(n, dtype=self.dtypes[k], device=self.device)
-                        for k, n in enumerate(self.plan["buffer_numel"])]
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.param_view(i)
-                view.copy_(p.data.reshape(-1))
-                p.data = view.view_as(p)
-
-    # -- where things live --------------------------------------------------------------------
-
-    def bucket_region(self, b: int) -> torch.Tensor:
-        """Bucket b inside its flat buffer (all ranks' pieces)."""
-        lo = self.bucket_flat_offset[b]
-        return self.buffers[self.bucket_buffer[b]][lo:lo + self.bucket_numel[b]]
-
-    def bucket_piece(self, b: int) -> torch.Tensor:
-        """This rank's piece of bucket b, a view into the flat buffer."""
-        n = self.bucket_shard_numel[b]
-        return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
-
-    def param_view(self, i: int) -> torch.Tensor:
-        """Parameter i as a 1-D view into its flat buffer."""
-        b = self.param_bucket[i]
-        lo = self.bucket_flat_offset[b] + self.param_offset[i]
-        return self.buffers[self.bucket_buffer[b]][lo:lo + self.params[i].numel()]
-
-    # -- collectives over the whole layout -----------------------------------------------------
-
-    def all_gather(self, executor, buckets: Sequence[int]) -> None:
-        """Every rank's updated pieces of `buckets` into every rank's flat buffers."""
-        pending = [executor.all_gather(self.bucket_region(b), self.bucket_piece(b))
-                   for b in buckets]
-        for work in pending:
-            work.wait()
-
-    def broadcast(self, executor, src: int = 0) -> None:
-        """Make every rank's parameters equal to rank `src`'s."""
-        pending = [executor.broadcast(buf, src) for buf in self.buffers]
-        for work in pending:
-            work.wait()
-
-
-class PieceStore:
-    """One tensor of a rank's piece per bucket, packed into one compact tensor per dtype.
-
-    `dtype_of(b)` says the dtype of bucket b's piece, or None for no piece: gradients use it
-    with the reduction dtype of each bucket, fp32 masters with the buckets whose parameters
-    are not fp32 (an fp32 parameter piece is its own master)."""
-
-    def __init__(self, flat: FlatLayout, dtype_of: Callable[[int], Optional[torch.dtype]],
-                 device: torch.device):
-        self.dtype_of = [dtype_of(b) for b in range(flat.n_buckets)]
-        sizes: Dict[torch.dtype, int] = {}
-        self._offset: List[int] = []
-        for b, dtype in enumerate(self.dtype_of):
-            self._offset.append(sizes.get(dtype, 0))
-            if dtype is not None:
-                sizes[dtype] = sizes.get(dtype, 0) + flat.bucket_shard_numel[b]
-        self.tensors = {dtype: torch.zeros(n, dtype=dtype, device=device)
-                        for dtype, n in sizes.items()}
-        self._numel = flat.bucket_shard_numel
-
-    def piece(self, b: int) -> Optional[torch.Tensor]:
-        dtype = self.dtype_of[b]
-        if dtype is None:
-            return None
-        lo = self._offset[b]
-        return self.tensors[dtype][lo:lo + self._numel[b]]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def zero_(self) -> None:
-        for t in self.tensors.values():
-            t.zero_()

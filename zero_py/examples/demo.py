@@ -2,9 +2,9 @@
 
 Run on two CPU processes (gloo):
 
-    torchrun --nproc-per-node 2 -m zero_py.demo [--steps 600] [--stage 2] [--batch-size 32]
+    torchrun --nproc-per-node 2 -m zero_py.examples.demo [--steps 600] [--stage 2] [--batch-size 32]
 
-or on one (``python -m zero_py.demo``; the script then makes its own one-rank process group).
+or on one (``python -m zero_py.examples.demo``; it then makes its own one-rank process group).
 
 The model is not wrapped: every rank builds the same ``TinyGPT``, ``ZeroOptimizer`` broadcasts
 rank 0's parameters, reduces gradients to their owners after ``loss.backward()`` and all-gathers
@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero_py
+from zero_py.collectives import gather_object
 
 
 class CausalSelfAttention(nn.Module):
@@ -264,7 +265,7 @@ def main():
         f"{args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.2f} steps/s)")
 
     # torch's *_object collectives need NumPy, which a torch install does not bring
-    reports = optimizer.executor.gather_object(optimizer.memory_report(), dst=0)
+    reports = gather_object(optimizer.executor, optimizer.memory_report(), dst=0)
     if rank == 0:
         print(f"\nMemory per rank, zero_py stage {args.stage} vs DDP + torch.optim.AdamW:")
         print(memory_table(reports, args.stage))

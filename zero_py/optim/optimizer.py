@@ -1,28 +1,29 @@
 """ZeroOptimizer: a torch.optim.Optimizer that shards optimizer states (stage 1) and gradients
 (stage 2) across the ranks of a process group, in fp32 or mixed precision.
 
-Reading order: FlatParams (flat.py) lays the parameters out; GradReducer (reducer.py) brings
-each rank the averaged gradient of its shard; this class checks it (overflow, global norm),
-has the update (update.py: the C kernel family, or any torch.optim class) run on the fp32
-master shard, and all-gathers the new parameters.
+Reading order: the storage (sharding/storage.py: FlatParams for stages 1-2, built here;
+ShardedParams for stage 3, handed in by zero_py.initialize) lays the parameters out;
+GradReducer (sharding/reducer.py) brings each rank the averaged gradient of its shard; this
+class checks it (overflow, global norm), has the update (update.py: the fused kernels, or any
+torch.optim class) run on the fp32 master shard, and has the storage publish the new values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from array import array
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from zero_py import cuda, kernels, state_dict as sd_util
-from zero_py.flat import FlatParams, PieceStore
-from zero_py.loss_scaler import LossScaler
-from zero_py.nccl import make_executor
-from zero_py.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
-from zero_py.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
+from zero_py import kernels
+from zero_py.collectives import gather_object, make_executor
+from zero_py.optim import state_dict as sd_util
+from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
+from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
+from zero_py.sharding.storage import FlatParams, PieceStore
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_ALIGN_BYTES = 64
@@ -55,14 +56,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (fused optimizers only) instead of to nearest even.
         executor: who runs the collectives: "auto" (zero_py's native NCCL executor for CUDA
             parameters in an NCCL group, the torch.distributed executor otherwise), "nccl",
-            "torch", or an executor object (see zero_py/nccl.py).
+            "torch", or an executor object (see zero_py/collectives/).
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
     Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
     non-fp32 parameters get an fp32 master copy of this rank's shard. AdamW, Adam, SGD,
     Adagrad and zero_py.Lion run in the fused C kernels. Parameters with requires_grad=False at
     construction are kept as they are (never updated). Parameters live on the CPU or on one
-    CUDA device per rank; CUDA shards are updated by the CUDA kernel family (zero_py.cuda).
+    CUDA device per rank; CUDA shards are updated by the CUDA kernel family (zero_py.kernels.cuda).
     """
 
     def __init__(self, params, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -71,8 +72,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 executor="auto", **optimizer_kwargs):
-        if stage not in self._STAGES:
+                 executor="auto", storage=None, **optimizer_kwargs):
+        if stage not in (1, 2) and storage is None:
             raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
                              "model, optimizer = zero_py.initialize(model, ..., stage=3)")
         if not (isinstance(optimizer_class, type)
@@ -101,13 +102,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.executor = make_executor(process_group, first.device if first is not None
                                       else torch.device("cpu"), executor)
+        owned = None if storage is None else {id(p) for p in storage.params}
 
         self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         managed, groups_of, self._managed_index = [], [], []
         index = 0
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.requires_grad and p.numel() > 0:
+                if (p.requires_grad and p.numel() > 0) if owned is None else id(p) in owned:
                     self._check_param(p, index)
                     managed.append(p)
                     groups_of.append(gi)
@@ -120,11 +122,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("the parameters are on several devices "
                              f"({sorted(str(d) for d in {p.device for p in managed})}); zero_py "
                              "shards one device per rank: move the model to one device")
-        self._flat = self._make_flat(managed, groups_of, align_bytes, bucket_bytes)
-        self._broadcast_frozen(managed)
-        # stage 3 reduces as stage 2 does: from hooks, during backward
+        if storage is None:
+            storage = FlatParams(managed, groups_of, self.executor.world_size,
+                                 self.executor.rank, align_bytes, bucket_bytes)
+            storage.broadcast(self.executor, src=0)  # every rank starts from rank 0's values
+        elif [id(p) for p in storage.params] != [id(p) for p in managed]:
+            raise ValueError("the storage handed to ZeroOptimizer holds other parameters than "
+                             "its trainable ones, or in another order")
+        self._flat = storage
+        if not storage.shards_frozen:
+            self._broadcast_frozen(managed)
+        # stage 3 reduces as stage 2 does: from hooks, during backward. A stage-3 bucket is a
+        # whole unit: one reduction in flight (it overlaps the backward of the next unit) keeps
+        # the gradient working set at two unit-sized buffers.
         self._reducer = GradReducer(self._flat, self.executor, min(stage, 2), grad_reduce_dtype,
-                                    self._MAX_REDUCTIONS_IN_FLIGHT)
+                                    MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1)
         self._step_count = [0] * len(managed)  # per managed parameter, as torch's state["step"]
         fp = self._flat
         self._masters = PieceStore(
@@ -154,20 +166,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- construction ---------------------------------------------------------------------------
 
-    _STAGES = (1, 2)
-    _MAX_REDUCTIONS_IN_FLIGHT = MAX_BUCKETS_IN_FLIGHT
-
-    def _make_flat(self, managed: List[torch.Tensor], groups_of: List[int], align_bytes: int,
-                   bucket_bytes: int) -> FlatParams:
-        """The parameters' layout and storage; every rank starts from rank 0's values."""
-        flat = FlatParams(managed, groups_of, self.executor.world_size, self.executor.rank,
-                          align_bytes, bucket_bytes)
-        flat.broadcast(self.executor, src=0)
-        return flat
-
-    def _publish(self, buckets: List[int]) -> None:
-        """Makes the updated pieces of `buckets` every rank's parameters."""
-        self._flat.all_gather(self.executor, buckets)
+    @property
+    def reducer(self) -> GradReducer:
+        """The gradient path (stage 3's engine opens and closes its passes)."""
+        return self._reducer
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", True):
@@ -237,25 +239,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Global sum of |g|^p (or max |g| for p = inf) over every rank's gradient shard, and
         whether any rank holds an inf or nan; one read pass and one small all-reduce."""
         flat, grads = self._flat, self._reducer.grads
-        total, nonfinite = 0.0, False
-        on_cuda = flat.device.type == "cuda"  # then the kernels write `both` on the device
-        both = torch.zeros(2, dtype=torch.float64, device=flat.device) if on_cuda else None
-        for k, dtype in enumerate(grads.tensors):
-            rows = array("q")
-            for b in range(flat.n_buckets):
-                if grads.dtype_of[b] == dtype:  # only grad and numel of a row are read
-                    rows.extend((0, grads.piece(b).data_ptr(), 0, 0, 0, 0,
-                                 flat.bucket_shard_numel[b], 1, 0, 0))
-            if on_cuda:
-                cuda.grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type, both,
-                                         accumulate=k > 0)
-                continue
-            part, bad = kernels.grad_stats_segments(rows, kernels.dtype_code(dtype), norm_type,
-                                                    n_threads=torch.get_num_threads())
-            total = max(total, part) if math.isinf(norm_type) else total + part
-            nonfinite = nonfinite or bool(bad)
-        if both is None:
-            both = torch.tensor([total, float(nonfinite)], dtype=torch.float64)
+        tables = {dtype: kernels.grad_rows([grads.piece(b) for b in range(flat.n_buckets)
+                                            if grads.dtype_of[b] == dtype], flat.device)[dtype]
+                  for dtype in grads.tensors}
+        both = kernels.grad_stats(tables, norm_type, flat.device,
+                                  n_threads=torch.get_num_threads())
+        if self.executor.device != both.device:
+            both = both.to(self.executor.device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         self.executor.all_reduce(both, op).wait()
         return float(both[0]), bool(both[1] > 0)
@@ -321,7 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           self.stochastic_rounding)
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
-        self._publish(touched)
+        self._flat.publish(self.executor, touched)
 
     # -- state dicts ----------------------------------------------------------------------------
 
@@ -368,10 +358,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The full optimizer state dict, in torch.optim's own format (loadable by
         optimizer_class), returned on group rank `to` and None elsewhere. Collective: every rank
         must call it."""
-        gathered = self.executor.gather_object(self.state_dict(), to)
+        gathered = gather_object(self.executor, self.state_dict(), to)
         if gathered is None:
             return None
-        shapes = {k: p.shape for k, p in enumerate(self._all_params)}
+        shapes = {self._managed_index[i]: torch.Size(shape)
+                  for i, shape in enumerate(self._flat.param_shapes)}
+        shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
         full = sd_util.merge_shards(gathered, shapes)
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
         full["loss_scaler"] = self._scaler_state()
@@ -420,7 +412,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 continue
             if not shard:
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
-                                              self._flat.params[s.param].numel())
+                                              self._flat.param_numel[s.param])
             self._update.install(s, st)
             self._step_count[s.param] = int(float(st.get("step", 1)))
             master = self._masters.piece(s.bucket)
@@ -441,14 +433,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat
-        param_bytes = sum(p.numel() * p.element_size() for p in fp.params)
-        psi = sum(p.numel() for p in fp.params)
-        master_psi = sum(p.numel() for p in fp.params if p.dtype != torch.float32)
-        ids = {id(p) for p in fp.params}
-        frozen = sum(p.numel() * p.element_size() for p in self._all_params if id(p) not in ids)
-        buffer_bytes = sum(fp.bucket_numel[b] * fp.bucket_dtype(b).itemsize
-                           for b in range(fp.n_buckets))
-        params = buffer_bytes + frozen
+        managed = {id(p) for p in fp.params}
+        frozen = [p for p in self._all_params if id(p) not in managed]
+        report = fp.param_bytes(frozen)
+        param_bytes = sum(n * p.element_size() for n, p in zip(fp.param_numel, fp.params))
+        psi = sum(fp.param_numel)
+        master_psi = sum(n for n, p in zip(fp.param_numel, fp.params) if p.dtype != torch.float32)
         grads = (self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
                  + getattr(self.executor, "scratch_peak_bytes", 0))  # receive buffers
         if self.stage == 1:
@@ -458,10 +448,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # torch.optim keeps it per parameter slice
         local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
         per_elem = states / local if local else 0.0
-        return {"params": params, "grads": grads,
+        return {**report, "grads": grads,
                 "optimizer_states": states + self._masters.nbytes(),
-                "padding": buffer_bytes - param_bytes,
-                "ddp_params": param_bytes + frozen, "ddp_grads": 2 * param_bytes,
+                "ddp_grads": 2 * param_bytes,
                 "ddp_optimizer_states": int(round(per_elem * psi)) + 4 * master_psi}
 
     def optimizer_state_bytes(self) -> int:

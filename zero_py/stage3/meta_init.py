@@ -17,7 +17,13 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from zero_py.stage3 import Stage3Engine
+    from zero_py.stage3.engine import Stage3Engine
+
+
+def _shape(p: torch.Tensor) -> torch.Size:
+    """p's real shape (a stage-3 parameter between uses is its 1-D shard slice)."""
+    shape = getattr(p, "_zero_py_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
 
 
 def _post_order(model: nn.Module) -> List[nn.Module]:
@@ -89,8 +95,8 @@ def _throwaway(p: torch.Tensor) -> torch.Tensor:
     """A copy of a real parameter for an initializer to write into; zeros where its values
     live only as shards now (its storage is released between gathers)."""
     t = p.detach()
-    if t.numel() and t.untyped_storage().nbytes() == 0:
-        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    if tuple(t.shape) != tuple(_shape(p)) or (t.numel() and t.untyped_storage().nbytes() == 0):
+        return torch.zeros(_shape(p), dtype=t.dtype, device=t.device)
     return t.clone()
 
 
@@ -116,7 +122,7 @@ class _ScratchArena:
             used: Dict[torch.dtype, int] = {}
             for p in m._parameters.values():
                 if p is not None and id(p) in todo:
-                    used[p.dtype] = used.get(p.dtype, 0) + self._round(p.numel())
+                    used[p.dtype] = used.get(p.dtype, 0) + self._round(_shape(p).numel())
             for dtype, n in used.items():
                 need[dtype] = max(need.get(dtype, 0), n)
         self._buffers = {dtype: torch.empty(n, dtype=dtype, device=device)
@@ -136,34 +142,34 @@ class _ScratchArena:
             if p is None or id(p) not in self._todo:
                 continue
             lo = at.get(p.dtype, 0)
-            out[name] = self._buffers[p.dtype][lo:lo + p.numel()].view(p.shape)
+            n = _shape(p).numel()
+            out[name] = self._buffers[p.dtype][lo:lo + n].view(_shape(p))
             if p.dtype.is_floating_point or p.dtype.is_complex:
                 out[name].fill_(float("nan"))
-            at[p.dtype] = lo + self._round(p.numel())
+            at[p.dtype] = lo + self._round(n)
         return out
 
 
-def replay_init(model: nn.Module, engine: Stage3Engine,
+def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
                 init_fn: Optional[Callable[[nn.Module], None]]) -> None:
     """Fills the parameters realize_meta created, module by module, with the values an ordinary
     build from the same seed gives: each module's reset_parameters() in construction order
     (children first), then init_fn over the model as Module.apply(init_fn) would run it after
     construction. Only what was built on the meta device is initialized: parameters of a model
     built partly on a real device keep their values (initializers write into copies of them),
-    and modules with nothing on the meta device are not reset again. Only one module's parameters are whole at a time, in one reused arena (a
+    and modules with nothing on the meta device are not reset again. Only one module's
+    parameters are whole at a time, in one reused arena (a
     tied parameter stays whole from its first to its last owner); each value is broadcast from
     rank 0, as with an ordinary build, and only this rank's slice of it is kept. Meta buffers
     are materialized by the same replay and stay replicated."""
-    flat = engine.flat
-    todo = engine.uninitialized
-    index = {id(p): i for i, p in enumerate(flat.params)}
+    storages = engine.storages
     order = _post_order(model)
     owners: Dict[int, List[nn.Module]] = {}
     for m in order:
         for p in m._parameters.values():
             if p is not None and id(p) in todo:
                 owners.setdefault(id(p), []).append(m)
-    device = flat.device
+    device = engine.flat.device
     # every module's values are made in this one arena, in turn (see _ScratchArena)
     scratch = _ScratchArena(order, todo, device)
 
@@ -171,7 +177,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
 
     def store(p: nn.Parameter, value: torch.Tensor) -> None:
         value = value.detach().contiguous()
-        engine.gather_executor.broadcast(value, 0).wait()
+        engine.flat.executor.broadcast(value, 0).wait()
         # rank 0's value on every rank: all of them raise, or none
         if (value.is_floating_point() or value.is_complex()) and bool(value.isnan().any()):
             raise ValueError(
@@ -179,13 +185,13 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
                 "initialized, or only in part: its module's reset_parameters()"
                 + (" and init_fn leave" if init_fn is not None else " leaves")
                 + " elements unwritten (or NaN); initialize every element, e.g. in init_fn")
-        if id(p) in index:
-            s = flat.slice_of_param.get(index[id(p)])
-            if s is not None:
-                flat.shards.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(
-                    value.reshape(-1)[s.param_lo:s.param_hi])
-        else:  # frozen: replicated, whole
-            p.data = value.clone()
+        for storage in storages:  # the trainable or the frozen parameters'
+            i = storage.index_of(p)
+            if i is not None:
+                s = storage.slice_of_param.get(i)
+                if s is not None:
+                    storage.shards.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(
+                        value.reshape(-1)[s.param_lo:s.param_hi])
 
     def meta_buffers(m: nn.Module) -> None:
         for name, buf in list(m._buffers.items()):
@@ -251,5 +257,5 @@ def replay_init(model: nn.Module, engine: Stage3Engine,
     if left:
         raise ValueError(f"zero_py: buffers {left[:5]} are still on the meta device; create "
                          "them on a real device in the constructor or set them in init_fn")
-    engine.uninitialized = set()
-    engine.regather_resident()
+    for storage in storages:  # the persistent unit's full values, from the new pieces
+        storage.publish(None, ())

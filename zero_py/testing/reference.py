@@ -101,7 +101,7 @@ def optim_step_reference(kind, master: torch.Tensor, grad: torch.Tensor,
     """The oracle of kernels.optim_step_flat: same arguments, same in-place effects."""
     del n_threads
     k = kernels.opt_kind(kind)
-    b1d, b2d, epsd = kernels._OPT_DEFAULTS[k]
+    b1d, b2d, epsd = kernels.table.OPT_DEFAULTS[k]
     beta1 = b1d if beta1 is None else beta1
     beta2 = b2d if beta2 is None else beta2
     eps = epsd if eps is None else eps
@@ -161,3 +161,18 @@ def grad_stats_reference(grads: Sequence[torch.Tensor], norm_type: float = 2.0) 
     if bool(torch.isnan(flat).any()):
         value = math.nan
     return value, nonfinite
+
+
+def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float = 0.9,
+                    beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+                    grad_scale: float = 1.0) -> None:
+    """The slow pure-PyTorch oracle of kernels.adamw_step_flat: the same update, one op at a
+    time."""
+    g = grad * grad_scale
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1 ** step)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,230 @@
+"""The public entry points for every stage: initialize, gathered, full_state_dict.
+
+Stages 1-2 are an optimizer (ZeroOptimizer) over the model's parameters in flat buffers.
+Stage 3 shards the parameters too: initialize cuts the model into units
+(sharding/units.py), builds the sharded storage of the trainable and of the frozen parameters
+(stage3/engine.py: shard_parameters), hands the trainable one to ZeroOptimizer, starts the
+engine (hooks and prefetch) and installs the state-dict hooks (stage3/state_dict.py). Every
+stage reaches its collectives through collectives.make_executor, so stage 3 runs on the native
+NCCL executor for CUDA models as stages 1-2 do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Set, Tuple, Type
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero_py.collectives import channel, make_executor
+from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer
+from zero_py.sharding.storage import GatherMeter
+from zero_py.sharding.units import WrapPolicy, assign_units
+from zero_py.stage3 import state_dict as stage3_state_dict
+from zero_py.stage3.engine import Stage3Engine, shard_parameters
+from zero_py.stage3.meta_init import realize_meta, replay_init
+
+
+def _param_groups(params) -> List[dict]:
+    """Param groups as torch.optim normalizes them: a list of dicts with a list of params."""
+    groups = list(params)
+    if not groups:
+        return []
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g in groups:
+        ps = g["params"]
+        out.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
+    return out
+
+
+def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+               *, stage: int = 3, wrap_policy: WrapPolicy = None, params=None,
+               process_group: Optional[dist.ProcessGroup] = None,
+               reshard_after_forward: bool = True, persistence_threshold: int = 0,
+               prefetch_bytes: Optional[int] = None,
+               init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
+               **kwargs):
+    """Prepares `model` for ZeRO training and returns (model, optimizer): the same call for
+    every stage.
+
+    Stages 1 and 2 return the model unchanged and a ZeroOptimizer over its parameters. Stage 3
+    shards the parameters too: the model is cut into units by `wrap_policy` (None: every module
+    holding at least 1M parameters not already in a smaller unit; an int: that parameter count;
+    module classes, e.g. {Block}; or a callable(module, name) -> bool), each unit's parameters
+    exist only as shards between uses, and hooks gather them for forward and backward. Frozen
+    parameters (requires_grad=False) are sharded too. Between uses a parameter is its slice
+    of this rank's shard (1-D; zero_py.full_shape(p) gives its real shape); read full values
+    inside `with zero_py.gathered(model):`. model.state_dict() / load_state_dict() take and give
+    full values and are collective (see zero_py/stage3/state_dict.py).
+
+    Stage-3 options:
+        reshard_after_forward: free a unit after its forward (default) or keep it until its
+            backward (no second gather; stage-2 memory for parameters).
+        persistence_threshold: parameters with fewer elements stay replicated (never gathered).
+        prefetch_bytes: the most bytes of gathered units held at once by prefetching
+            (default: the units kept whole plus twice the largest other unit).
+        init_fn: for a model built on the meta device: called on every module after the
+            modules' reset_parameters(), like model.apply(init_fn) after construction.
+    A model whose parameters are on the meta device (built under `with torch.device("meta")`)
+    is materialized module by module: it never exists whole on a rank, and gets the values an
+    ordinary build from the same seed gives (see zero_py/stage3/meta_init.py).
+
+    `executor`: "auto" (zero_py's NCCL executor for CUDA models in an NCCL group),
+    "torch", "nccl" or an executor object, as for ZeroOptimizer. `params` are param groups
+    (dicts with "params") over the model's parameters (default: all of them, one group); other
+    keyword arguments go to ZeroOptimizer (bucket_bytes, grad_reduce_dtype, loss_scaler, ...)
+    and to optimizer_class (lr, betas, ...)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize takes an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_zero_py", None) is not None:
+        raise ValueError("this model is already managed by zero_py; initialize it once")
+    if stage in (1, 2):
+        extra = {"wrap_policy": wrap_policy, "init_fn": init_fn, "prefetch_bytes": prefetch_bytes}
+        given = [k for k, v in extra.items() if v is not None]
+        if given or persistence_threshold or not reshard_after_forward:
+            raise ValueError(f"{given or 'stage-3 options'} only apply to stage=3; drop them "
+                             f"for stage {stage}")
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("a model on the meta device needs stage=3 (partitioned "
+                             "construction); build it on a real device for stages 1-2")
+        opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
+                            stage=stage, process_group=process_group, executor=executor,
+                            **kwargs)
+        model._zero_py = opt
+        return model, opt
+    if stage != 3:
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if not isinstance(persistence_threshold, int) or persistence_threshold < 0:
+        raise ValueError(f"persistence_threshold must be an int >= 0, got "
+                         f"{persistence_threshold!r}")
+    if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
+        raise ValueError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+    meta = any(p.is_meta for p in model.parameters())
+    if meta and params is not None:
+        raise ValueError("param groups cannot be given for a meta-device model (its "
+                         "parameters are replaced while it is materialized); pass params=None")
+    if not meta and init_fn is not None:
+        raise ValueError("init_fn applies to models built on the meta device only; initialize "
+                         "an ordinary model before calling zero_py.initialize")
+    units, unit_of = assign_units(model, wrap_policy)
+    real = [p for p in model.parameters() if not p.is_meta]
+    devices = {p.device for p in real}
+    if len(devices) > 1:
+        raise ValueError(f"the parameters are on several devices ({sorted(map(str, devices))}); "
+                         "zero_py shards one device per rank: move the model to one device")
+    device = devices.pop() if devices else torch.device("cpu")
+    dp = make_executor(process_group, device, executor)
+    gather = channel(dp)  # gathers never interleave with the reductions
+    uninitialized: Set[int] = set()
+    if meta:
+        before = dict(model.named_parameters(remove_duplicate=False))
+        uninitialized = realize_meta(model, device)
+        # the replacements belong to the units of the parameters they replace
+        unit_of = {id(p): unit_of[id(before[n])]
+                   for n, p in model.named_parameters(remove_duplicate=False)}
+    groups = _param_groups(model.parameters() if params is None else params)
+    trainable, groups_of = [], []
+    seen: Set[int] = set()
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            if id(p) in unit_of and p.requires_grad and p.numel() > 0 and id(p) not in seen:
+                seen.add(id(p))
+                trainable.append(p)
+                groups_of.append(gi)
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.numel() > 0]
+    align = kwargs.get("align_bytes", DEFAULT_ALIGN_BYTES)
+    meter = GatherMeter()
+    n_units = len(units)
+    storage = frozen_storage = None
+    if not trainable:
+        raise ValueError("zero_py.initialize got no trainable parameter: every parameter has "
+                         "requires_grad=False or no elements")
+    for i, p in enumerate(trainable + frozen):
+        ZeroOptimizer._check_param(p, i)
+    if trainable:
+        storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
+                                   persistence_threshold, uninitialized)
+    if frozen:
+        frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
+                                          align, meter, persistence_threshold, uninitialized)
+    opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
+                        executor=dp, storage=storage, **kwargs)
+    storage.frozen_storage = frozen_storage
+    engine = Stage3Engine(model, units, [s for s in (storage, frozen_storage) if s is not None],
+                          dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)
+    opt._engine = engine
+    if meta:
+        replay_init(model, engine, uninitialized, init_fn)
+        opt.sync_master_from_params()
+    stage3_state_dict.install(model, engine, opt)
+    model._zero_py = opt
+    return model, opt
+
+
+def _managed_by(model_or_params) -> Tuple[Optional[ZeroOptimizer], Optional[Set[int]]]:
+    if isinstance(model_or_params, nn.Module):
+        opt = getattr(model_or_params, "_zero_py", None)
+        return opt, {id(p) for p in model_or_params.parameters()}
+    return None, {id(p) for p in model_or_params}
+
+
+def _engine(opt) -> Optional[Stage3Engine]:
+    return getattr(opt, "_engine", None)
+
+
+@contextlib.contextmanager
+def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
+             optimizer: Optional[ZeroOptimizer] = None):
+    """Full parameters inside the block. Collective: every rank enters it with the same
+    arguments.
+
+    `module_or_params`: a model given to zero_py.initialize, one of its submodules, or some of
+    its parameters (then pass `optimizer=`, the one initialize returned, unless the model
+    itself is given). With `modifier_rank=r`, rank r's edits made in the block (under
+    torch.no_grad()) are broadcast and become every rank's parameters (shards and fp32 masters)
+    on exit; without it, edits are discarded. Under stages 1-2 the parameters are always full;
+    the block then only applies the modifier rank's edits."""
+    opt, ids = _managed_by(module_or_params)
+    opt = optimizer or opt
+    if opt is None:
+        raise ValueError("zero_py.gathered needs the model given to zero_py.initialize, or "
+                         "optimizer= (what initialize returned) with a submodule or parameters")
+    engine = _engine(opt)
+    if engine is not None:
+        with engine.gathered(ids, modifier_rank):
+            yield
+        if modifier_rank is not None:
+            opt.sync_master_from_params()
+        return
+    yield
+    if modifier_rank is not None:
+        with torch.no_grad():
+            for p in opt._flat.params:
+                if id(p) in ids:
+                    opt.executor.broadcast(p.data, modifier_rank).wait()
+        opt.sync_master_from_params()
+
+
+def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
+    """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
+    elsewhere. Under stage 3 the units are gathered one at a time. Collective."""
+    opt = getattr(model, "_zero_py", None)
+    if opt is None:
+        raise ValueError("full_state_dict needs a model given to zero_py.initialize")
+    engine = _engine(opt)
+    if engine is not None:
+        return stage3_state_dict.full_state_dict(model, engine, rank)
+    if opt.executor.rank != rank:
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's real shape: under stage 3 a parameter between uses is its 1-D shard
+    slice; this gives the shape it has inside forward or zero_py.gathered()."""
+    shape = getattr(p, "_zero_py_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape

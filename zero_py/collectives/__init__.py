@@ -1,0 +1,88 @@
+"""The executor seam: who carries out the schedules' collectives, for every stage and device.
+
+An executor has `world_size`, `rank`, `device`, `group`, `global_rank(r)` and asynchronous
+collectives that return a Work (work.py): reduce_scatter(output, input),
+all_gather(output, input), all_reduce(tensor, op), all_reduce_max(tensor),
+broadcast(tensor, src). Two exist:
+
+    torch_dist.py  TorchDistExecutor: any torch.distributed ProcessGroup (gloo on the CPU, with
+                   point-to-point forms of all-gather and reduce-scatter; NCCL; MPI)
+    nccl.py        NcclExecutor: zero_py's own NCCL communicator (CUDA builds), collectives on
+                   a dedicated stream ordered by events
+
+make_executor() picks one; channel() gives a second executor over the same ranks whose
+collectives never interleave with the first's (stage 3 gathers on it); gather_object()
+(objects.py) moves Python objects over either.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from zero_py.collectives.nccl import NcclExecutor, unavailable_reason
+from zero_py.collectives.objects import gather_object
+from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.torch_dist import TorchDistExecutor
+from zero_py.collectives.work import AllOf, Work
+
+__all__ = ["AllOf", "BufferPool", "NcclExecutor", "TorchDistExecutor", "Work", "channel",
+           "gather_object", "make_executor"]
+
+_REQUIRED = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size", "rank")
+
+
+def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.device,
+                  executor="auto"):
+    """The executor for parameters on `device`: executor is "nccl", "torch", an executor object,
+    or "auto": the NCCL executor for CUDA parameters in a group whose backend is NCCL (the
+    usual torchrun set-up; it falls back to the torch.distributed executor, with a warning,
+    where the NCCL executor cannot run), the torch.distributed executor otherwise (CPU
+    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU)."""
+    device = torch.device(device)
+    if not isinstance(executor, str):
+        for name in _REQUIRED:
+            if not hasattr(executor, name):
+                raise TypeError(f"executor must be 'auto', 'nccl', 'torch' or an executor "
+                                f"object; {type(executor).__name__} has no {name}")
+        return executor
+    if executor not in ("auto", "nccl", "torch"):
+        raise ValueError(f"executor must be 'auto', 'nccl', 'torch' or an executor object, got "
+                         f"{executor!r}")
+    on_cuda = device.type == "cuda"
+    torch_device = device if on_cuda else None
+    if executor == "auto":
+        if not on_cuda or not dist.is_initialized() or "nccl" not in str(
+                dist.get_backend(process_group)).lower():
+            return TorchDistExecutor(process_group, torch_device)
+        why = unavailable_reason()
+        if why is not None:
+            warnings.warn(f"zero_py: the native NCCL executor is unavailable ({why}); using "
+                          "the torch.distributed executor", RuntimeWarning, stacklevel=3)
+            return TorchDistExecutor(process_group, torch_device)
+        return NcclExecutor(process_group, device)
+    if executor == "torch":
+        return TorchDistExecutor(process_group, torch_device)
+    if not on_cuda:
+        raise ValueError(f"executor='nccl' needs CUDA parameters; these are on {device}")
+    return NcclExecutor(process_group, device)
+
+
+def channel(executor):
+    """A second executor over the same ranks whose collectives are ordered independently of
+    `executor`'s: a communicator of its own (NCCL), or a process group of its own made by the
+    group's members only (torch.distributed: works for subgroups too). At world size 1, or for
+    an executor object of the caller's, the executor itself."""
+    if executor.world_size == 1:
+        return executor
+    if isinstance(executor, NcclExecutor):
+        return NcclExecutor(executor.group, executor.device, executor.timeout)
+    if isinstance(executor, TorchDistExecutor):
+        ranks = [executor.global_rank(r) for r in range(executor.world_size)]
+        group = dist.new_group(ranks, backend=dist.get_backend(executor.group),
+                               use_local_synchronization=True)
+        return TorchDistExecutor(group, executor.device)
+    return executor

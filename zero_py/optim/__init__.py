@@ -1,0 +1,2 @@
+"""The optimizer: ZeroOptimizer (optimizer.py) over a storage of the sharding layer, the update
+of a rank's shard (update.py), optimizer state dicts (state_dict.py), loss scaling and Lion."""

@@ -1,0 +1,315 @@
+"""Where parameter values live: the flat buffers of stages 1-2 and the shards of stage 3.
+
+FlatParams (stages 1-2): every managed parameter's .data is a view into one flat buffer per
+dtype, laid out as the plan says; every rank holds every value, and owns one piece per bucket.
+
+ShardedParams (stage 3): a rank keeps only its pieces (the shards, one compact tensor per
+dtype). A unit's full values exist only while it is gathered, in one gather buffer per bucket.
+Between uses a parameter is its own slice of the rank's shard: a 1-D tensor that can be read,
+logged or copied without harm (full_shape() says its real shape); while its unit is gathered
+it is a view of the gather buffer with its own shape. The gather buffers' storage is released
+(resized to zero bytes) when a unit is freed and allocated again when it is gathered, so tensors
+autograd saved during forward, which point at that storage, see the values again in backward.
+
+PieceStore: one piece per bucket packed into one tensor per dtype (gradient shards, fp32
+masters, the stage-3 shards).
+
+Both storages answer publish(executor, buckets) (make updated pieces every rank's parameters)
+and param_bytes(frozen) (the parameter terms of memory_report), so the optimizer never needs to
+know which stage it serves.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from zero_py.collectives.work import Work
+from zero_py.sharding.layout import FlatLayout
+
+NO_BUCKET_LIMIT = 2**62  # stage 3 buckets are whole (unit, group, dtype) sets
+
+
+class FlatParams(FlatLayout):
+    """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
+
+    shards_frozen = False  # frozen parameters stay whole, outside the storage
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
+                 world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
+        super().__init__(params, groups, world_size, rank, align_bytes, bucket_bytes)
+        self.buffers = [torch.zeros(n, dtype=self.dtypes[k], device=self.device)
+                        for k, n in enumerate(self.plan["buffer_numel"])]
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.param_view(i)
+                view.copy_(p.data.reshape(-1))
+                p.data = view.view_as(p)
+
+    # -- where things live --------------------------------------------------------------------
+
+    def bucket_region(self, b: int) -> torch.Tensor:
+        """Bucket b inside its flat buffer (all ranks' pieces)."""
+        lo = self.bucket_flat_offset[b]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.bucket_numel[b]]
+
+    def bucket_piece(self, b: int) -> torch.Tensor:
+        """This rank's piece of bucket b, a view into the flat buffer."""
+        n = self.bucket_shard_numel[b]
+        return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
+
+    def param_view(self, i: int) -> torch.Tensor:
+        """Parameter i as a 1-D view into its flat buffer."""
+        b = self.param_bucket[i]
+        lo = self.bucket_flat_offset[b] + self.param_offset[i]
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.param_numel[i]]
+
+    # -- collectives over the whole layout -----------------------------------------------------
+
+    def all_gather(self, executor, buckets: Sequence[int]) -> None:
+        """Every rank's updated pieces of `buckets` into every rank's flat buffers."""
+        pending = [executor.all_gather(self.bucket_region(b), self.bucket_piece(b))
+                   for b in buckets]
+        for work in pending:
+            work.wait()
+
+    def publish(self, executor, buckets: Sequence[int]) -> None:
+        """After an update of this rank's pieces of `buckets`: every rank's parameters."""
+        self.all_gather(executor, buckets)
+
+    def param_bytes(self, frozen: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """memory_report's parameter terms: the flat buffers (padding included) and the frozen
+        parameters (whole on every rank)."""
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+        buffers = sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
+                      for b in range(self.n_buckets))
+        exact = sum(n * p.element_size() for n, p in zip(self.param_numel, self.params))
+        return {"params": buffers + frozen_bytes, "ddp_params": exact + frozen_bytes,
+                "padding": buffers - exact}
+
+    def broadcast(self, executor, src: int = 0) -> None:
+        """Make every rank's parameters equal to rank `src`'s."""
+        pending = [executor.broadcast(buf, src) for buf in self.buffers]
+        for work in pending:
+            work.wait()
+
+
+class PieceStore:
+    """One tensor of a rank's piece per bucket, packed into one compact tensor per dtype.
+
+    `dtype_of(b)` says the dtype of bucket b's piece, or None for no piece: gradients use it
+    with the reduction dtype of each bucket, fp32 masters with the buckets whose parameters
+    are not fp32 (an fp32 parameter piece is its own master)."""
+
+    def __init__(self, flat: FlatLayout, dtype_of: Callable[[int], Optional[torch.dtype]],
+                 device: torch.device):
+        self.dtype_of = [dtype_of(b) for b in range(flat.n_buckets)]
+        sizes: Dict[torch.dtype, int] = {}
+        self._offset: List[int] = []
+        for b, dtype in enumerate(self.dtype_of):
+            self._offset.append(sizes.get(dtype, 0))
+            if dtype is not None:
+                sizes[dtype] = sizes.get(dtype, 0) + flat.bucket_shard_numel[b]
+        self.tensors = {dtype: torch.zeros(n, dtype=dtype, device=device)
+                        for dtype, n in sizes.items()}
+        self._numel = flat.bucket_shard_numel
+
+    def piece(self, b: int) -> Optional[torch.Tensor]:
+        dtype = self.dtype_of[b]
+        if dtype is None:
+            return None
+        lo = self._offset[b]
+        return self.tensors[dtype][lo:lo + self._numel[b]]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def zero_(self) -> None:
+        for t in self.tensors.values():
+            t.zero_()
+
+
+class GatherMeter:
+    """Bytes of gather buffers allocated now and at most, over every storage of one model."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak_bytes = 0
+
+    def add(self, n: int) -> None:
+        self.bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+
+class ShardedParams(FlatLayout):
+    """Parameters of a stage-3 model, sharded (see the module docstring).
+
+    `unit_of[i]` is parameter i's unit; the layout keys by (unit, param group), so a unit is
+    whole buckets. `executor` runs the gathers (stage 3 gives it a channel of its own).
+    Unit `persistent_unit` (when not None) holds parameters kept whole on every rank: its
+    buckets are gathered once and never freed."""
+
+    shards_frozen = True  # frozen parameters are sharded too, in frozen_storage
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
+                 unit_of: Sequence[int], n_units: int, executor, align_bytes: int,
+                 meter: GatherMeter, persistent_unit: Optional[int] = None):
+        n_groups = max(groups) + 1
+        keys = [u * n_groups + g for u, g in zip(unit_of, groups)]
+        super().__init__(params, groups, executor.world_size, executor.rank, align_bytes,
+                         NO_BUCKET_LIMIT, layout_keys=keys)
+        self.executor = executor
+        self.meter = meter
+        self.n_units = n_units
+        self.persistent_unit = persistent_unit
+        self.param_unit = list(unit_of)
+        self.bucket_unit = [unit_of[ps[0]] for ps in self.bucket_params]
+        self.unit_buckets: List[List[int]] = [[] for _ in range(n_units)]
+        for b, u in enumerate(self.bucket_unit):
+            self.unit_buckets[u].append(b)
+        self.unit_bytes = [sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
+                               for b in bs) for bs in self.unit_buckets]
+        self.shards = PieceStore(self, self.bucket_dtype, self.device)
+        self.full_shapes = self.param_shapes
+        for p, shape in zip(self.params, self.full_shapes):
+            p._zero_py_shape = shape  # zero_py.full_shape(p): the shape between uses is 1-D
+        # between uses: each parameter's slice of this rank's shard (empty where it has none)
+        self._local: List[torch.Tensor] = []
+        for i, p in enumerate(self.params):
+            s = self.slice_of_param.get(i)
+            self._local.append(self.shards.piece(s.bucket)[s.piece_lo:s.piece_hi] if s is not None
+                               else self.shards.tensors[p.dtype][:0])
+        # gather buffers (one per bucket, storage released between uses) and the parameters'
+        # full views into them, all made by materialize()
+        self._buffers: List[Optional[torch.Tensor]] = [None] * self.n_buckets
+        self._full: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._exposed = [False] * self.n_buckets  # params are their full views now
+
+    # -- build ---------------------------------------------------------------------------------
+
+    def materialize(self, b: int, values: Dict[int, torch.Tensor]) -> None:
+        """Builds bucket b: its gather buffer, the full views, and this rank's piece from
+        `values` ({param index: full value}, rank 0's broadcast to all; empty: the bucket was
+        built on the meta device and its pieces are filled later). The buffer stays whole
+        (exposed) only for the persistent unit."""
+        buf = torch.empty(self.bucket_numel[b], dtype=self.bucket_dtype(b), device=self.device)
+        self._buffers[b] = buf
+        self.meter.add(buf.numel() * buf.element_size())
+        for i in self.bucket_params[b]:
+            lo = self.param_offset[i]
+            self._full[i] = buf[lo:lo + self.param_numel[i]].view(self.full_shapes[i])
+        if values:
+            with torch.no_grad():
+                for lo, hi in self.bucket_gaps[b]:
+                    buf[lo:hi].zero_()
+                for i, value in values.items():
+                    self._full[i].copy_(value.reshape(self.full_shapes[i]))
+                self.executor.broadcast(buf, 0).wait()
+                self.load_pieces_from(b, buf)
+        self._exposed[b] = True
+        self._expose(b)
+        if self.bucket_unit[b] != self.persistent_unit:
+            self.free(b)
+
+    # -- gather and free --------------------------------------------------------------------------
+
+    def is_gathered(self, b: int) -> bool:
+        return self._exposed[b]
+
+    def gather(self, b: int) -> Work:
+        """Starts the all-gather of bucket b into its buffer; its parameters become their full
+        views at once (their values are valid after the returned work is waited on)."""
+        buf = self._buffers[b]
+        if not self._exposed[b]:
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            self.meter.add(buf.numel() * buf.element_size())
+            self._exposed[b] = True
+            self._expose(b)
+        return self.executor.all_gather(buf, self.shards.piece(b))
+
+    def free(self, b: int) -> None:
+        """Releases bucket b's full values: its parameters are their shard slices again."""
+        if not self._exposed[b]:
+            return
+        for i in self.bucket_params[b]:
+            self.params[i].data = self._local[i]
+        buf = self._buffers[b]
+        buf.untyped_storage().resize_(0)
+        self.meter.add(-buf.numel() * buf.element_size())
+        self._exposed[b] = False
+
+    def _expose(self, b: int) -> None:
+        for i in self.bucket_params[b]:
+            self.params[i].data = self._full[i]
+
+    def publish(self, executor, buckets: Sequence[int]) -> None:
+        """After an update of the shards: refresh every bucket whose full values exist (the
+        persistent unit's, and any held by zero_py.gathered()); the others are gathered from
+        the new shards at their next use."""
+        pending = [self.gather(b) for b in range(self.n_buckets) if self._exposed[b]]
+        for work in pending:
+            work.wait()
+
+    # -- values -----------------------------------------------------------------------------------
+
+    def bucket_piece(self, b: int) -> torch.Tensor:
+        return self.shards.piece(b)
+
+    def full_buffer(self, b: int) -> torch.Tensor:
+        """Bucket b's gather buffer (whole only while gathered)."""
+        return self._buffers[b]
+
+    def full_view(self, i: int) -> torch.Tensor:
+        """Parameter i with its full shape in its gather buffer (valid while gathered)."""
+        return self._full[i]
+
+    def local_view(self, i: int) -> torch.Tensor:
+        """Parameter i's slice of this rank's shard (what the parameter is between uses)."""
+        return self._local[i]
+
+    def load_pieces_from(self, b: int, full: torch.Tensor) -> None:
+        """This rank's piece of bucket b from a full bucket `full`."""
+        n = self.bucket_shard_numel[b]
+        self.shards.piece(b).copy_(full[self.rank * n:(self.rank + 1) * n])
+
+    def gathered_bytes(self) -> int:
+        return sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
+                   for b in range(self.n_buckets) if self._exposed[b])
+
+    def persistent_bytes(self) -> int:
+        if self.persistent_unit is None:
+            return 0
+        return self.unit_bytes[self.persistent_unit]
+
+    def param_bytes(self, frozen: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """memory_report's parameter terms: the shards, the persistent unit's buffers and the
+        most gathered bytes held at once (gathered_peak, over every storage of the model); the
+        frozen parameters are sharded too (`frozen_storage`, set by zero_py.initialize)."""
+        storages = [self] + ([self.frozen_storage] if self.frozen_storage is not None else [])
+        kept = sum(s.shards.nbytes() + s.persistent_bytes() for s in storages)
+        full = sum(_numel(shape) * p.dtype.itemsize for s in storages
+                   for p, shape in zip(s.params, s.full_shapes))
+        padding = sum((hi - lo) * s.bucket_dtype(b).itemsize for s in storages
+                      for b in range(s.n_buckets) for lo, hi in s.bucket_gaps[b])
+        return {"params": kept + self.meter.peak_bytes, "ddp_params": full,
+                "padding": padding, "gathered_peak": self.meter.peak_bytes}
+
+    frozen_storage: Optional["ShardedParams"] = None
+
+    def full_shape(self, p: torch.Tensor) -> Optional[tuple]:
+        """The real shape of parameter `p` of this storage (None if it is not one)."""
+        i = self.index_of(p)
+        return None if i is None else self.full_shapes[i]
+
+    def index_of(self, p: torch.Tensor) -> Optional[int]:
+        if not hasattr(self, "_index"):
+            self._index = {id(q): i for i, q in enumerate(self.params)}
+        return self._index.get(id(p))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

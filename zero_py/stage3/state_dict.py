@@ -1,0 +1,110 @@
+"""model.state_dict() and model.load_state_dict() under stage 3: full values, collective.
+
+Between uses a stage-3 parameter is its shard slice, so torch's own state dict would hold each
+rank's slices under the full names. zero_py.initialize installs hooks on the model instead:
+
+- model.state_dict() returns every parameter with its full shape and values, on every rank
+  (units are gathered one at a time, the values cloned). It is collective: call it on every
+  rank (e.g. `sd = model.state_dict(); if rank == 0: torch.save(sd, path)`).
+- model.load_state_dict(sd) takes such a full dict (or any torch state dict of the same model)
+  on every rank: each rank keeps its own slice of each value, with no communication, and the
+  optimizer's fp32 masters follow. Shapes are checked before anything is written.
+
+full_state_dict() gives the same values on one rank only (None elsewhere), cloned to the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from zero_py.sharding.storage import ShardedParams
+from zero_py.stage3.engine import Stage3Engine
+
+
+def _param_keys(model: nn.Module, engine: Stage3Engine
+                ) -> Dict[str, Tuple[ShardedParams, int]]:
+    """{name: (storage, index)} for every sharded parameter of the model (tied ones under each
+    of their names)."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for s in engine.storages:
+            i = s.index_of(p)
+            if i is not None:
+                out[name] = (s, i)
+                break
+    return out
+
+
+def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
+             dst: Optional[int], to_cpu: bool) -> None:
+    """Replaces the sharded parameters' entries of `sd` by full values (on group rank `dst`
+    only when given; entries elsewhere are removed). Gathers one unit at a time."""
+    me = engine.executor.rank
+    by_unit: Dict[int, List[Tuple[str, ShardedParams, int]]] = {}
+    for name, (s, i) in _param_keys(model, engine).items():
+        if prefix + name in sd:
+            by_unit.setdefault(s.param_unit[i], []).append((prefix + name, s, i))
+    for u in sorted(by_unit):
+        entries = by_unit[u]
+        with engine.gathered({id(s.params[i]) for _, s, i in entries}, None):
+            for key, s, i in entries:
+                if dst is None or me == dst:
+                    value = s.full_view(i).detach()
+                    sd[key] = value.to("cpu", copy=True) if to_cpu else value.clone()
+                else:
+                    sd.pop(key, None)
+
+
+def full_state_dict(model: nn.Module, engine: Stage3Engine, rank: int
+                    ) -> Optional[Dict[str, torch.Tensor]]:
+    """The model's state dict with full tensors, cloned to the CPU, on group rank `rank`;
+    None elsewhere. Collective."""
+    with engine.raw_state_dict():
+        sd = model.state_dict()
+    _collect(model, engine, sd, "", rank, to_cpu=True)
+    if engine.executor.rank != rank:
+        return None
+    return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v
+            for k, v in sd.items()}
+
+
+def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
+    """The state-dict hooks of a stage-3 model (see the module docstring)."""
+
+    def on_save(module, sd, prefix, local_metadata):
+        if not engine.raw:
+            _collect(module, engine, sd, prefix, None, to_cpu=False)
+
+    def before_load(module, sd, prefix, local_metadata, strict, missing, unexpected, errors):
+        keys = _param_keys(module, engine)
+        bad = []
+        for name, (s, i) in keys.items():
+            value = sd.get(prefix + name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != s.full_shapes[i]:
+                bad.append(f"{prefix + name}: {tuple(value.shape)} given, the parameter is "
+                           f"{s.full_shapes[i]}")
+        if bad:
+            raise RuntimeError("zero_py stage 3: load_state_dict got values of the wrong shape "
+                               "(nothing was loaded): " + "; ".join(bad))
+        for name, (s, i) in keys.items():
+            value = sd.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or s.is_gathered(s.param_bucket[i]):
+                continue  # a gathered parameter is its full view: torch copies the full value
+            sl = s.slice_of_param.get(i)
+            flat = value.detach().reshape(-1)
+            sd[prefix + name] = flat[sl.param_lo:sl.param_hi] if sl is not None else flat[:0]
+
+    def after_load(module, incompatible):
+        with torch.no_grad():
+            for s in engine.storages:  # gathered buckets got full values: their pieces follow
+                for b in range(s.n_buckets):
+                    if s.is_gathered(b):
+                        s.load_pieces_from(b, s.full_buffer(b))
+            optimizer.sync_master_from_params()
+
+    model._register_state_dict_hook(on_save)
+    model._register_load_state_dict_pre_hook(before_load, with_module=True)
+    model.register_load_state_dict_post_hook(after_load)
