@@ -34,6 +34,16 @@ from zero_py.collectives.work import Work
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
 
+def _cuda_usable() -> bool:
+    from zero_py.kernels import cuda  # CUDA runs only
+    return cuda.is_available()
+
+
+def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
+    from zero_py.kernels import cuda
+    cuda.cast(src.reshape(-1), dst, scale)
+
+
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
 MAX_BUCKETS_IN_FLIGHT = 2
@@ -170,10 +180,15 @@ class GradReducer:
                                "are not supported (use a dense nn.Embedding)")
         b = self.flat.param_bucket[i]
         lo = self.flat.param_offset[i]
-        slot = self._bucket_buffer(b)[lo:lo + p.numel()]
+        # the planned size: a stage-3 parameter may already be its shard slice again here
+        slot = self._bucket_buffer(b)[lo:lo + self.flat.param_numel[i]]
         ws = self.executor.world_size
         if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
+        elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
+            # widening and averaging in one pass (the CUDA cast kernel); * (1 / ws) equals
+            # / ws exactly when ws is a power of two
+            _cuda_cast(g, slot, 1.0 / ws)
         else:
             slot.copy_(g.reshape(-1))  # widened first when reducing in a wider dtype
             if ws > 1:
