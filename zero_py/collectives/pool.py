@@ -35,8 +35,3 @@ class BufferPool:
     def give(self, t: torch.Tensor) -> None:
         """Returns a buffer (or a view take() gave) for reuse."""
         self._idle.append(t if t._base is None else t._base)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes the pool holds now, idle or in use."""
-        return self._bytes

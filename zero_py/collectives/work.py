@@ -69,5 +69,3 @@ class AllOf:
             h.wait()
         self._handles = []
 
-
-DONE = None  # Work(DONE): a collective with nothing to do (world size 1, zero elements)

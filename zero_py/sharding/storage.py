@@ -151,6 +151,9 @@ class ShardedParams(FlatLayout):
     buckets are gathered once and never freed."""
 
     shards_frozen = True  # frozen parameters are sharded too, in frozen_storage
+    # the model's frozen parameters (their own ShardedParams over the same units), set by
+    # zero_py.initialize; memory_report counts them with these
+    frozen_storage: Optional["ShardedParams"] = None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  unit_of: Sequence[int], n_units: int, executor, align_bytes: int,
@@ -264,18 +267,10 @@ class ShardedParams(FlatLayout):
         """Parameter i with its full shape in its gather buffer (valid while gathered)."""
         return self._full[i]
 
-    def local_view(self, i: int) -> torch.Tensor:
-        """Parameter i's slice of this rank's shard (what the parameter is between uses)."""
-        return self._local[i]
-
     def load_pieces_from(self, b: int, full: torch.Tensor) -> None:
         """This rank's piece of bucket b from a full bucket `full`."""
         n = self.bucket_shard_numel[b]
         self.shards.piece(b).copy_(full[self.rank * n:(self.rank + 1) * n])
-
-    def gathered_bytes(self) -> int:
-        return sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
-                   for b in range(self.n_buckets) if self._exposed[b])
 
     def persistent_bytes(self) -> int:
         if self.persistent_unit is None:
@@ -295,12 +290,6 @@ class ShardedParams(FlatLayout):
         return {"params": kept + self.meter.peak_bytes, "ddp_params": full,
                 "padding": padding, "gathered_peak": self.meter.peak_bytes}
 
-    frozen_storage: Optional["ShardedParams"] = None
-
-    def full_shape(self, p: torch.Tensor) -> Optional[tuple]:
-        """The real shape of parameter `p` of this storage (None if it is not one)."""
-        i = self.index_of(p)
-        return None if i is None else self.full_shapes[i]
 
     def index_of(self, p: torch.Tensor) -> Optional[int]:
         if not hasattr(self, "_index"):

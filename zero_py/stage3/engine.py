@@ -129,13 +129,6 @@ class Stage3Engine:
     def persistent_unit(self) -> int:
         return len(self.units)
 
-    def unit_of_param(self, p: torch.Tensor) -> Optional[int]:
-        for s in self.storages:
-            i = s.index_of(p)
-            if i is not None:
-                return s.param_unit[i]
-        return None
-
     # -- hooks --------------------------------------------------------------------------------
 
     def _make_pre_forward(self, u: int):
@@ -318,6 +311,10 @@ class Stage3Engine:
         wanted = sorted({s.param_unit[i] for s in self.storages
                          for i, p in enumerate(s.params) if params is None or id(p) in params})
         opened = [u for u in wanted if not self.is_gathered(u)]
+        # memory_report's gathered_peak is training's working set: what the caller holds
+        # here (up to the whole model) is the caller's, and is not counted in it
+        meter = self.flat.meter
+        peak_before = meter.peak_bytes
         for u in opened:
             self._gather(u)
         for u in opened:
@@ -337,3 +334,4 @@ class Stage3Engine:
             self._held.pop()
             for u in opened:
                 self._free(u)
+            meter.peak_bytes = max(peak_before, meter.bytes)
