@@ -1,24 +1,37 @@
-# zero_py: `make demo` runs the main job, `make test` runs every test (C and Python).
-# Both install what is missing first. torch is pinned to the CPU build this machine carries
+# zero_py: `make demo` runs the main job, `make test` runs every check: the C tests, the wheel
+# (wheel-check), ruff (lint) and the Python tests.
+# All install what is missing first. torch is pinned to the CPU build this machine carries
 # (never an unpinned torch: pip would fetch several GB of CUDA wheels); users need torch>=2.4.
 
 PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 CC ?= gcc
 
-CORE_SRC := $(wildcard csrc/common/*.c csrc/layout/*.c csrc/schedule/*.c csrc/kernels/cpu/*.c)
+# Which C files make up the core and each module: csrc/sources.mk, setup.py reads it too.
+include csrc/sources.mk
+CORE_SRC := $(wildcard $(ZP_CORE_SRC))
 CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: all deps build test ctest pytest demo bench clean gpu-check
+.PHONY: all deps build test ctest wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install pytest
-	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PYTHON) -m pip install "setuptools>=64"
+	@# setuptools >= 77: pyproject.toml's SPDX license; it also builds wheels without `wheel`
+	@$(PYTHON) -c "import sys, setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" \
+	  2>/dev/null || $(PYTHON) -m pip install "setuptools>=77"
+	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(PYTHON) -m pip install ruff
+	@# transformers (the Hugging Face model tests) does not depend on torch; torch is pinned to
+	@# the installed build all the same, and checked after
+	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('transformers'))" || { \
+	  v=$$($(PYTHON) -c "import torch; print(torch.__version__)") && \
+	  $(PYTHON) -m pip install "transformers>=4.40" "torch==$$v" && \
+	  $(PYTHON) -c "import sys, torch; v = torch.__version__; \
+	  sys.exit(0 if v == '$$v' else 'installing transformers changed torch $$v to ' + v)"; }
 
 # Editable install, without dependencies (torch is handled above) and without build
 # isolation (the build needs only setuptools, which is already here).
@@ -28,17 +41,38 @@ build: deps
 	@$(PYTHON) -c "import zero_py.kernels.cuda as c; m = c.native_module(); \
 	print('zero_py._cuda', 'built' if m else 'not built', '(GPU: ' + (c.unavailable_reason() or 'usable') + ')')"
 
-build/ctest: $(CORE_SRC) $(CTEST_SRC) $(wildcard csrc/*/*.h csrc/kernels/*/*.h tests/c/*.h)
+build/ctest: csrc/sources.mk $(CORE_SRC) $(CTEST_SRC) $(wildcard $(ZP_HEADERS) tests/c/*.h)
 	@mkdir -p build
 	$(CC) $(CFLAGS_TEST) $(CORE_SRC) $(CTEST_SRC) -lpthread -lm -o $@
 
 ctest: build/ctest
 	./build/ctest
 
+# The wheel as users get it: built from the sdist (so MANIFEST.in is tested too) and installed
+# into a fresh venv under build/ that sees this machine's packages (torch) but not the source
+# tree, where every module must import from the venv (tests/packaging/check_wheel.py): a
+# subpackage or extension missing from the wheel fails here rather than for a user.
+WHEEL_DIR := build/wheel
+WHEEL_VENV := build/wheel-venv
+
+wheel-check: deps
+	@# a stale *.egg-info/SOURCES.txt is read back into the sdist: it would hide a missing file
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV) *.egg-info
+	$(PYTHON) setup.py -q sdist -d $(WHEEL_DIR)
+	ZP_WERROR=1 $(PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) \
+	  $(WHEEL_DIR)/zero_py-*.tar.gz
+	$(PYTHON) -m venv --system-site-packages --without-pip $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-deps --no-index $(WHEEL_DIR)/zero_py-*.whl
+	cd $(WHEEL_VENV) && bin/python -I $(CURDIR)/tests/packaging/check_wheel.py \
+	  $(CURDIR)/$(WHEEL_DIR)/zero_py-*.whl $(CURDIR)/zero_py
+
+lint: deps
+	$(PYTHON) -m ruff check zero_py tests benchmarks setup.py
+
 pytest: build
 	$(PYTHON) -m pytest -q tests
 
-test: ctest pytest
+test: ctest wheel-check lint pytest
 
 demo: build
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m zero_py.examples.demo
@@ -77,4 +111,4 @@ gpu-check: build
 	test $$t -eq 0 -a $$b -eq 0
 
 clean:
-	rm -rf build *.egg-info zero_py/_C*.so zero_py/_cuda*.so
+	rm -rf build dist *.egg-info zero_py/_C*.so zero_py/_cuda*.so

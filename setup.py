@@ -5,19 +5,24 @@ zero_py._C: plain C11 compiled with the C compiler: no C++, no PyTorch headers, 
 
 zero_py._cuda: the CUDA kernels (csrc/kernels/cuda/*.cu, compiled by nvcc for sm_80 and sm_90
 plus PTX for newer GPUs) and the NCCL executor (csrc/comm/, C against the CUDA runtime's
-headers; NCCL itself is loaded at run time), linked with the static CUDA runtime so that the
-module needs no CUDA library at load time. Built when nvcc is found; ZP_CUDA=0 skips it,
-ZP_CUDA=1 makes a missing or failing nvcc an error (by default a failed CUDA build only warns,
-unless ZP_WERROR=1, as the Makefile sets). Other knobs: NVCC (the compiler), CUDA_HOME,
-ZP_CUDA_ARCHS ("80;90": real architectures; PTX of the last is embedded too), ZP_NCCL_INCLUDE
-(a directory with nccl.h: the build then checks csrc/comm/nccl_lib.h's declarations against it;
-found by itself in an installed nvidia-nccl-cu* wheel or the CUDA/system include directories).
+headers; NCCL itself is loaded at run time), with the table contract it shares with the CPU
+kernels (csrc/kernels/contract.c) but none of the CPU kernels, linked with the static CUDA
+runtime so that the module needs no CUDA library at load time. Built when nvcc is found;
+ZP_CUDA=0 skips it, ZP_CUDA=1 makes a missing or failing nvcc an error (by default a failed CUDA
+build only warns, unless ZP_WERROR=1, as the Makefile sets). Other knobs: NVCC (the compiler),
+CUDA_HOME, ZP_CUDA_ARCHS ("80;90": real architectures; PTX of the last is embedded too),
+ZP_NCCL_INCLUDE (a directory with nccl.h: the build then checks csrc/comm/nccl_lib.h's
+declarations against it; found by itself in an installed nvidia-nccl-cu* wheel or the
+CUDA/system include directories).
 
 ZP_WERROR=1 adds -Werror (users' compilers may warn differently).
+
+Which files go into which module is csrc/sources.mk's, shared with the Makefile (zp_sources()).
 """
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,8 +34,46 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 WERROR = os.environ.get("ZP_WERROR") == "1"
-CORE_DIRS = ["common", "layout", "schedule", "kernels/cpu"]
-core_sources = sorted(s for d in CORE_DIRS for s in glob.glob(os.path.join("csrc", d, "*.c")))
+SOURCES_MK = "csrc/sources.mk"
+
+
+def zp_sources(path=SOURCES_MK):
+    """The lists of csrc/sources.mk, {NAME: [file, ...]}: each `NAME := words` line, `$(NAME)`
+    replaced by that earlier list, each word expanded as a glob (sorted, duplicates dropped).
+    A word that matches no file, or a line outside that subset of make, is an error."""
+    with open(path) as f:
+        raw = f.read().splitlines()
+    lists = {}
+    num = 0
+    while num < len(raw):
+        first, line = num + 1, raw[num].split("#", 1)[0].rstrip()
+        num += 1
+        while line.endswith("\\") and num < len(raw):
+            line = line[:-1] + " " + raw[num].split("#", 1)[0].rstrip()
+            num += 1
+        line = line.strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)\s*:=\s*(.*)", line)
+        if m is None:
+            raise ValueError(f"{path}:{first}: not a `NAME := words` line: {line!r}")
+        files = []
+        for word in m.group(2).split():
+            ref = re.fullmatch(r"\$\(([A-Za-z0-9_]+)\)", word)
+            if ref is not None:
+                if ref.group(1) not in lists:
+                    raise ValueError(f"{path}:{first}: $({ref.group(1)}) is not defined above")
+                found = lists[ref.group(1)]
+            else:
+                found = sorted(glob.glob(word))
+                if not found:
+                    raise ValueError(f"{path}:{first}: {word} matches no file")
+            files += [f for f in found if f not in files]
+        lists[m.group(1)] = files
+    return lists
+
+
+SOURCES = zp_sources()
 
 c_flags = ["-std=c11", "-O3", "-fno-math-errno", "-Wall", "-Wextra"]
 if WERROR:
@@ -39,9 +82,8 @@ if WERROR:
 extensions = [
     Extension(
         "zero_py._C",
-        # every binding file but the CUDA module's (csrc/python/*cuda*)
-        sources=core_sources + sorted(s for s in glob.glob("csrc/python/*.c")
-                                      if "cuda" not in os.path.basename(s)),
+        sources=SOURCES["ZP_C_MODULE_SRC"],
+        depends=SOURCES["ZP_HEADERS"],
         include_dirs=["csrc"],
         extra_compile_args=c_flags,
         extra_link_args=["-pthread"],
@@ -115,11 +157,10 @@ def _cuda_extension():
         define_macros.append(("ZP_HAVE_NCCL_H", "1"))
         include_dirs.append(nccl_inc)
         _log(f"checking csrc/comm/nccl_lib.h against {nccl_inc}/nccl.h")
-    sources = (sorted(glob.glob("csrc/common/*.c")) + sorted(glob.glob("csrc/kernels/cpu/*.c"))
-               + sorted(glob.glob("csrc/comm/*.c")) + ["csrc/python/cuda_module.c"])
     ext = Extension(
         "zero_py._cuda",
-        sources=sources,
+        sources=SOURCES["ZP_CUDA_MODULE_SRC"],
+        depends=SOURCES["ZP_HEADERS"] + SOURCES["ZP_CUDA_CU_SRC"] + SOURCES["ZP_CUDA_CU_HEADERS"],
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=c_flags,
@@ -129,7 +170,7 @@ def _cuda_extension():
         libraries=["dl", "rt", "m", "stdc++"],  # nvcc's host code is C++
     )
     ext.zp_cuda = {"nvcc": nvcc, "home": home, "cudart": cudart, "required": required,
-                   "cu": sorted(glob.glob("csrc/kernels/cuda/*.cu"))}
+                   "cu": SOURCES["ZP_CUDA_CU_SRC"], "cu_headers": SOURCES["ZP_CUDA_CU_HEADERS"]}
     return ext
 
 
@@ -170,10 +211,7 @@ class BuildExt(build_ext):
         out_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
         flags = _nvcc_flags()
-        headers = glob.glob("csrc/kernels/cuda/*.cuh") + glob.glob("csrc/kernels/cuda/*.h") + \
-            glob.glob("csrc/kernels/*.h") + glob.glob("csrc/kernels/cpu/optim.h") + \
-            glob.glob("csrc/common/status.h")
-        newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
+        newest_header = max((os.path.getmtime(h) for h in cfg["cu_headers"]), default=0.0)
 
         def one(src):
             obj = os.path.join(out_dir, os.path.basename(src)[:-3] + ".o")

@@ -2,8 +2,11 @@
 missing nvcc an error, the default builds it only where nvcc and the CUDA runtime are found; and
 zero_py itself never needs it."""
 
+import glob
 import os
+import re
 import runpy
+import shutil
 import subprocess
 import sys
 
@@ -44,6 +47,9 @@ def test_default_builds_cuda_where_nvcc_is(setup_py, monkeypatch):
     assert sorted(os.path.basename(s) for s in ext.zp_cuda["cu"]) == ["buffers.cu", "optim.cu"]
     assert "csrc/python/module.c" not in ext.sources  # the CPU binding stays CUDA-free
     assert "csrc/python/cuda_module.c" in ext.sources
+    # the CUDA module shares the table contract with the CPU kernel family, not its code
+    assert "csrc/kernels/contract.c" in ext.sources
+    assert not any("kernels/cpu/" in s for s in ext.sources)
     flags = setup_py["_nvcc_flags"]()
     # the numerics contract of elementwise.cuh, and sm_80 + sm_90 + PTX
     for f in ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false"):
@@ -78,3 +84,36 @@ def test_zero_py_imports_without_the_cuda_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def _cpu_family_functions():
+    """The functions the CPU kernel family's headers (csrc/kernels/cpu/*.h) declare."""
+    names = set()
+    for header in glob.glob(os.path.join(ROOT, "csrc", "kernels", "cpu", "*.h")):
+        with open(header) as f:
+            text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+        # declarations with external linkage (a static inline helper is no symbol to link)
+        names.update(re.findall(r"^(?!static\b)[A-Za-z_][\w \t*]*?\b(zp_\w+)\(", text,
+                                flags=re.M))
+    return names
+
+
+def test_cuda_module_does_not_contain_the_cpu_kernel_family():
+    """zero_py._cuda shares only csrc/kernels/contract.c (the tables' checks) with the CPU
+    kernel family: its kernels are the .cu files, so none of the CPU family's functions are
+    linked into it."""
+    import zero_py.kernels.cuda as cuda
+
+    mod = cuda.native_module()
+    if mod is None:
+        pytest.skip(f"zero_py._cuda is not built: {cuda.unavailable_reason()}")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "--defined-only", mod.__file__], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    defined = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert {"zp_opt_check", "zp_grad_stats_check"} <= defined  # the contract: both families
+    cpu_family = _cpu_family_functions()
+    assert {"zp_opt_step_cpu", "zp_grad_stats_cpu", "zp_convert_ops_for"} <= cpu_family
+    assert not cpu_family & defined, sorted(cpu_family & defined)

@@ -6,6 +6,10 @@
 #ifndef ZP_STATUS_H
 #define ZP_STATUS_H
 
+#ifdef __cplusplus
+extern "C" { /* nvcc compiles the CUDA family's host code as C++ */
+#endif
+
 typedef enum {
   ZP_OK = 0,
   ZP_ERR_INVALID = 1, /* an argument is out of its domain: the caller must change it */
@@ -32,5 +36,9 @@ const char *zp_last_error(void);
     if (zp_try_status_ != ZP_OK)      \
       return zp_try_status_;          \
   } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* ZP_STATUS_H */

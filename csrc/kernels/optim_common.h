@@ -1,5 +1,5 @@
 /* optim_common.h - what the CPU optimizer family (kernels/cpu/optim.c) and the CUDA family
- * (kernels/cuda/optim.cu) share beyond their argument checks (zp_opt_check, optim.h): the
+ * (kernels/cuda/optim.cu) share beyond their tables and argument checks (contract.h): the
  * per-segment coefficients, as the float values torch would use, and the one function that
  * computes them from a group row.
  *
@@ -16,11 +16,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/contract.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#include "kernels/cpu/optim.h"
 
 /* Per-segment constants. Each kind reads its own. */
 typedef struct {

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "common/status.h"
-#include "kernels/cpu/optim.h"
+#include "kernels/contract.h"
 
 /* The one place where core statuses become Python exceptions: sets the exception for a
  * failing `status`, with zp_last_error() as its message, and returns NULL. */

@@ -203,26 +203,6 @@ static void zp_stats_chunks(void *ctx, int64_t begin, int64_t end) {
   }
 }
 
-zp_status zp_grad_stats_check(const zp_opt_segment *segments, int32_t n_segments,
-                              int32_t grad_dtype, double norm_type) {
-  if (n_segments < 0 || (n_segments > 0 && segments == NULL))
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: bad segment list (n_segments=%d)", n_segments);
-  if (grad_dtype < ZP_F32 || grad_dtype > ZP_F16)
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: unknown grad dtype %d (0 fp32, 1 bf16, 2 fp16)",
-                   grad_dtype);
-  if (!(norm_type > 0.0))
-    return zp_fail(ZP_ERR_INVALID, "grad_stats: norm_type must be > 0 (or +inf), got %g",
-                   norm_type);
-  for (int32_t s = 0; s < n_segments; s++) {
-    if (segments[s].numel < 0)
-      return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has numel %lld; need >= 0", s,
-                     (long long)segments[s].numel);
-    if (segments[s].numel > 0 && segments[s].grad == NULL)
-      return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has a NULL grad", s);
-  }
-  return ZP_OK;
-}
-
 zp_status zp_grad_stats_cpu(const zp_opt_segment *segments, int32_t n_segments,
                             int32_t grad_dtype, double norm_type, int32_t n_threads,
                             double *sum_pow, int32_t *nonfinite) {

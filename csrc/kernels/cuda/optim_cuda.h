@@ -1,9 +1,10 @@
 /* optim_cuda.h - the CUDA kernels of the C core, as a C API: the fused optimizer family,
  * gradient statistics, and segment copies (packing, unpacking and casting buffers).
  *
- * Tables are the CPU family's (kernels/cpu/optim.h), with device addresses: zp_opt_segment
- * rows and zp_opt_group rows, validated by the same zp_opt_check, so both devices accept and
- * reject the same arguments with the same messages.
+ * Tables are those of kernels/contract.h, as the CPU family's (kernels/cpu/optim.h), with
+ * device addresses: zp_opt_segment rows and zp_opt_group rows, validated by the same
+ * zp_opt_check, so both devices accept and reject the same arguments with the same messages.
+ * This family does not link the CPU family: contract.c is all the two share in code.
  *
  * Every function that enqueues device work takes its stream and returns without waiting for
  * the device (no host synchronisation): its table reaches the device through `workspace`, a
@@ -27,12 +28,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/status.h"
+#include "kernels/contract.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#include "common/status.h"
-#include "kernels/cpu/optim.h"
 
 /* ---- the optimizer family (optim.cu) ---- */
 
