@@ -118,6 +118,7 @@ class Stage3Engine:
             kept = sum(b for b, k in zip(unit_bytes, keep) if k)
             budget = kept + 2 * max([b for b, k in zip(unit_bytes, keep) if not k] or [0])
         self.prefetch = _C.Prefetch(unit_bytes, keep, int(budget))
+        self._unit_bytes, self._budget = unit_bytes, int(budget)
         self.prefetch.set_order(list(range(n)))
         reducer.on_backward_end(self._end_backward)
         for u, (_, module) in enumerate(units):
@@ -228,13 +229,19 @@ class Stage3Engine:
             order = [k for _, k in ranked]
             self.prefetch.set_order(order)
             if self.reshard_after_forward:
-                # the last unit of the forward is the first of the backward: keep it gathered
-                # in between rather than free it and gather it again at once (the peak is the
-                # same: it is resident there anyway, next to the unit before or after it)
+                # the last units of the forward are the first of the backward: keep them
+                # gathered in between rather than free them and gather them again at once.
+                # The last one always (it is resident there anyway, next to the unit before
+                # or after it), and the ones before it while they fit in what the prefetch
+                # budget lets backward hold beside the root (by default the root plus two
+                # units: the last two), so the peak stays the budget's
                 keep = [u == 0 for u in range(n)]
-                last = [k for k in order if k != 0]
-                if last:
-                    keep[last[-1]] = True
+                room = self._budget - self._unit_bytes[0]
+                for k in reversed([k for k in order if k != 0]):
+                    if any(keep[1:]) and self._unit_bytes[k] > room:
+                        break
+                    keep[k] = True
+                    room -= self._unit_bytes[k]
                 self.prefetch.set_keep(keep)
         self._phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
         self.prefetch.begin(self._phase)
