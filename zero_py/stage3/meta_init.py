@@ -1,17 +1,56 @@
 """Partitioned construction for stage 3: a model built on the meta device is materialized
-module by module, so it never exists whole on a rank, and gets the values an ordinary build from
-the same seed gives.
+module by module, so it never exists whole on a rank, and gets the values its initializers give
+it from the same seed.
 
 `realize_meta` swaps every meta parameter for one with the right shape and dtype and no storage;
 zero_py.stage3 lays them out and shards them; `replay_init` then replays, one module at a time,
 what the constructors did (each module's reset_parameters(), children first, with the RNG state
 the constructor saw) and what an init_fn applied afterwards would do, and keeps only this rank's
-pieces of each value (rank 0's values, broadcast, as with an ordinary build)."""
+pieces of each value (rank 0's values, broadcast, as with an ordinary build).
+
+What an initializer of module m sees (reset_parameters() or init_fn, called on m):
+
+- m's own parameters and those of m's descendants inside the same unit, whole and with their
+  values so far: a parameter stays whole from its first owner's turn up to its unit's module
+  (the innermost unit around every module that holds it; the root for the root unit's), so an
+  initializer may write a child's parameters, as Hugging Face's `_init_weights` does (GPT-2's
+  writes `c_proj.weight` of its attention and MLP modules' Conv1D children). Only then is it
+  stored as shards: at most the units around the module being replayed are whole at a time
+  (typically the root unit's parameters and one block), as in a forward.
+- parameters of units strictly inside m (already stored as shards): stand-ins with the full
+  shape and dtype and no values (one NaN element, stride 0), so code that looks at them (names,
+  shapes, `named_parameters()`) runs; writing one (an in-place op, `.data =`, or assigning the
+  module a new Parameter) is an error that names m and the parameter, never a write into a
+  stale copy: the parameter's value is already stored and would not change. Such a model
+  needs a unit that holds both (a wrap_policy that makes m, or a module around it, the unit).
+- parameters built on a real device: m's own as copies, its descendants' as stand-ins whose
+  writes go to a throwaway tensor (drawing from the RNG as a write to the real one would);
+  either way they keep their values.
+
+With an init_fn, a module's reset_parameters() is replayed again just before init_fn(m), after
+its descendants' init_fn: if it writes its descendants' parameters (torch's modules write only
+their own), those writes are discarded there (they are applied when there is no init_fn), so
+the descendants keep their values from their own reset_parameters() and init_fn.
+
+Hugging Face models: `with torch.device("meta"): model = GPT2LMHeadModel(config)` draws
+nothing from the RNG (transformers 5 skips the weight init on the meta device; checked with
+5.23) and ties the weights (lm_head.weight is transformer.wte.weight, one Parameter, kept
+tied); pass `init_fn=model._init_weights`, the per-module init that post_init's
+`initialize_weights` applies to every module, children first (`model._initialize_weights`, the
+same with its `_is_hf_initialized` bookkeeping, works too). A model that nests PreTrainedModels
+with different inits needs an init_fn that calls each module's innermost PreTrainedModel's
+`_init_weights`, as transformers' own `smart_apply` does. The values follow that init's
+distributions but are not bitwise those of an ordinary `GPT2LMHeadModel(config)` from the same
+seed: an ordinary build draws in another order (Conv1D draws in its constructor, which has no
+reset_parameters() to replay; the inner GPT2Model runs its init pass before lm_head is
+constructed and drawn). They equal, bitwise, the ordinary model reset as this replay defines
+it: each module's reset_parameters() children first, then model.apply(init_fn), from the
+same seed."""
+
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -61,36 +100,6 @@ def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
     return {id(p) for p in new.values()}
 
 
-@contextlib.contextmanager
-def _scratch(module: nn.Module, values: Dict[str, torch.Tensor]):
-    """Module with its direct parameters temporarily replaced by `values` (full tensors). An
-    initializer that replaces a parameter (`self.weight = nn.Parameter(...)`) or its .data
-    instead of filling it in place is followed: `values` gets the replacement on exit."""
-    saved = dict(module._parameters)
-    placed = {name: nn.Parameter(t, requires_grad=saved[name].requires_grad)
-              for name, t in values.items()}
-    # parameters built on a real device keep their values: the initializer gets copies
-    others = {name: nn.Parameter(_throwaway(p), requires_grad=p.requires_grad)
-              for name, p in saved.items() if p is not None and name not in values}
-    try:
-        module._parameters.update(placed)
-        module._parameters.update(others)
-        yield
-        for name, t in placed.items():
-            now = module._parameters.get(name)
-            if now is t and now.data_ptr() == values[name].data_ptr():
-                continue
-            if now is None or tuple(now.shape) != tuple(values[name].shape):
-                raise ValueError(
-                    f"zero_py: initializing {type(module).__name__}.{name} replaced it by "
-                    f"{'None' if now is None else tuple(now.shape)}; a parameter built on the "
-                    f"meta device must keep its shape {tuple(values[name].shape)}")
-            values[name] = now.detach().to(values[name].dtype)
-    finally:
-        module._parameters.clear()
-        module._parameters.update(saved)
-
-
 def _throwaway(p: torch.Tensor) -> torch.Tensor:
     """A copy of a real parameter for an initializer to write into; zeros where its values
     live only as shards now (its storage is released between gathers)."""
@@ -100,54 +109,235 @@ def _throwaway(p: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-class _ScratchArena:
-    """Room for one module's parameters at a time: one buffer per dtype, as large as the most
-    any single module needs, allocated once and reused by every module of the replay.
+# -- stand-ins for parameters an initializer may see but not write -------------------------------
+
+_IN_PLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__", "__set__"})  # __set__: the `.data = ...` setter
+# names ending in "_" that change no values
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_", "retain_grad"})
+
+
+class _StandInEntry:
+    __slots__ = ("base", "param", "refuse")
+
+    def __init__(self, base: torch.Tensor, param: str, refuse: bool):
+        self.base = base  # the one element every view of the stand-in points at
+        self.param = param
+        self.refuse = refuse  # True: a write is an error; False: it goes to a throwaway
+
+
+class _StandIns:
+    """The stand-ins of one initializer call, by the address of their one element."""
+
+    def __init__(self, step: str, refusal: Callable[[str, str, str], str]):
+        self.step = step  # e.g. "init_fn on 'transformer.h.0' (GPT2Block)", for errors
+        self.refusal = refusal  # (step, parameter, operation) -> error message
+        self.entries: Dict[int, _StandInEntry] = {}
+
+    def make(self, p: nn.Parameter, name: str, refuse: bool,
+             device: torch.device) -> nn.Parameter:
+        base = _fill_unset(torch.zeros(1, dtype=p.dtype, device=device))
+        self.entries[base.untyped_storage().data_ptr()] = _StandInEntry(base, name, refuse)
+        t = base.expand(_shape(p)).as_subclass(_StandIn)
+        return nn.Parameter(t, requires_grad=p.requires_grad)
+
+    def entry(self, t) -> Optional[_StandInEntry]:
+        if not isinstance(t, _StandIn):
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.entries.get(t.untyped_storage().data_ptr())
+
+
+_active: List[_StandIns] = []  # the call being replayed (replay_init is not reentrant)
+
+
+def _written(func, args, kwargs) -> List[Tuple[str, object]]:
+    """The tensors an overridable call writes: ('arg', position or key) for its self/first
+    argument when the call is in place, ('out', i) for out= tensors."""
+    name = getattr(func, "__name__", "")
+    where: List[Tuple[str, object]] = []
+    if name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")
+                                    and name not in _NOT_WRITES):
+        if args:
+            where.append(("arg", 0))
+        else:
+            key = next((k for k in ("tensor", "self", "input") if k in kwargs), None)
+            if key is not None:
+                where.append(("arg", key))
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        where.append(("out", None))
+    elif isinstance(out, (tuple, list)):
+        where.extend(("out", i) for i in range(len(out)))
+    return where
+
+
+class _StandIn(torch.Tensor):
+    """A parameter an initializer sees but must not change (see the module docstring): the full
+    shape over one element; its views are stand-ins too, and every in-place call on one (torch's
+    own or through torch.nn.init) is refused with an error that names the parameter, or run on a
+    throwaway tensor of the same shape."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        stand_ins = _active[-1] if _active else None
+        if stand_ins is not None:
+            args = list(args)
+            hit = None  # the throwaway written instead of the first stand-in written
+            for kind, at in _written(func, args, kwargs):
+                if kind == "arg":
+                    t = args[at] if isinstance(at, int) else kwargs[at]
+                else:
+                    t = kwargs["out"] if at is None else kwargs["out"][at]
+                entry = stand_ins.entry(t)
+                if entry is None:
+                    continue
+                if entry.refuse:
+                    raise ValueError(stand_ins.refusal(stand_ins.step, entry.param,
+                                                       getattr(func, "__name__", repr(func))))
+                if getattr(func, "__name__", "") == "__set__":
+                    return None  # `.data = ...` on a real-device parameter: discarded
+                with torch._C.DisableTorchFunctionSubclass():
+                    tmp = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                hit = tmp if hit is None else hit
+                if kind == "arg" and isinstance(at, int):
+                    args[at] = tmp
+                elif kind == "arg":
+                    kwargs[at] = tmp
+                elif at is None:
+                    kwargs["out"] = tmp
+                else:
+                    outs = list(kwargs["out"])
+                    outs[at] = tmp
+                    kwargs["out"] = type(kwargs["out"])(outs)
+            if hit is not None:  # the writes went to throwaways (drawing from the RNG as
+                with torch._C.DisableTorchFunctionSubclass():  # writes to the real one would)
+                    func(*args, **kwargs)
+                return hit
+        with torch._C.DisableTorchFunctionSubclass():
+            ret = func(*args, **kwargs)
+        return _wrap_views(ret, stand_ins)
+
+
+def _wrap_views(ret, stand_ins: Optional[_StandIns]):
+    """Results that view a stand-in (p.data, p[0], p.view(...)) are stand-ins too; the rest
+    (p.clone(), p.std(), shapes) are ordinary values."""
+    if stand_ins is None:
+        return ret
+    if isinstance(ret, torch.Tensor) and not isinstance(ret, _StandIn):
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                ptr = ret.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return ret
+        return ret.as_subclass(_StandIn) if ptr in stand_ins.entries else ret
+    if isinstance(ret, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in ret):
+        return type(ret)(_wrap_views(r, stand_ins) for r in ret)
+    return ret
+
+
+# -- where the values being built live -----------------------------------------------------------
+
+class _Plan:
+    """Who holds each parameter and how long it stays whole during the replay.
+
+    A parameter still to be built (in `todo`) is whole from its first owner's turn (post-order)
+    up to its horizon: the module of the innermost unit around every module that holds it (the
+    unit it belongs to, see sharding/units.py; the root for the root unit's). Its value lives in
+    the arena at a fixed place from start to end: each unit's parameters after those of the
+    units around it, so siblings share room and the arena holds the largest chain of nested
+    units (typically the root unit's parameters and one block), one buffer per dtype, allocated
+    once.
 
     Allocating every module's values anew and freeing them was measured to leave most of a
-    model resident under glibc's default settings: replaying a 67 MB model (16 Linear layers)
-    at 4 ranks grew a rank's resident memory by up to 47 MB that stayed after the replay, all
-    of it freed blocks in glibc's heap (its heap grew by about one module per module: small
-    allocations made between two modules' values, such as tensor headers and collective work
-    objects, are the likely reason a freed block is not reused whole). With one arena the
-    replay holds one module at a time whatever the allocator does.
-    """
+    model resident under glibc's default settings (a 67 MB model of 16 Linear layers at 4 ranks
+    kept up to 47 MB of freed blocks in glibc's heap after the replay); with one arena the replay
+    holds what it needs whatever the allocator does."""
 
     _ALIGN = 16  # elements: every value starts 64-byte aligned (in fp32)
 
-    def __init__(self, order: List[nn.Module], todo: Set[int], device: torch.device):
-        self._todo = todo
-        need: Dict[torch.dtype, int] = {}
+    def __init__(self, model: nn.Module, order: List[nn.Module],
+                 units: List[Tuple[str, nn.Module]], todo: Set[int], device: torch.device):
+        self.owners: Dict[int, List[nn.Module]] = {}
+        self.params: Dict[int, nn.Parameter] = {}
         for m in order:
-            used: Dict[torch.dtype, int] = {}
             for p in m._parameters.values():
                 if p is not None and id(p) in todo:
-                    used[p.dtype] = used.get(p.dtype, 0) + self._round(_shape(p).numel())
-            for dtype, n in used.items():
-                need[dtype] = max(need.get(dtype, 0), n)
+                    self.owners.setdefault(id(p), []).append(m)
+                    self.params[id(p)] = p
+        # the unit modules around each module, outermost (the root) first, walked as
+        # assign_units walks them
+        unit_ids = {id(m) for _, m in units}
+        chain: Dict[int, List[nn.Module]] = {}
+
+        def walk(m: nn.Module, above: List[nn.Module]) -> None:
+            here = above + [m] if id(m) in unit_ids and m is not model else above
+            chain[id(m)] = here
+            for child in m.children():
+                if id(child) not in chain:
+                    walk(child, here)
+
+        walk(model, [model])
+        self.horizon: Dict[int, nn.Module] = {}
+        self.closes_at: Dict[int, List[nn.Parameter]] = {}  # horizon module -> its parameters
+        for pid, mods in self.owners.items():
+            common = chain[id(mods[0])]
+            for m in mods[1:]:
+                other = chain[id(m)]
+                k = 0
+                while k < min(len(common), len(other)) and common[k] is other[k]:
+                    k += 1
+                common = common[:k]
+            self.horizon[pid] = common[-1]
+            self.closes_at.setdefault(id(common[-1]), []).append(self.params[pid])
+        # arena places: a unit's parameters after those of the units around it
+        need: Dict[int, Dict[torch.dtype, int]] = {}
+        self._place: Dict[int, int] = {}
+        for pid in self.owners:  # first-owner order
+            p, h = self.params[pid], id(self.horizon[pid])
+            used = need.setdefault(h, {})
+            self._place[pid] = used.get(p.dtype, 0)
+            used[p.dtype] = used.get(p.dtype, 0) + self._round(_shape(p).numel())
+        base: Dict[int, Dict[torch.dtype, int]] = {}
+        size: Dict[torch.dtype, int] = {}
+        for _, u in units:  # outermost first (assign_units lists them in module order)
+            outer = chain[id(u)][-2] if u is not model else None
+            below: Dict[torch.dtype, int] = {}
+            if outer is not None:
+                for dtype in set(base[id(outer)]) | set(need.get(id(outer), {})):
+                    below[dtype] = (base[id(outer)].get(dtype, 0)
+                                    + need.get(id(outer), {}).get(dtype, 0))
+            base[id(u)] = below
+            for dtype, n in need.get(id(u), {}).items():
+                size[dtype] = max(size.get(dtype, 0), below.get(dtype, 0) + n)
+        for pid in self.owners:
+            p = self.params[pid]
+            self._place[pid] += base[id(self.horizon[pid])].get(p.dtype, 0)
         self._buffers = {dtype: torch.empty(n, dtype=dtype, device=device)
-                         for dtype, n in need.items()}
+                         for dtype, n in size.items()}
 
     @classmethod
     def _round(cls, n: int) -> int:
         return -(-n // cls._ALIGN) * cls._ALIGN
 
-    def values(self, m: nn.Module) -> Dict[str, torch.Tensor]:
-        """Tensors for m's parameters still to be filled, by name: views into the arena, valid
-        until the next call (keep one longer with .clone()). Floating-point ones are filled
-        with NaN, so a value no initializer wrote is caught when it is stored."""
-        out: Dict[str, torch.Tensor] = {}
-        at: Dict[torch.dtype, int] = {}
-        for name, p in m._parameters.items():
-            if p is None or id(p) not in self._todo:
-                continue
-            lo = at.get(p.dtype, 0)
-            n = _shape(p).numel()
-            out[name] = self._buffers[p.dtype][lo:lo + n].view(_shape(p))
-            if p.dtype.is_floating_point or p.dtype.is_complex:
-                out[name].fill_(float("nan"))
-            at[p.dtype] = lo + self._round(n)
-        return out
+    def release(self) -> None:
+        """Frees the arena (the replay is over)."""
+        self._buffers = {}
+
+    def value(self, p: nn.Parameter) -> torch.Tensor:
+        """p's place in the arena, with its full shape."""
+        lo = self._place[id(p)]
+        return self._buffers[p.dtype][lo:lo + _shape(p).numel()].view(_shape(p))
+
+
+def _fill_unset(t: torch.Tensor) -> torch.Tensor:
+    """NaN in a floating-point value, so that an element no initializer writes is caught."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    return t
 
 
 def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
@@ -156,24 +346,34 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
     build from the same seed gives: each module's reset_parameters() in construction order
     (children first), then init_fn over the model as Module.apply(init_fn) would run it after
     construction. Only what was built on the meta device is initialized: parameters of a model
-    built partly on a real device keep their values (initializers write into copies of them),
-    and modules with nothing on the meta device are not reset again. Only one module's
-    parameters are whole at a time, in one reused arena (a
-    tied parameter stays whole from its first to its last owner); each value is broadcast from
-    rank 0, as with an ordinary build, and only this rank's slice of it is kept. Meta buffers
-    are materialized by the same replay and stay replicated."""
+    built partly on a real device keep their values, and modules with nothing on the meta device
+    are not reset again. What each initializer call sees is in the module docstring: its
+    module's parameters and its descendants' inside the same unit, whole, in one arena allocated
+    once; each parameter is stored when its unit's module is done (a tied parameter, at the
+    innermost unit around all its owners), broadcast from rank 0 as with an ordinary build, and
+    only this rank's slice of it is kept. Meta buffers are materialized by the same replay and
+    stay replicated."""
     storages = engine.storages
     order = _post_order(model)
-    owners: Dict[int, List[nn.Module]] = {}
-    for m in order:
-        for p in m._parameters.values():
-            if p is not None and id(p) in todo:
-                owners.setdefault(id(p), []).append(m)
     device = engine.flat.device
-    # every module's values are made in this one arena, in turn (see _ScratchArena)
-    scratch = _ScratchArena(order, todo, device)
-
+    plan = _Plan(model, order, engine.units, todo, device)
     names = {id(p): n for n, p in model.named_parameters()}
+    module_names = {id(m): n for n, m in model.named_modules()}
+
+    def describe(m: nn.Module) -> str:
+        name = module_names.get(id(m), "")
+        return (f"{name!r}" if name else "the model") + f" ({type(m).__name__})"
+
+    def refusal(step: str, param: str, op: str) -> str:
+        pid = next((i for i, n in names.items() if n == param), None)
+        unit = plan.horizon.get(pid) if pid is not None else None
+        where = f"unit {describe(unit)}" if unit is not None else "its unit"
+        return (f"zero_py: {step} writes parameter {param!r} ({op}), which belongs to {where} "
+                "inside it. Partitioned construction keeps a parameter whole only until its "
+                "unit's module has been initialized, then stores it as shards, so a write from "
+                "a module above its unit would be lost. Make that module (or one around it) the "
+                "unit that holds the parameter (wrap_policy), or initialize the parameter from a "
+                "module inside its unit.")
 
     def store(p: nn.Parameter, value: torch.Tensor) -> None:
         value = value.detach().contiguous()
@@ -198,54 +398,130 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if buf is not None and buf.is_meta:
                 m._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
 
+    begun: Set[int] = set()   # parameters whose value has been started in this pass
+    closed: Set[int] = set()  # parameters past their horizon in this pass (stored)
+
+    def call(m: nn.Module, fn: Callable[[], None], step: str, reset: bool,
+             descendants_live: bool) -> None:
+        """fn() with m's subtree's parameters replaced as the module docstring says.
+        reset: fn is m's reset_parameters(): a parameter m holds but an earlier owner already
+        started (a tied one) gets a throwaway, as a later owner's constructor value is
+        replaced by the tie in an ordinary build. descendants_live: descendants' parameters of
+        m's unit are their values (else stand-ins whose writes are discarded)."""
+        stand_ins = _StandIns(step, refusal)
+        direct = {id(p) for p in m._parameters.values() if p is not None}
+        placed: Dict[int, nn.Parameter] = {}  # id(original) -> what the initializer sees
+        live: Dict[int, torch.Tensor] = {}    # id(original) -> its arena value, for follow-up
+        saved: List[Tuple[nn.Module, Dict[str, Optional[nn.Parameter]]]] = []
+
+        def replacement(p: nn.Parameter) -> nn.Parameter:
+            pid = id(p)
+            if pid in placed:
+                return placed[pid]
+            if pid in todo and pid not in closed:
+                own = pid in direct
+                if own and reset and pid in begun:
+                    rep = nn.Parameter(_fill_unset(torch.empty(_shape(p), dtype=p.dtype,
+                                                               device=device)),
+                                       requires_grad=p.requires_grad)
+                elif own or descendants_live:
+                    value = plan.value(p)
+                    if pid not in begun:
+                        _fill_unset(value)
+                        begun.add(pid)
+                    rep = nn.Parameter(value, requires_grad=p.requires_grad)
+                    live[pid] = value
+                else:
+                    rep = stand_ins.make(p, names.get(pid, "?"), False, device)
+            elif pid in todo:  # stored already: its unit is inside m
+                rep = stand_ins.make(p, names.get(pid, "?"), True, device)
+            elif pid in direct:  # built on a real device: the initializer gets a copy
+                rep = nn.Parameter(_throwaway(p), requires_grad=p.requires_grad)
+            else:
+                rep = stand_ins.make(p, names.get(pid, "?"), False, device)
+            placed[pid] = rep
+            return rep
+
+        _active.append(stand_ins)
+        try:
+            for d in m.modules():
+                if not d._parameters:
+                    continue
+                saved.append((d, dict(d._parameters)))
+                for name, p in list(d._parameters.items()):
+                    if p is not None:
+                        d._parameters[name] = replacement(p)
+            fn()
+            # an initializer that replaced a parameter or its .data is followed
+            for d, before in saved:
+                for name, p in before.items():
+                    if p is None:
+                        continue
+                    rep, now = placed[id(p)], d._parameters.get(name)
+                    entry = stand_ins.entry(rep)
+                    if entry is not None and entry.refuse and now is not rep:
+                        raise ValueError(refusal(step, names.get(id(p), "?"),
+                                                 f"replaced by assignment in {describe(d)}"))
+                    value = live.get(id(p))
+                    if value is None or (now is rep and rep.data_ptr() == value.data_ptr()
+                                         and rep.shape == value.shape):
+                        continue
+                    new = now if now is not rep else rep
+                    if new is None or tuple(new.shape) != tuple(value.shape):
+                        raise ValueError(
+                            f"zero_py: initializing {type(d).__name__}.{name} replaced it by "
+                            f"{'None' if new is None else tuple(new.shape)}; a parameter built on "
+                            f"the meta device must keep its shape {tuple(value.shape)}")
+                    value.copy_(new.detach())
+        finally:
+            _active.pop()
+            for d, before in saved:
+                d._parameters.clear()
+                d._parameters.update(before)
+
     filled: Set[int] = set()
-    values: Dict[str, torch.Tensor] = {}
+
+    def close(m: nn.Module, keep: bool) -> None:
+        """m's turn is over: the parameters whose horizon it is are stored (keep) and leave the
+        arena."""
+        for p in plan.closes_at.get(id(m), ()):
+            if keep and id(p) in begun:
+                store(p, plan.value(p))
+                filled.add(id(p))
+            closed.add(id(p))
+
     snapshots: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for m in order:  # pass 1: what the constructors did
             had_meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
             meta_buffers(m)
             # a module built on a real device was initialized by its constructor already
-            if not hasattr(m, "reset_parameters") or not (
+            if hasattr(m, "reset_parameters") and (
                     had_meta_buffers or any(p is not None and id(p) in todo
                                             for p in m._parameters.values())):
-                continue
-            snapshots[id(m)] = torch.get_rng_state()
-            values = scratch.values(m)
-            with _scratch(m, values):
-                m.reset_parameters()
-            if init_fn is None:
-                for name, p in m._parameters.items():
-                    if p is not None and id(p) in todo and owners[id(p)][0] is m:
-                        store(p, values[name])
-                        filled.add(id(p))
+                snapshots[id(m)] = torch.get_rng_state()
+                call(m, m.reset_parameters, f"reset_parameters() of {describe(m)}",
+                     reset=True, descendants_live=True)
+            # with an init_fn this pass only advances the RNG as the constructors did
+            close(m, keep=init_fn is None)
         if init_fn is not None:  # pass 2: init_fn applied after construction
-            carried: Dict[int, torch.Tensor] = {}
+            begun.clear()
+            closed.clear()
             for m in order:
-                values = scratch.values(m)
                 if id(m) in snapshots:  # this module's values after construction
                     state = torch.get_rng_state()
                     torch.set_rng_state(snapshots[id(m)])
-                    with _scratch(m, values):
-                        m.reset_parameters()
-                    torch.set_rng_state(state)
-                for name, p in m._parameters.items():
-                    if p is not None and id(p) in carried:
-                        values[name] = carried[id(p)]
-                with _scratch(m, values):
-                    init_fn(m)
-                for name, p in m._parameters.items():
-                    if p is None or id(p) not in todo:
-                        continue
-                    if owners[id(p)][-1] is m:
-                        store(p, values[name])
-                        carried.pop(id(p), None)
-                        filled.add(id(p))
-                    elif values[name] is not carried.get(id(p)):
-                        # tied: kept whole until its last owner, outside the arena
-                        carried[id(p)] = values[name].clone()
-            filled |= set(owners)
-    del scratch, values
+                    try:
+                        # descendants are done: their init_fn has run (and a constructor
+                        # writes its own parameters); writes to them are discarded
+                        call(m, m.reset_parameters, f"reset_parameters() of {describe(m)}",
+                             reset=True, descendants_live=False)
+                    finally:
+                        torch.set_rng_state(state)
+                call(m, lambda m=m: init_fn(m), f"init_fn on {describe(m)}", reset=False,
+                     descendants_live=True)
+                close(m, keep=True)
+    plan.release()  # the arena
     missing = [n for n, p in model.named_parameters() if id(p) in todo and id(p) not in filled]
     if missing:
         raise ValueError(
