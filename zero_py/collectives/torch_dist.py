@@ -84,6 +84,8 @@ class TorchDistExecutor:
                 output.copy_(input)
             return Work(None)
         if self._p2p:
+            if output.device.type != "cpu":
+                return self._through_host(self._p2p_reduce_scatter, output, input)
             return self._p2p_reduce_scatter(output, input)
         if self._native_reduce_scatter:
             try:
@@ -105,10 +107,21 @@ class TorchDistExecutor:
                 output.copy_(input)
             return Work(None)
         if self._p2p:
+            if output.device.type != "cpu":
+                return self._through_host(self._p2p_all_gather, output, input)
             return self._p2p_all_gather(output, input)
         return Work(_all_gather_flat(output, input, group=self.group, async_op=True))
 
     # -- point-to-point forms (gloo) -------------------------------------------------------------
+
+    @staticmethod
+    def _through_host(form, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """A point-to-point form on device tensors (e.g. several ranks sharing a GPU through
+        gloo): gloo's send and receive move host memory only, so the input is copied to the
+        host, the messages run there, and the result is copied back at wait()."""
+        host_out = torch.empty(output.shape, dtype=output.dtype)
+        work = form(host_out, input.cpu())
+        return Work(work, lambda: output.copy_(host_out))
 
     def _exchange(self, sends, recvs, tag: int) -> list:
         """Every peer's message in flight: sends[k] goes to group rank k, recvs[k] is filled
