@@ -83,7 +83,8 @@ bench: build
 
 # On a machine with a GPU: builds (zero_py._cuda too), runs the GPU tests with ZP_REQUIRE_CUDA=1
 # (a missing GPU fails instead of skipping) and the CPU tests of the CUDA code, then the GPU
-# benchmark. Writes env.txt, tests.log, bench.log, gpu_adamw.md and summary.md to $(GPU_OUT)
+# benchmarks (kernels; step time of DDP, stages 1-3 and FSDP2). Writes env.txt, tests.log,
+# bench.log, gpu_adamw.md, step_time.log, gpu_step_time.md and summary.md to $(GPU_OUT)
 # ($$OUT when set, else build/gpu-check); exits non-zero when the tests or the benchmark failed.
 GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu-check)
 
@@ -103,12 +104,16 @@ gpu-check: build
 	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_adamw.py --out "$(GPU_OUT)/gpu_adamw.md" 2>&1 \
 	  | tee "$(GPU_OUT)/bench.log"; \
 	b=$$?; \
+	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --out "$(GPU_OUT)/gpu_step_time.md" \
+	  2>&1 | tee "$(GPU_OUT)/step_time.log"; \
+	s=$$?; \
 	{ echo "# make gpu-check, $$(date -u +%F)"; echo; \
 	  echo "tests: exit $$t: $$(grep -v "^\s*$$" "$(GPU_OUT)/tests.log" | tail -n 1)"; \
-	  echo "benchmark: exit $$b"; echo; \
-	  cat "$(GPU_OUT)/gpu_adamw.md" 2>/dev/null; } > "$(GPU_OUT)/summary.md"; \
+	  echo "kernel benchmark: exit $$b"; echo "step-time benchmark: exit $$s"; echo; \
+	  cat "$(GPU_OUT)/gpu_adamw.md" 2>/dev/null; echo; \
+	  cat "$(GPU_OUT)/gpu_step_time.md" 2>/dev/null; } > "$(GPU_OUT)/summary.md"; \
 	cat "$(GPU_OUT)/summary.md"; \
-	test $$t -eq 0 -a $$b -eq 0
+	test $$t -eq 0 -a $$b -eq 0 -a $$s -eq 0
 
 clean:
 	rm -rf build dist *.egg-info zero_py/_C*.so zero_py/_cuda*.so
