@@ -79,14 +79,9 @@ class TorchDistExecutor:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
         its contents are undefined afterwards (the all-reduce fallback sums into it)."""
-        if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return Work(None)
-        if self._p2p:
-            if output.device.type != "cpu":
-                return self._through_host(self._p2p_reduce_scatter, output, input)
-            return self._p2p_reduce_scatter(output, input)
+        work = self._direct(self._p2p_reduce_scatter, output, input)
+        if work is not None:
+            return work
         if self._native_reduce_scatter:
             try:
                 return Work(_reduce_scatter_flat(output, input, group=self.group,
@@ -102,15 +97,24 @@ class TorchDistExecutor:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        work = self._direct(self._p2p_all_gather, output, input)
+        if work is not None:
+            return work
+        return Work(_all_gather_flat(output, input, group=self.group, async_op=True))
+
+    def _direct(self, p2p_form, output: torch.Tensor, input: torch.Tensor) -> Optional[Work]:
+        """The all-gather or reduce-scatter without the group's collective: a copy at world
+        size 1, the point-to-point form on gloo (through host copies for device tensors);
+        None where the group's own collective runs."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Work(None)
-        if self._p2p:
-            if output.device.type != "cpu":
-                return self._through_host(self._p2p_all_gather, output, input)
-            return self._p2p_all_gather(output, input)
-        return Work(_all_gather_flat(output, input, group=self.group, async_op=True))
+        if not self._p2p:
+            return None
+        if output.device.type != "cpu":
+            return self._through_host(p2p_form, output, input)
+        return p2p_form(output, input)
 
     # -- point-to-point forms (gloo) -------------------------------------------------------------
 
