@@ -55,14 +55,10 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from zero_py.stage3.stand_in import StandIns, active, fill_unset, full_shape_of
+
 if TYPE_CHECKING:
     from zero_py.stage3.engine import Stage3Engine
-
-
-def _shape(p: torch.Tensor) -> torch.Size:
-    """p's real shape (a stage-3 parameter between uses is its 1-D shard slice)."""
-    shape = getattr(p, "_zero_py_shape", None)
-    return torch.Size(shape) if shape is not None else p.shape
 
 
 def _post_order(model: nn.Module) -> List[nn.Module]:
@@ -104,139 +100,10 @@ def _throwaway(p: torch.Tensor) -> torch.Tensor:
     """A copy of a real parameter for an initializer to write into; zeros where its values
     live only as shards now (its storage is released between gathers)."""
     t = p.detach()
-    if tuple(t.shape) != tuple(_shape(p)) or (t.numel() and t.untyped_storage().nbytes() == 0):
-        return torch.zeros(_shape(p), dtype=t.dtype, device=t.device)
+    shape = full_shape_of(p)
+    if tuple(t.shape) != tuple(shape) or (t.numel() and t.untyped_storage().nbytes() == 0):
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
     return t.clone()
-
-
-# -- stand-ins for parameters an initializer may see but not write -------------------------------
-
-_IN_PLACE_DUNDERS = frozenset({
-    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-    "__imatmul__", "__set__"})  # __set__: the `.data = ...` setter
-# names ending in "_" that change no values
-_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_", "retain_grad"})
-
-
-class _StandInEntry:
-    __slots__ = ("base", "param", "refuse")
-
-    def __init__(self, base: torch.Tensor, param: str, refuse: bool):
-        self.base = base  # the one element every view of the stand-in points at
-        self.param = param
-        self.refuse = refuse  # True: a write is an error; False: it goes to a throwaway
-
-
-class _StandIns:
-    """The stand-ins of one initializer call, by the address of their one element."""
-
-    def __init__(self, step: str, refusal: Callable[[str, str, str], str]):
-        self.step = step  # e.g. "init_fn on 'transformer.h.0' (GPT2Block)", for errors
-        self.refusal = refusal  # (step, parameter, operation) -> error message
-        self.entries: Dict[int, _StandInEntry] = {}
-
-    def make(self, p: nn.Parameter, name: str, refuse: bool,
-             device: torch.device) -> nn.Parameter:
-        base = _fill_unset(torch.zeros(1, dtype=p.dtype, device=device))
-        self.entries[base.untyped_storage().data_ptr()] = _StandInEntry(base, name, refuse)
-        t = base.expand(_shape(p)).as_subclass(_StandIn)
-        return nn.Parameter(t, requires_grad=p.requires_grad)
-
-    def entry(self, t) -> Optional[_StandInEntry]:
-        if not isinstance(t, _StandIn):
-            return None
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.entries.get(t.untyped_storage().data_ptr())
-
-
-_active: List[_StandIns] = []  # the call being replayed (replay_init is not reentrant)
-
-
-def _written(func, args, kwargs) -> List[Tuple[str, object]]:
-    """The tensors an overridable call writes: ('arg', position or key) for its self/first
-    argument when the call is in place, ('out', i) for out= tensors."""
-    name = getattr(func, "__name__", "")
-    where: List[Tuple[str, object]] = []
-    if name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")
-                                    and name not in _NOT_WRITES):
-        if args:
-            where.append(("arg", 0))
-        else:
-            key = next((k for k in ("tensor", "self", "input") if k in kwargs), None)
-            if key is not None:
-                where.append(("arg", key))
-    out = kwargs.get("out")
-    if isinstance(out, torch.Tensor):
-        where.append(("out", None))
-    elif isinstance(out, (tuple, list)):
-        where.extend(("out", i) for i in range(len(out)))
-    return where
-
-
-class _StandIn(torch.Tensor):
-    """A parameter an initializer sees but must not change (see the module docstring): the full
-    shape over one element; its views are stand-ins too, and every in-place call on one (torch's
-    own or through torch.nn.init) is refused with an error that names the parameter, or run on a
-    throwaway tensor of the same shape."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        stand_ins = _active[-1] if _active else None
-        if stand_ins is not None:
-            args = list(args)
-            hit = None  # the throwaway written instead of the first stand-in written
-            for kind, at in _written(func, args, kwargs):
-                if kind == "arg":
-                    t = args[at] if isinstance(at, int) else kwargs[at]
-                else:
-                    t = kwargs["out"] if at is None else kwargs["out"][at]
-                entry = stand_ins.entry(t)
-                if entry is None:
-                    continue
-                if entry.refuse:
-                    raise ValueError(stand_ins.refusal(stand_ins.step, entry.param,
-                                                       getattr(func, "__name__", repr(func))))
-                if getattr(func, "__name__", "") == "__set__":
-                    return None  # `.data = ...` on a real-device parameter: discarded
-                with torch._C.DisableTorchFunctionSubclass():
-                    tmp = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                hit = tmp if hit is None else hit
-                if kind == "arg" and isinstance(at, int):
-                    args[at] = tmp
-                elif kind == "arg":
-                    kwargs[at] = tmp
-                elif at is None:
-                    kwargs["out"] = tmp
-                else:
-                    outs = list(kwargs["out"])
-                    outs[at] = tmp
-                    kwargs["out"] = type(kwargs["out"])(outs)
-            if hit is not None:  # the writes went to throwaways (drawing from the RNG as
-                with torch._C.DisableTorchFunctionSubclass():  # writes to the real one would)
-                    func(*args, **kwargs)
-                return hit
-        with torch._C.DisableTorchFunctionSubclass():
-            ret = func(*args, **kwargs)
-        return _wrap_views(ret, stand_ins)
-
-
-def _wrap_views(ret, stand_ins: Optional[_StandIns]):
-    """Results that view a stand-in (p.data, p[0], p.view(...)) are stand-ins too; the rest
-    (p.clone(), p.std(), shapes) are ordinary values."""
-    if stand_ins is None:
-        return ret
-    if isinstance(ret, torch.Tensor) and not isinstance(ret, _StandIn):
-        try:
-            with torch._C.DisableTorchFunctionSubclass():
-                ptr = ret.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return ret
-        return ret.as_subclass(_StandIn) if ptr in stand_ins.entries else ret
-    if isinstance(ret, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in ret):
-        return type(ret)(_wrap_views(r, stand_ins) for r in ret)
-    return ret
 
 
 # -- where the values being built live -----------------------------------------------------------
@@ -300,7 +167,7 @@ class _Plan:
             p, h = self.params[pid], id(self.horizon[pid])
             used = need.setdefault(h, {})
             self._place[pid] = used.get(p.dtype, 0)
-            used[p.dtype] = used.get(p.dtype, 0) + self._round(_shape(p).numel())
+            used[p.dtype] = used.get(p.dtype, 0) + self._round(full_shape_of(p).numel())
         base: Dict[int, Dict[torch.dtype, int]] = {}
         size: Dict[torch.dtype, int] = {}
         for _, u in units:  # outermost first (assign_units lists them in module order)
@@ -330,14 +197,7 @@ class _Plan:
     def value(self, p: nn.Parameter) -> torch.Tensor:
         """p's place in the arena, with its full shape."""
         lo = self._place[id(p)]
-        return self._buffers[p.dtype][lo:lo + _shape(p).numel()].view(_shape(p))
-
-
-def _fill_unset(t: torch.Tensor) -> torch.Tensor:
-    """NaN in a floating-point value, so that an element no initializer writes is caught."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.fill_(float("nan"))
-    return t
+        return self._buffers[p.dtype][lo:lo + full_shape_of(p).numel()].view(full_shape_of(p))
 
 
 def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
@@ -408,7 +268,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
         started (a tied one) gets a throwaway, as a later owner's constructor value is
         replaced by the tie in an ordinary build. descendants_live: descendants' parameters of
         m's unit are their values (else stand-ins whose writes are discarded)."""
-        stand_ins = _StandIns(step, refusal)
+        stand_ins = StandIns(step, refusal)
         direct = {id(p) for p in m._parameters.values() if p is not None}
         placed: Dict[int, nn.Parameter] = {}  # id(original) -> what the initializer sees
         live: Dict[int, torch.Tensor] = {}    # id(original) -> its arena value, for follow-up
@@ -421,13 +281,13 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if pid in todo and pid not in closed:
                 own = pid in direct
                 if own and reset and pid in begun:
-                    rep = nn.Parameter(_fill_unset(torch.empty(_shape(p), dtype=p.dtype,
+                    rep = nn.Parameter(fill_unset(torch.empty(full_shape_of(p), dtype=p.dtype,
                                                                device=device)),
                                        requires_grad=p.requires_grad)
                 elif own or descendants_live:
                     value = plan.value(p)
                     if pid not in begun:
-                        _fill_unset(value)
+                        fill_unset(value)
                         begun.add(pid)
                     rep = nn.Parameter(value, requires_grad=p.requires_grad)
                     live[pid] = value
@@ -442,7 +302,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             placed[pid] = rep
             return rep
 
-        _active.append(stand_ins)
+        active.append(stand_ins)
         try:
             for d in m.modules():
                 if not d._parameters:
@@ -474,7 +334,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
                             f"the meta device must keep its shape {tuple(value.shape)}")
                     value.copy_(new.detach())
         finally:
-            _active.pop()
+            active.pop()
             for d, before in saved:
                 d._parameters.clear()
                 d._parameters.update(before)
