@@ -315,3 +315,23 @@ def test_a_subgroup_process_group_trains(results):
         s = r["subgroups"]
         assert s["group_size"] == 2 and s["group_rank"] == rank % 2
         assert s["loss_rel"] < 1e-5 and s["rel"] < 1e-5
+
+
+def test_stage3_device_and_gradient_errors():
+    """Bad input gets a clear error: a device that is not the model's, and a gradient computed
+    from a parameter outside the forward (its shard slice)."""
+    import distributed as d
+
+    d.run(_errors, 2)
+
+
+def _errors(rank, world_size):
+    model = models.TiedGPT()
+    with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):
+        zero_py.initialize(model, stage=3, wrap_policy={Block}, device="meta", **LR)
+    with pytest.raises(ValueError, match="only apply to stage=3"):
+        zero_py.initialize(model, stage=2, device="cpu", **LR)
+    model, opt = zero_py.initialize(model, stage=3, wrap_policy={Block}, **LR)
+    w = model.blocks[0].ln1.weight  # its shard slice between uses
+    with pytest.raises(RuntimeError, match="inside the forward"):
+        (w * 2).sum().backward()

@@ -47,7 +47,7 @@ def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = 
                reshard_after_forward: bool = True, persistence_threshold: int = 0,
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
-               **kwargs):
+               device: Optional[torch.device] = None, **kwargs):
     """Prepares `model` for ZeRO training and returns (model, optimizer): the same call for
     every stage.
 
@@ -69,6 +69,8 @@ def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = 
             (default: the units kept whole plus twice the largest other unit).
         init_fn: for a model built on the meta device: called on every module after the
             modules' reset_parameters(), like model.apply(init_fn) after construction.
+        device: where a model built on the meta device is materialized (default: the current
+            CUDA device in an NCCL group, else the CPU); for other models, their device.
     A model whose parameters are on the meta device (built under `with torch.device("meta")`)
     is materialized module by module: it never exists whole on a rank, and gets the values an
     ordinary build from the same seed gives (see zero_py/stage3/meta_init.py).
@@ -83,7 +85,8 @@ def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = 
     if getattr(model, "_zero_py", None) is not None:
         raise ValueError("this model is already managed by zero_py; initialize it once")
     if stage in (1, 2):
-        extra = {"wrap_policy": wrap_policy, "init_fn": init_fn, "prefetch_bytes": prefetch_bytes}
+        extra = {"wrap_policy": wrap_policy, "init_fn": init_fn, "prefetch_bytes": prefetch_bytes,
+                 "device": device}
         given = [k for k, v in extra.items() if v is not None]
         if given or persistence_threshold or not reshard_after_forward:
             raise ValueError(f"{given or 'stage-3 options'} only apply to stage=3; drop them "
@@ -116,7 +119,19 @@ def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = 
     if len(devices) > 1:
         raise ValueError(f"the parameters are on several devices ({sorted(map(str, devices))}); "
                          "zero_py shards one device per rank: move the model to one device")
-    device = devices.pop() if devices else torch.device("cpu")
+    if devices:
+        here = devices.pop()
+        if device is not None and torch.device(device) != here:
+            raise ValueError(f"device={device} but the model's parameters are on {here}; move "
+                             "the model, or leave device unset")
+        device = here
+    elif device is None:
+        nccl = dist.is_initialized() and "nccl" in str(dist.get_backend(process_group)).lower()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     dp = make_executor(process_group, device, executor)
     gather = channel(dp)  # gathers never interleave with the reductions
     uninitialized: Set[int] = set()

@@ -87,6 +87,14 @@ class GradReducer:
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
+            # checked before any state changes, and on every rank alike: nothing to undo
+            self._check_grad(i, param.grad)
+            gathered = getattr(self.flat, "is_gathered", None)
+            if gathered is not None and not gathered(self.flat.param_bucket[i]):
+                raise RuntimeError(
+                    f"zero_py: parameter {i} got a gradient while its unit is not gathered: "
+                    "under stage 3 a parameter outside the model's forward is its shard slice; "
+                    "compute with it inside the forward (or `with zero_py.gathered(model):`)")
             if not self.begin_pass():
                 return
             with torch.no_grad():
@@ -172,16 +180,26 @@ class GradReducer:
             entry = self._open[b] = view
         return entry
 
-    def _copy_in(self, i: int) -> None:
-        p = self.flat.params[i]
-        g = p.grad
+    def _check_grad(self, i: int, g: torch.Tensor) -> None:
         if g.is_sparse:
             raise RuntimeError(f"zero_py: parameter {i} has a sparse gradient; sparse gradients "
                                "are not supported (use a dense nn.Embedding)")
+        n = self.flat.param_numel[i]
+        if g.numel() != n:
+            raise RuntimeError(
+                f"zero_py: parameter {i} got a gradient of {g.numel()} elements, expected {n}; "
+                "under stage 3 a parameter outside the model's forward is its shard slice, so "
+                "compute with it inside the forward (or `with zero_py.gathered(model):`)")
+
+    def _copy_in(self, i: int) -> None:
+        p = self.flat.params[i]
+        g = p.grad
+        self._check_grad(i, g)
         b = self.flat.param_bucket[i]
         lo = self.flat.param_offset[i]
+        n = self.flat.param_numel[i]
         # the planned size: a stage-3 parameter may already be its shard slice again here
-        slot = self._bucket_buffer(b)[lo:lo + self.flat.param_numel[i]]
+        slot = self._bucket_buffer(b)[lo:lo + n]
         ws = self.executor.world_size
         if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
