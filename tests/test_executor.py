@@ -3,7 +3,11 @@
 On gloo the executor builds all-gather and reduce-scatter from point-to-point messages: each
 must give what dist.all_gather_into_tensor / a sum over every rank's input give, for several
 sizes and dtypes, an input that aliases its output chunk, and several collectives in flight at
-once (messages of one must never be taken for another's)."""
+once (messages of one must never be taken for another's). The same with the all-gathers through
+shared memory (collectives/shm.py, what stage 3's gather channel uses), plus more all-gathers in
+flight than the ring has slots, and a peer that never arrives (an error, not a hang)."""
+
+import os
 
 import pytest
 import torch
@@ -21,8 +25,8 @@ def _data(rank, numel, dtype):
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-def collectives(rank, world):
-    e = ex.TorchDistExecutor()
+def collectives(rank, world, shared=False):
+    e = ex.TorchDistExecutor(shared_memory=shared)
     out = {}
     for numel in SIZES:
         numel = numel // world * world
@@ -64,6 +68,16 @@ def collectives(rank, world):
                e.all_gather(gathered[1], pieces[1]), e.reduce_scatter(shards[1], fulls[1].clone())]
     for p in reversed(pending):
         p.wait()
+    out["shared_bytes"] = e.shared_bytes
+    # more all-gathers in flight than the shared-memory ring has slots, waited newest first
+    many = [_data(rank + 30 * k, 96 // world, torch.float32) for k in range(5)]
+    many_out = [torch.empty(96 // world * world) for _ in range(5)]
+    works = [e.all_gather(o, i) for o, i in zip(many_out, many)]
+    for w in reversed(works):
+        w.wait()
+    out["many_in_flight"] = all(
+        torch.equal(many_out[k], torch.cat([_data(r + 30 * k, 96 // world, torch.float32)
+                                            for r in range(world)])) for k in range(5))
     n = 240 // world
     out["in_flight"] = all(
         torch.equal(gathered[k], torch.cat([_data(r + 10 * k, n, torch.float32)
@@ -75,10 +89,14 @@ def collectives(rank, world):
     return out
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["messages", "shared_memory"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_collectives_match_torch_distributed(world):
-    for rank, res in enumerate(run(collectives, world)):
+def test_gloo_collectives_match_torch_distributed(world, shared):
+    for rank, res in enumerate(run(collectives, world, shared)):
         assert res.pop("in_flight"), (rank, "collectives in flight together got mixed up")
+        assert res.pop("many_in_flight"), (rank, "more all-gathers in flight than slots")
+        # the all-gathers went through shared memory exactly when asked (all ranks on one host)
+        assert (res.pop("shared_bytes") > 0) == shared
         # receive buffers beyond the output: one chunk per peer after the first (none at 2)
         assert (res.pop("scratch_direct") > 0) == (world > 2)
         for key, r in res.items():
@@ -86,3 +104,24 @@ def test_gloo_collectives_match_torch_distributed(world):
             assert r["ag_aliased_equal"], (rank, key, "all_gather with an aliased input differs")
             assert r["rs_err"] <= r["rs_tol"], (rank, key, r)
             assert r["rs_inplace_equal"], (rank, key, "in-place reduce-scatter differs")
+
+
+def _late_peer(rank, world):
+    os.environ["ZP_SHM_TIMEOUT_S"] = "2"
+    e = ex.TorchDistExecutor(shared_memory=True)
+    out = torch.empty(8 * world)
+    e.all_gather(out, torch.full((8,), float(rank))).wait()  # maps the file, on every rank
+    ok = torch.equal(out, torch.arange(world).repeat_interleave(8).float())
+    if rank != 0:
+        return {"ok": ok, "error": None}
+    try:  # rank 1 never comes: rank 0 gets an error naming it within the timeout
+        e.all_gather(out, torch.zeros(8)).wait()
+        return {"ok": ok, "error": "no error"}
+    except RuntimeError as exc:
+        return {"ok": ok, "error": str(exc)}
+
+
+def test_shared_memory_all_gather_refuses_to_wait_forever():
+    res = run(_late_peer, 2)
+    assert all(r["ok"] for r in res)
+    assert "rank 1 did not publish" in res[0]["error"] and "within 2 s" in res[0]["error"], res

@@ -397,14 +397,17 @@ def test_meta_build_equals_ordinary_build(results):
 def test_model_state_memory(results):
     """Model states (fp32 AdamW: 4 B params + 4 B grads + 8 B states per parameter) within
     16 psi / N plus the working set: the most gathered bytes at once, the bucket buffers of
-    the reductions in flight, and the alignment padding."""
+    the reductions in flight, the gathers' shared memory, and the alignment padding."""
     n, res = results
     for r in res:
         rep = r["memory"]["report"]
         total = rep["params"] + rep["grads"] + rep["optimizer_states"]
         working = (rep["gathered_peak"] + r["memory"]["peak_bucket"] + r["memory"]["scratch"]
-                   + 4 * rep["padding"])
+                   + rep["gather_transport"] + 4 * rep["padding"])
         assert total <= 16 * r["memory"]["psi"] / n + working
+        # the gathers' shared memory (collectives/shm.py): this rank's chunk of the largest
+        # unit in each of the ring's two slots, rounded to cache lines
+        assert rep["gather_transport"] <= 2 * (r["memory"]["largest_unit"] / n + 64)
         # gathering holds at most the root, the unit in use and one prefetched unit
         assert rep["gathered_peak"] <= r["memory"]["root_bytes"] + 2 * r["memory"]["largest_unit"]
         # gradient buckets: the root's (open through backward: tied embeddings), the unit being

@@ -126,7 +126,8 @@ def frozen(rank, world_size):
             "frozen_kept": all(torch.equal(full[n], v) for n, v in frozen_before.items()),
             "frozen_local": sum(p.numel() * p.element_size() for p in zm.parameters()
                                 if not p.requires_grad),
-            "frozen_bytes": frozen_bytes, "kept": rep["params"] - rep["gathered_peak"],
+            "frozen_bytes": frozen_bytes,
+            "kept": rep["params"] - rep["gathered_peak"] - rep["gather_transport"],
             "padding": rep["padding"],
             "ddp_params": rep["ddp_params"],
             "all_bytes": sum(p.numel() * p.element_size() for p in ref.parameters())}

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common/parallel.h"
+#include "common/shared_flags.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
 #include "layout/layout.h"
@@ -202,6 +203,46 @@ static PyObject *zp_py_grad_stats(PyObject *self, PyObject *args) {
   return result;
 }
 
+/* flag_publish(address, value): a release store of an int64 the caller mapped (shared memory). */
+static PyObject *zp_py_flag_publish(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long addr;
+  long long value;
+  if (!PyArg_ParseTuple(args, "KL:flag_publish", &addr, &value))
+    return NULL;
+  if (addr == 0 || addr % sizeof(int64_t) != 0) {
+    PyErr_SetString(PyExc_ValueError, "flag_publish: address must be a non-NULL, 8-byte aligned");
+    return NULL;
+  }
+  zp_flag_publish((int64_t *)(uintptr_t)addr, (int64_t)value);
+  Py_RETURN_NONE;
+}
+
+/* flags_wait(address, n, stride, value, timeout_s): waits, without the GIL, until n int64 flags
+ * (stride apart, in elements) are >= value. */
+static PyObject *zp_py_flags_wait(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long addr;
+  int n;
+  long long stride, value;
+  double timeout_s;
+  if (!PyArg_ParseTuple(args, "KiLLd:flags_wait", &addr, &n, &stride, &value, &timeout_s))
+    return NULL;
+  if (addr == 0 || addr % sizeof(int64_t) != 0) {
+    PyErr_SetString(PyExc_ValueError, "flags_wait: address must be a non-NULL, 8-byte aligned");
+    return NULL;
+  }
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status = zp_flags_wait_ge((const int64_t *)(uintptr_t)addr, (int32_t)n,
+                                                   (int64_t)stride, (int64_t)value, timeout_s,
+                                                   NULL);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) {
+    zp_raise(status);
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
 static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
@@ -350,6 +391,9 @@ static PyMethodDef zp_methods[] = {
     {"grad_stats", zp_py_grad_stats, METH_VARARGS,
      "grad_stats(segments, grad_dtype, norm_type, n_threads) -> (sum_pow, nonfinite)"},
     {"cpu_isa", zp_py_cpu_isa, METH_NOARGS, "instruction set the CPU kernels dispatch to"},
+    {"flag_publish", zp_py_flag_publish, METH_VARARGS, "flag_publish(address, value)"},
+    {"flags_wait", zp_py_flags_wait, METH_VARARGS,
+     "flags_wait(address, n, stride, value, timeout_s)"},
     {"default_threads", zp_py_default_threads, METH_NOARGS, "threads the CPU kernels use"},
     {NULL, NULL, 0, NULL}};
 

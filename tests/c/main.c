@@ -35,7 +35,9 @@
   X(test_grad_stats_fixed_order)      \
   X(test_optim_matches_reference)     \
   X(test_optim_isas_and_threads_agree) \
-  X(test_optim_errors)
+  X(test_optim_errors)               \
+  X(test_shared_flags_publish_then_wait) \
+  X(test_shared_flags_timeout_and_errors)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)

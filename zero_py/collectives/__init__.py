@@ -84,5 +84,6 @@ def channel(executor):
         ranks = [executor.global_rank(r) for r in range(executor.world_size)]
         group = dist.new_group(ranks, backend=dist.get_backend(executor.group),
                                use_local_synchronization=True)
-        return TorchDistExecutor(group, executor.device)
+        # stage 3 gathers on this channel: through shared memory where the ranks share a host
+        return TorchDistExecutor(group, executor.device, shared_memory=True)
     return executor

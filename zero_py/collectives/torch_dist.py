@@ -25,7 +25,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from zero_py.collectives import shm
 from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.shm import HostAllGather
 from zero_py.collectives.work import AllOf, Work
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
@@ -46,10 +48,12 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class TorchDistExecutor:
     """The collectives of one process group through torch.distributed. `device`: where its
-    tensors live (default: the CPU for gloo, the current CUDA device otherwise)."""
+    tensors live (default: the CPU for gloo, the current CUDA device otherwise).
+    shared_memory: all-gathers of CPU tensors on a gloo group whose ranks share this host go
+    through shared memory (collectives/shm.py; ZP_SHM=0 turns it off)."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, shared_memory: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
@@ -67,11 +71,28 @@ class TorchDistExecutor:
         self._native_reduce_scatter = True
         self._peers = [self.global_rank(r) for r in range(self.world_size)]
         self._scratch: Optional[BufferPool] = None  # the reduce-scatter's receive buffers
+        # all-gathers of CPU tensors through /dev/shm when every rank is on this host
+        # (collectives/shm.py; stage 3's gather channel asks for it)
+        self.shared_memory = bool(shared_memory)
+        self._shm = None  # HostAllGather, False where it cannot run, None before deciding
 
     @property
     def scratch_peak_bytes(self) -> int:
         """The most bytes of reduce-scatter receive buffers alive at once."""
         return self._scratch.peak_bytes if self._scratch is not None else 0
+
+    @property
+    def shared_bytes(self) -> int:
+        """This rank's share of the shared-memory all-gather's file (0 when not used)."""
+        return self._shm.scratch_bytes if self._shm else 0
+
+    def _host_all_gather(self) -> Optional[HostAllGather]:
+        """The shared-memory all-gather when every rank of the group is on this host (decided
+        at the first all-gather, which every rank makes), else None."""
+        if self._shm is None:
+            usable = self.shared_memory and shm.enabled() and shm.same_host(self.group)
+            self._shm = HostAllGather(self) if usable else False
+        return self._shm or None
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -97,6 +118,10 @@ class TorchDistExecutor:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        if self._p2p and self.world_size > 1 and output.device.type == "cpu":
+            shm = self._host_all_gather()
+            if shm is not None:
+                return shm.all_gather(output, input)
         work = self._direct(self._p2p_all_gather, output, input)
         if work is not None:
             return work

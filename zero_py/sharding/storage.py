@@ -278,8 +278,9 @@ class ShardedParams(FlatLayout):
         return self.unit_bytes[self.persistent_unit]
 
     def param_bytes(self, frozen: Sequence[torch.Tensor]) -> Dict[str, int]:
-        """memory_report's parameter terms: the shards, the persistent unit's buffers and the
-        most gathered bytes held at once (gathered_peak, over every storage of the model); the
+        """memory_report's parameter terms: the shards, the persistent unit's buffers, the
+        most gathered bytes held at once (gathered_peak, over every storage of the model) and
+        this rank's share of the gathers' shared memory (gather_transport); the
         frozen parameters are sharded too (`frozen_storage`, set by zero_py.initialize)."""
         storages = [self] + ([self.frozen_storage] if self.frozen_storage is not None else [])
         kept = sum(s.shards.nbytes() + s.persistent_bytes() for s in storages)
@@ -287,8 +288,10 @@ class ShardedParams(FlatLayout):
                    for p, shape in zip(s.params, s.full_shapes))
         padding = sum((hi - lo) * s.bucket_dtype(b).itemsize for s in storages
                       for b in range(s.n_buckets) for lo, hi in s.bucket_gaps[b])
-        return {"params": kept + self.meter.peak_bytes, "ddp_params": full,
-                "padding": padding, "gathered_peak": self.meter.peak_bytes}
+        transport = getattr(self.executor, "shared_bytes", 0)  # the gathers' shared memory
+        return {"params": kept + self.meter.peak_bytes + transport, "ddp_params": full,
+                "padding": padding, "gathered_peak": self.meter.peak_bytes,
+                "gather_transport": transport}
 
 
     def index_of(self, p: torch.Tensor) -> Optional[int]:
