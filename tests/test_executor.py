@@ -125,3 +125,27 @@ def test_shared_memory_all_gather_refuses_to_wait_forever():
     res = run(_late_peer, 2)
     assert all(r["ok"] for r in res)
     assert "rank 1 did not publish" in res[0]["error"] and "within 2 s" in res[0]["error"], res
+
+
+def _no_room(rank, world):
+    from zero_py.collectives import shm
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:  # the rank that creates the file finds /dev/shm full
+        shm.os.posix_fallocate = full
+    e = ex.TorchDistExecutor(shared_memory=True)
+    out = torch.empty(8 * world)
+    e.all_gather(out, torch.full((8,), float(rank))).wait()
+    return {"ok": torch.equal(out, torch.arange(world).repeat_interleave(8).float()),
+            "shared_bytes": e.shared_bytes, "left": [f for f in os.listdir("/dev/shm")
+                                                      if f.startswith("zero_py-")]}
+
+
+def test_shared_memory_without_room_falls_back_to_messages():
+    """A /dev/shm too small for the file (a container's 64 MiB) is found when the file is made,
+    on every rank alike, and the all-gathers go back to gloo's messages: right values, no
+    shared bytes, no file left behind."""
+    for r in run(_no_room, 2):
+        assert r["ok"] and r["shared_bytes"] == 0 and not r["left"], r

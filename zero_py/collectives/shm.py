@@ -79,6 +79,7 @@ class HostAllGather:
         self.buf: Optional[torch.Tensor] = None
         self.seq = 0
         self._in_flight: List[Tuple[int, Work]] = []  # (seq, work) issued, not finished, in order
+        self.disabled = False  # /dev/shm had no room: messages instead, on every rank
 
     @property
     def scratch_bytes(self) -> int:
@@ -100,10 +101,23 @@ class HostAllGather:
         flags = 2 * SLOTS * self.world_size * _FLAG
         self._data_at = -(-flags // _ALIGN) * _ALIGN
         nbytes = self._data_at + SLOTS * self.world_size * chunk_cap
+        ok = torch.ones(1, dtype=torch.int64)
         if self.rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)  # zeros: every flag starts at 0
-        dist.barrier(group=self.group)
+            try:
+                with open(path, "wb") as f:
+                    f.truncate(nbytes)  # zeros: every flag starts at 0
+                    # reserve the pages now: a tmpfs too small for them (e.g. a container's
+                    # 64 MiB /dev/shm) fails here instead of killing a rank with SIGBUS later
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
+            except OSError:
+                ok.zero_()
+                if os.path.exists(path):
+                    os.unlink(path)
+        dist.broadcast(ok, src=self.global_rank(0), group=self.group)
+        if not int(ok):
+            self.disabled = True  # every rank alike: the all-gathers go back to messages
+            self.buf, self.chunk_cap = None, 0
+            return
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         dist.barrier(group=self.group)  # every rank mapped it: the name can go
         if self.rank == 0:
@@ -117,12 +131,15 @@ class HostAllGather:
 
     # -- the collective ---------------------------------------------------------------------
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Optional[Work]:
         """output = every rank's input, concatenated (input may alias its chunk). Collective,
-        asynchronous: the chunks are copied out at wait()."""
+        asynchronous: the chunks are copied out at wait(). None (on every rank alike) when
+        /dev/shm has no room for the file: the caller sends messages instead, from then on."""
         nbytes = input.numel() * input.element_size()
-        if nbytes > self.chunk_cap:
+        if nbytes > self.chunk_cap and not self.disabled:
             self._map(-(-nbytes // _ALIGN) * _ALIGN)
+        if self.disabled:
+            return None
         while self._in_flight and self._in_flight[0][0] <= self.seq + 1 - SLOTS:
             self._in_flight[0][1].wait()  # this rank's own read of the slot we are to reuse
         self.seq += 1

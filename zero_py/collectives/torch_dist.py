@@ -120,8 +120,9 @@ class TorchDistExecutor:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
         if self._p2p and self.world_size > 1 and output.device.type == "cpu":
             shm = self._host_all_gather()
-            if shm is not None:
-                return shm.all_gather(output, input)
+            work = shm.all_gather(output, input) if shm is not None else None
+            if work is not None:
+                return work
         work = self._direct(self._p2p_all_gather, output, input)
         if work is not None:
             return work
