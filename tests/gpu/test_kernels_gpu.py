@@ -171,7 +171,7 @@ def test_grad_stats_on_device(dtype, norm_type):
 
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
-def test_pack_unpack_cast_on_device(src_dtype, dst_dtype):
+def test_copy_tables_and_cast_on_device(src_dtype, dst_dtype):
     torch.manual_seed(2)
     parts = [(torch.randn(s, device=DEV) * 50).to(src_dtype) for s in (3, 1024, 77_777, 1)]
     offsets, off = [], 1
@@ -180,14 +180,25 @@ def test_pack_unpack_cast_on_device(src_dtype, dst_dtype):
         off += p.numel() + 5
     bucket = torch.empty(off, dtype=dst_dtype, device=DEV)
     _poison(bucket, 0)
-    cuda.pack(parts, bucket, offsets, scale=0.5, gaps=[(0, 1)])
+    # one launch: every part into the bucket, scaled and cast, and zeros over the gap
+    dcode, esize = kernels.dtype_code(dst_dtype), bucket.element_size()
+    rows = array("q")
+    for p, o in zip(parts, offsets):
+        rows.extend(cuda.copy_row(p.data_ptr(), bucket.data_ptr() + o * esize, p.numel(),
+                                  kernels.dtype_code(p.dtype), dcode, 0.5))
+    rows.extend(cuda.copy_row(None, bucket.data_ptr(), 1, dcode, dcode))
+    cuda.copy_segments(rows, DEV)
     assert _bits(bucket[:1]).item() == 0
     for p, o in zip(parts, offsets):
         _same(bucket[o:o + p.numel()], (p.float() * 0.5).to(dst_dtype), "pack")
     back = [torch.empty_like(p) for p in parts]
     for b in back:
         _poison(b, 1)
-    cuda.unpack(bucket, back, offsets)
+    rows = array("q")
+    for b, o in zip(back, offsets):
+        rows.extend(cuda.copy_row(bucket.data_ptr() + o * esize, b.data_ptr(), b.numel(), dcode,
+                                  kernels.dtype_code(b.dtype)))
+    cuda.copy_segments(rows, DEV)
     for b, o in zip(back, offsets):
         src = bucket[o:o + b.numel()]
         _same(b, src if src.dtype == b.dtype else src.float().to(b.dtype), "unpack")

@@ -1,5 +1,5 @@
 """The CUDA kernels of the C core (zero_py._cuda), on device tensors: the fused optimizer
-family, gradient statistics and segment copies (pack, unpack, cast).
+family, gradient statistics and segment copies (copy tables, cast).
 
 Same tables as the CPU family (kernels/table.py): segment rows of addresses (array('q'),
 now of device memory) and group rows. Every call enqueues on the current stream of the tensors'
@@ -181,44 +181,6 @@ def copy_emulate(rows: array) -> None:
 # ---- tensor-level helpers ------------------------------------------------------------------------
 
 _check = table.check_tensor
-
-
-def pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int],
-         scale: float = 1.0, gaps: Sequence[tuple] = ()) -> None:
-    """bucket[offsets[i]:offsets[i] + numel] = tensors[i] * scale, cast to bucket's dtype, and
-    zeros over `gaps` ((lo, hi) element ranges): one launch on the current stream."""
-    _check("bucket", bucket, None, _FLOATS)
-    rows = array("q")
-    dcode, esize = table.dtype_code(bucket.dtype), bucket.element_size()
-    for i, (t, off) in enumerate(zip(tensors, offsets)):
-        _check(f"tensors[{i}]", t, bucket.device, _FLOATS)
-        if off < 0 or off + t.numel() > bucket.numel():
-            raise IndexError(f"tensors[{i}] ({t.numel()} elements at {off}) does not fit the "
-                             f"bucket of {bucket.numel()}")
-        rows.extend(copy_row(t.data_ptr(), bucket.data_ptr() + off * esize, t.numel(),
-                             table.dtype_code(t.dtype), dcode, scale))
-    for lo, hi in gaps:
-        if not 0 <= lo <= hi <= bucket.numel():
-            raise IndexError(f"gap ({lo}, {hi}) is outside the bucket of {bucket.numel()}")
-        rows.extend(copy_row(None, bucket.data_ptr() + lo * esize, hi - lo, dcode, dcode))
-    copy_segments(rows, bucket.device)
-
-
-def unpack(bucket: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-           scale: float = 1.0) -> None:
-    """tensors[i] = bucket[offsets[i]:offsets[i] + numel] * scale, cast to each tensor's dtype:
-    one launch on the current stream."""
-    _check("bucket", bucket, None, _FLOATS)
-    rows = array("q")
-    scode, esize = table.dtype_code(bucket.dtype), bucket.element_size()
-    for i, (t, off) in enumerate(zip(tensors, offsets)):
-        _check(f"tensors[{i}]", t, bucket.device, _FLOATS)
-        if off < 0 or off + t.numel() > bucket.numel():
-            raise IndexError(f"tensors[{i}] ({t.numel()} elements at {off}) does not fit the "
-                             f"bucket of {bucket.numel()}")
-        rows.extend(copy_row(bucket.data_ptr() + off * esize, t.data_ptr(), t.numel(), scode,
-                             table.dtype_code(t.dtype), scale))
-    copy_segments(rows, bucket.device)
 
 
 def cast(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
