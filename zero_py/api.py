@@ -1,4 +1,5 @@
-"""The public entry points for every stage: initialize, gathered, full_state_dict.
+"""The public entry points for every stage: initialize, gathered, full_state_dict (and
+full_shape, from sharding/storage.py).
 
 Stages 1-2 are an optimizer (ZeroOptimizer) over the model's parameters in flat buffers.
 Stage 3 shards the parameters too: initialize cuts the model into units
@@ -20,11 +21,13 @@ import torch.nn as nn
 
 from zero_py.collectives import channel, make_executor
 from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer
-from zero_py.sharding.storage import GatherMeter
+from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
 from zero_py.stage3.engine import Stage3Engine, shard_parameters
 from zero_py.stage3.meta_init import realize_meta, replay_init
+
+__all__ = ["initialize", "gathered", "full_state_dict", "full_shape"]
 
 
 def _param_groups(params) -> List[dict]:
@@ -236,10 +239,3 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     if opt.executor.rank != rank:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def full_shape(p: torch.Tensor) -> torch.Size:
-    """A parameter's real shape: under stage 3 a parameter between uses is its 1-D shard
-    slice; this gives the shape it has inside forward or zero_py.gathered()."""
-    shape = getattr(p, "_zero_py_shape", None)
-    return torch.Size(shape) if shape is not None else p.shape

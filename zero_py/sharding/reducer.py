@@ -89,8 +89,7 @@ class GradReducer:
         def hook(param: torch.Tensor) -> None:
             # checked before any state changes, and on every rank alike: nothing to undo
             self._check_grad(i, param.grad)
-            gathered = getattr(self.flat, "is_gathered", None)
-            if gathered is not None and not gathered(self.flat.param_bucket[i]):
+            if not self.flat.is_gathered(self.flat.param_bucket[i]):
                 raise RuntimeError(
                     f"zero_py: parameter {i} got a gradient while its unit is not gathered: "
                     "under stage 3 a parameter outside the model's forward is its shard slice; "

@@ -74,6 +74,10 @@ class FlatParams(FlatLayout):
         for work in pending:
             work.wait()
 
+    def is_gathered(self, b: int) -> bool:
+        """Bucket b's full values exist: always, in stages 1-2."""
+        return True
+
     def publish(self, executor, buckets: Sequence[int]) -> None:
         """After an update of this rank's pieces of `buckets`: every rank's parameters."""
         self.all_gather(executor, buckets)
@@ -174,9 +178,9 @@ class ShardedParams(FlatLayout):
         self.unit_bytes = [sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
                                for b in bs) for bs in self.unit_buckets]
         self.shards = PieceStore(self, self.bucket_dtype, self.device)
-        self.full_shapes = self.param_shapes
-        for p, shape in zip(self.params, self.full_shapes):
-            p._zero_py_shape = shape  # zero_py.full_shape(p): the shape between uses is 1-D
+        for p, shape in zip(self.params, self.param_shapes):
+            p._zero_py_shape = shape  # full_shape(p): the shape between uses is 1-D
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         # between uses: each parameter's slice of this rank's shard (empty where it has none)
         self._local: List[torch.Tensor] = []
         for i, p in enumerate(self.params):
@@ -201,13 +205,13 @@ class ShardedParams(FlatLayout):
         self.meter.add(buf.numel() * buf.element_size())
         for i in self.bucket_params[b]:
             lo = self.param_offset[i]
-            self._full[i] = buf[lo:lo + self.param_numel[i]].view(self.full_shapes[i])
+            self._full[i] = buf[lo:lo + self.param_numel[i]].view(self.param_shapes[i])
         if values:
             with torch.no_grad():
                 for lo, hi in self.bucket_gaps[b]:
                     buf[lo:hi].zero_()
                 for i, value in values.items():
-                    self._full[i].copy_(value.reshape(self.full_shapes[i]))
+                    self._full[i].copy_(value.reshape(self.param_shapes[i]))
                 self.executor.broadcast(buf, 0).wait()
                 self.load_pieces_from(b, buf)
         self._exposed[b] = True
@@ -285,7 +289,7 @@ class ShardedParams(FlatLayout):
         storages = [self] + ([self.frozen_storage] if self.frozen_storage is not None else [])
         kept = sum(s.shards.nbytes() + s.persistent_bytes() for s in storages)
         full = sum(_numel(shape) * p.dtype.itemsize for s in storages
-                   for p, shape in zip(s.params, s.full_shapes))
+                   for p, shape in zip(s.params, s.param_shapes))
         padding = sum((hi - lo) * s.bucket_dtype(b).itemsize for s in storages
                       for b in range(s.n_buckets) for lo, hi in s.bucket_gaps[b])
         transport = getattr(self.executor, "shared_bytes", 0)  # the gathers' shared memory
@@ -295,9 +299,14 @@ class ShardedParams(FlatLayout):
 
 
     def index_of(self, p: torch.Tensor) -> Optional[int]:
-        if not hasattr(self, "_index"):
-            self._index = {id(q): i for i, q in enumerate(self.params)}
         return self._index.get(id(p))
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's real shape: under stage 3 a parameter between uses is its 1-D shard
+    slice; this gives the shape it has inside forward or zero_py.gathered()."""
+    shape = getattr(p, "_zero_py_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
 
 
 def _numel(shape) -> int:

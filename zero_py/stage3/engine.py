@@ -307,16 +307,20 @@ class Stage3Engine:
 
     # -- gathered access ------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def gathered(self, params: Optional[Set[int]], modifier_rank: Optional[int]):
         """Full values of the units holding `params` (ids; None: all). Collective. With
         `modifier_rank`, that rank's values are broadcast and stored into every rank's shards
         on exit (the caller syncs the optimizer's fp32 masters)."""
+        units = sorted({s.param_unit[i] for s in self.storages
+                        for i, p in enumerate(s.params) if params is None or id(p) in params})
+        return self.hold(units, modifier_rank)
+
+    @contextlib.contextmanager
+    def hold(self, wanted: Sequence[int], modifier_rank: Optional[int] = None):
+        """gathered() by unit ids. Collective."""
         if self._phase is not None:
             raise RuntimeError("zero_py.gathered() cannot be used inside the model's forward or "
                                "backward; use it between steps")
-        wanted = sorted({s.param_unit[i] for s in self.storages
-                         for i, p in enumerate(s.params) if params is None or id(p) in params})
         opened = [u for u in wanted if not self.is_gathered(u)]
         # memory_report's gathered_peak is training's working set: what the caller holds
         # here (up to the whole model) is the caller's, and is not counted in it

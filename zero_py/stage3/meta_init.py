@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from zero_py.stage3.stand_in import StandIns, active, fill_unset, full_shape_of
+from zero_py.sharding.storage import full_shape
+from zero_py.stage3.stand_in import StandIns, active, fill_unset
 
 if TYPE_CHECKING:
     from zero_py.stage3.engine import Stage3Engine
@@ -100,7 +101,7 @@ def _throwaway(p: torch.Tensor) -> torch.Tensor:
     """A copy of a real parameter for an initializer to write into; zeros where its values
     live only as shards now (its storage is released between gathers)."""
     t = p.detach()
-    shape = full_shape_of(p)
+    shape = full_shape(p)
     if tuple(t.shape) != tuple(shape) or (t.numel() and t.untyped_storage().nbytes() == 0):
         return torch.zeros(shape, dtype=t.dtype, device=t.device)
     return t.clone()
@@ -167,7 +168,7 @@ class _Plan:
             p, h = self.params[pid], id(self.horizon[pid])
             used = need.setdefault(h, {})
             self._place[pid] = used.get(p.dtype, 0)
-            used[p.dtype] = used.get(p.dtype, 0) + self._round(full_shape_of(p).numel())
+            used[p.dtype] = used.get(p.dtype, 0) + self._round(full_shape(p).numel())
         base: Dict[int, Dict[torch.dtype, int]] = {}
         size: Dict[torch.dtype, int] = {}
         for _, u in units:  # outermost first (assign_units lists them in module order)
@@ -197,7 +198,7 @@ class _Plan:
     def value(self, p: nn.Parameter) -> torch.Tensor:
         """p's place in the arena, with its full shape."""
         lo = self._place[id(p)]
-        return self._buffers[p.dtype][lo:lo + full_shape_of(p).numel()].view(full_shape_of(p))
+        return self._buffers[p.dtype][lo:lo + full_shape(p).numel()].view(full_shape(p))
 
 
 def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
@@ -281,7 +282,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if pid in todo and pid not in closed:
                 own = pid in direct
                 if own and reset and pid in begun:
-                    rep = nn.Parameter(fill_unset(torch.empty(full_shape_of(p), dtype=p.dtype,
+                    rep = nn.Parameter(fill_unset(torch.empty(full_shape(p), dtype=p.dtype,
                                                                device=device)),
                                        requires_grad=p.requires_grad)
                 elif own or descendants_live:

@@ -11,11 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-
-def full_shape_of(p: torch.Tensor) -> torch.Size:
-    """p's real shape (a stage-3 parameter between uses is its 1-D shard slice)."""
-    shape = getattr(p, "_zero_py_shape", None)
-    return torch.Size(shape) if shape is not None else p.shape
+from zero_py.sharding.storage import full_shape
 
 
 def fill_unset(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +52,7 @@ class StandIns:
              device: torch.device) -> nn.Parameter:
         base = fill_unset(torch.zeros(1, dtype=p.dtype, device=device))
         self.entries[base.untyped_storage().data_ptr()] = _StandInEntry(base, name, refuse)
-        t = base.expand(full_shape_of(p)).as_subclass(_StandIn)
+        t = base.expand(full_shape(p)).as_subclass(_StandIn)
         return nn.Parameter(t, requires_grad=p.requires_grad)
 
     def entry(self, t) -> Optional[_StandInEntry]:

@@ -40,8 +40,8 @@ def _param_keys(model: nn.Module, engine: Stage3Engine
 
 def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
              dst: Optional[int], to_cpu: bool) -> None:
-    """Replaces the sharded parameters' entries of `sd` by full values (on group rank `dst`
-    only when given; entries elsewhere are removed). Gathers one unit at a time."""
+    """Replaces the sharded parameters' entries of `sd` by full values, cloned (on group rank
+    `dst` only when given; entries elsewhere are removed). Gathers one unit at a time."""
     me = engine.executor.rank
     by_unit: Dict[int, List[Tuple[str, ShardedParams, int]]] = {}
     for name, (s, i) in _param_keys(model, engine).items():
@@ -49,7 +49,7 @@ def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
             by_unit.setdefault(s.param_unit[i], []).append((prefix + name, s, i))
     for u in sorted(by_unit):
         entries = by_unit[u]
-        with engine.gathered({id(s.params[i]) for _, s, i in entries}, None):
+        with engine.hold([u]):
             for key, s, i in entries:
                 if dst is None or me == dst:
                     value = s.full_view(i).detach()
@@ -64,11 +64,12 @@ def full_state_dict(model: nn.Module, engine: Stage3Engine, rank: int
     None elsewhere. Collective."""
     with engine.raw_state_dict():
         sd = model.state_dict()
+    params = {k for k in _param_keys(model, engine) if k in sd}
     _collect(model, engine, sd, "", rank, to_cpu=True)
     if engine.executor.rank != rank:
         return None
-    return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v
-            for k, v in sd.items()}
+    # the parameters are CPU clones already; buffers and the rest are cloned here
+    return {k: v if k in params else v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
 
 def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
@@ -83,9 +84,9 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
         bad = []
         for name, (s, i) in keys.items():
             value = sd.get(prefix + name)
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != s.full_shapes[i]:
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != s.param_shapes[i]:
                 bad.append(f"{prefix + name}: {tuple(value.shape)} given, the parameter is "
-                           f"{s.full_shapes[i]}")
+                           f"{s.param_shapes[i]}")
         if bad:
             raise RuntimeError("zero_py stage 3: load_state_dict got values of the wrong shape "
                                "(nothing was loaded): " + "; ".join(bad))
