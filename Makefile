@@ -25,6 +25,8 @@ deps:
 	@$(PYTHON) -c "import sys, setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" \
 	  2>/dev/null || $(PYTHON) -m pip install "setuptools>=77"
 	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(PYTHON) -m pip install ruff
+	@# safetensors (checkpoint files) has no Python dependencies: it leaves torch alone
+	@$(PYTHON) -c "import safetensors" 2>/dev/null || $(PYTHON) -m pip install "safetensors>=0.4"
 	@# transformers (the Hugging Face model tests) does not depend on torch; torch is pinned to
 	@# the installed build all the same, and checked after
 	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('transformers'))" || { \

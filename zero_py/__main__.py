@@ -1,0 +1,37 @@
+"""`python -m zero_py COMMAND ...`: the command-line tools.
+
+Each command lives in its own module, which defines ``register(subparsers)``: it adds its
+parser (with ``help=``) and sets ``func`` (a callable(args) -> exit status) as the default.
+COMMANDS lists those modules in the order `--help` shows them; a module is imported only to
+register, so a command's heavy imports belong inside its func.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS: List[str] = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_py",
+        description="zero_py's tools. `python -m zero_py COMMAND --help` describes each.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
