@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/checked.h"
+
 #define ZP_MAX_THREADS 256
 
 typedef struct {
@@ -67,14 +69,18 @@ zp_status zp_parallel_for(int64_t n, int32_t n_threads, int64_t grain, int64_t m
 
   zp_range_task tasks[ZP_MAX_THREADS];
   pthread_t threads[ZP_MAX_THREADS];
-  int64_t per = (n + n_threads - 1) / n_threads;
-  per = (per + grain - 1) / grain * grain;
+  /* Written so that no sum passes n, whatever n (up to 2**63-1) and grain: a range of at
+   * least n / n_threads elements, rounded up to the grain (one range when that overflows),
+   * so at most n_threads ranges. */
+  int64_t per = n / n_threads + (n % n_threads != 0);
+  if (!zp_round_up_i64(per, grain, &per) || per > n)
+    per = n;
   int32_t n_tasks = 0;
-  for (int64_t begin = 0; begin < n; begin += per) {
+  for (int64_t begin = 0; begin < n; begin = tasks[n_tasks - 1].end) {
     tasks[n_tasks].fn = fn;
     tasks[n_tasks].ctx = ctx;
     tasks[n_tasks].begin = begin;
-    tasks[n_tasks].end = begin + per < n ? begin + per : n;
+    tasks[n_tasks].end = per < n - begin ? begin + per : n;
     n_tasks++;
   }
   /* Task 0 runs on the calling thread; if a thread cannot start, its task runs here too. */

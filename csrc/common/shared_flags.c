@@ -22,6 +22,10 @@ zp_status zp_flags_wait_ge(const int64_t *flags, int32_t n, int64_t stride, int6
   if (flags == NULL || n < 0 || stride < 1)
     return zp_fail(ZP_ERR_INVALID, "flags_wait: flags must be non-NULL, n >= 0, stride >= 1 "
                                     "(got n=%d, stride=%lld)", (int)n, (long long)stride);
+  /* the last flag's address, flags + (n - 1) * stride, must not overflow */
+  if (n > 1 && stride > INT64_MAX / (int64_t)sizeof *flags / (n - 1))
+    return zp_fail(ZP_ERR_INVALID, "flags_wait: %d flags %lld elements apart span more than "
+                   "2**63 bytes; lower n or stride", (int)n, (long long)stride);
   if (!(timeout_s > 0))
     return zp_fail(ZP_ERR_INVALID, "flags_wait: timeout must be > 0 s, got %g", timeout_s);
   double deadline = zp_now_s() + timeout_s;

@@ -8,6 +8,17 @@
 
 static const char *const zp_kind_names[ZP_OPT_KINDS] = {"adamw", "adam", "sgd", "adagrad", "lion"};
 
+/* Adds segment s's numel (>= 0) to *total, failing once the table passes ZP_OPT_MAX_NUMEL:
+ * both bounds are below 2**62, so the sum cannot overflow. */
+static zp_status zp_check_total(const char *fn, int64_t *total, int64_t numel, int32_t s) {
+  if (numel > ZP_OPT_MAX_NUMEL - *total)
+    return zp_fail(ZP_ERR_INVALID, "%s: segments 0..%d hold more than 2**56 elements together "
+                   "(segment %d has numel %lld); the segments of one call must add up to at most "
+                   "2**56", fn, s, s, (long long)numel);
+  *total += numel;
+  return ZP_OK;
+}
+
 /* Written so that NaN fails every check. */
 static zp_status zp_opt_check_group(const zp_opt_group *g, int32_t k) {
   if (g->kind < 0 || g->kind >= ZP_OPT_KINDS)
@@ -109,8 +120,11 @@ zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
                    n_segments, n_groups);
   for (int32_t k = 0; k < n_groups; k++)
     ZP_TRY(zp_opt_check_group(&groups[k], k));
-  for (int32_t s = 0; s < n_segments; s++)
+  int64_t total = 0;
+  for (int32_t s = 0; s < n_segments; s++) {
     ZP_TRY(zp_opt_check_segment(&segments[s], s, groups, n_groups));
+    ZP_TRY(zp_check_total("opt_step", &total, segments[s].numel, s));
+  }
   return ZP_OK;
 }
 
@@ -124,10 +138,12 @@ zp_status zp_grad_stats_check(const zp_opt_segment *segments, int32_t n_segments
   if (!(norm_type > 0.0))
     return zp_fail(ZP_ERR_INVALID, "grad_stats: norm_type must be > 0 (or +inf), got %g",
                    norm_type);
+  int64_t total = 0;
   for (int32_t s = 0; s < n_segments; s++) {
     if (segments[s].numel < 0)
       return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has numel %lld; need >= 0", s,
                      (long long)segments[s].numel);
+    ZP_TRY(zp_check_total("grad_stats", &total, segments[s].numel, s));
     if (segments[s].numel > 0 && segments[s].grad == NULL)
       return zp_fail(ZP_ERR_INVALID, "grad_stats: segment %d has a NULL grad", s);
   }

@@ -76,11 +76,17 @@ typedef struct {
   uint64_t seed;       /* stochastic rounding: a new value every step */
 } zp_opt_group;
 
+/* The most elements one call's table may hold, all segments together (2**56: 256 PiB of fp32,
+ * far beyond any machine). The kernels add segment lengths into int64 offsets and multiply
+ * them by element sizes; this bound keeps that arithmetic from overflowing. */
+#define ZP_OPT_MAX_NUMEL ((int64_t)1 << 56)
+
 /* The checks of an optimizer step's tables, run before any memory is touched: lr,
  * weight_decay >= 0 and finite; grad_scale finite; Adam*, Lion: betas in [0, 1); Adam*,
  * Adagrad: eps >= 0; SGD: momentum >= 0, NESTEROV needs momentum > 0 and dampening 0;
  * Adagrad: lr_decay >= 0; flags known and meaningful for the kind; every segment names a
- * group, has numel >= 0 and step >= 1; a non-empty one has master and grad, and the states
+ * group, has numel >= 0 and step >= 1, and the segments' numel add up to at most
+ * ZP_OPT_MAX_NUMEL; a non-empty one has master and grad, and the states
  * the kind needs (Adam*: state0, state1, AMSGRAD: state2; SGD with momentum, Adagrad, Lion:
  * state0), and a param_out unless param_dtype is ZP_F32. NaN fails every check. */
 zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
@@ -88,7 +94,8 @@ zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
 
 /* The checks of a gradient-statistics call (zp_grad_stats_cpu, zp_grad_stats_cuda), which
  * read only each segment's grad and numel: a segment list, a known grad_dtype, norm_type > 0
- * (+inf allowed), numel >= 0, and a grad wherever numel > 0. */
+ * (+inf allowed), numel >= 0 adding up to at most ZP_OPT_MAX_NUMEL, and a grad wherever
+ * numel > 0. */
 zp_status zp_grad_stats_check(const zp_opt_segment *segments, int32_t n_segments,
                               int32_t grad_dtype, double norm_type);
 

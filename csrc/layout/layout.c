@@ -4,13 +4,26 @@
  * bucket of its (group, buffer) key, closing that bucket when the next parameter would not
  * fit; this keeps a bucket's parameters close in backward order. The second sorts buckets by
  * their lowest parameter index, highest first, and assigns flat and shard offsets in that
- * order. */
+ * order.
+ *
+ * Sizes: the checks bound every parameter to ZP_LAYOUT_MAX_BYTES and align_bytes to
+ * ZP_LAYOUT_MAX_ALIGN; pass 1 bounds the sum of the aligned parameters, pass 3 the padded
+ * buckets (world_size * align can pad a bucket far beyond its parameters), each with checked
+ * arithmetic (common/checked.h). Every other sum is below those bounds. */
 #include "layout/layout.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-static int64_t zp_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+#include "common/checked.h"
+
+/* The one message for a plan whose flat buffers would exceed ZP_LAYOUT_MAX_BYTES. */
+static zp_status zp_layout_too_big(const char *what, int32_t world_size, int64_t align_bytes) {
+  return zp_fail(ZP_ERR_INVALID,
+                 "layout: %s need more than 2**56 bytes (64 PiB), the planner's limit "
+                 "(world_size=%d, align_bytes=%lld); lower world_size or align_bytes, or lay out "
+                 "fewer elements", what, world_size, (long long)align_bytes);
+}
 
 void zp_layout_free(zp_layout *layout) {
   if (layout == NULL)
@@ -34,12 +47,14 @@ static zp_status zp_layout_check(const zp_param_desc *params, int32_t n_params,
   if (n_params < 1 || params == NULL)
     return zp_fail(ZP_ERR_INVALID, "layout: no parameters to lay out (n_params=%d)", n_params);
   if (world_size < 1)
-    return zp_fail(ZP_ERR_INVALID, "layout: world_size must be >= 1, got %d", world_size);
-  if (align_bytes < 1 || (align_bytes & (align_bytes - 1)) != 0)
-    return zp_fail(ZP_ERR_INVALID, "layout: align_bytes must be a power of two, got %lld",
+    return zp_fail(ZP_ERR_INVALID, "layout: world_size must be in [1, 2**31-1], got %d",
+                   world_size);
+  if (align_bytes < 1 || align_bytes > ZP_LAYOUT_MAX_ALIGN || (align_bytes & (align_bytes - 1)))
+    return zp_fail(ZP_ERR_INVALID,
+                   "layout: align_bytes must be a power of two in [1, 2**30], got %lld",
                    (long long)align_bytes);
   if (bucket_bytes < 1)
-    return zp_fail(ZP_ERR_INVALID, "layout: bucket_bytes must be >= 1, got %lld",
+    return zp_fail(ZP_ERR_INVALID, "layout: bucket_bytes must be in [1, 2**63-1], got %lld",
                    (long long)bucket_bytes);
   for (int32_t i = 0; i < n_params; i++) {
     const zp_param_desc *p = &params[i];
@@ -60,6 +75,11 @@ static zp_status zp_layout_check(const zp_param_desc *params, int32_t n_params,
       return zp_fail(ZP_ERR_INVALID,
                      "layout: align_bytes=%lld is not a multiple of parameter %d's element size %d",
                      (long long)align_bytes, i, p->elem_size);
+    int64_t bytes;
+    if (!zp_mul_i64(p->numel, p->elem_size, &bytes) || bytes > ZP_LAYOUT_MAX_BYTES)
+      return zp_fail(ZP_ERR_INVALID,
+                     "layout: parameter %d has %lld elements of %d bytes; numel * elem_size "
+                     "must be at most 2**56 bytes", i, (long long)p->numel, p->elem_size);
   }
   return ZP_OK;
 }
@@ -126,6 +146,7 @@ zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t 
 
   /* Pass 1: from the last parameter to the first, fill one open bucket per (group, buffer). */
   int32_t n_drafts = 0, n_open = 0, n_buffers = 0;
+  int64_t aligned_bytes = 0; /* the parameters rounded up to the alignment, all buffers */
   for (int32_t i = n_params - 1; i >= 0; i--) {
     const zp_param_desc *p = &params[i];
     if (buffer_elem[p->buffer] == 0)
@@ -138,12 +159,20 @@ zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t 
     }
     if (p->buffer + 1 > n_buffers)
       n_buffers = p->buffer + 1;
-    int64_t align_elems = align_bytes / p->elem_size;
-    int64_t rounded = zp_round_up(p->numel, align_elems);
+    const int64_t align_elems = align_bytes / p->elem_size;
+    int64_t rounded, rounded_bytes;
+    if (!zp_round_up_i64(p->numel, align_elems, &rounded) ||
+        !zp_mul_i64(rounded, p->elem_size, &rounded_bytes) ||
+        !zp_add_i64(aligned_bytes, rounded_bytes, &aligned_bytes) ||
+        aligned_bytes > ZP_LAYOUT_MAX_BYTES) {
+      status = zp_layout_too_big("the parameters, each aligned,", world_size, align_bytes);
+      goto done;
+    }
     int32_t k = 0;
     while (k < n_open && !(drafts[open[k]].group == p->group && drafts[open[k]].buffer == p->buffer))
       k++;
     int32_t d = k < n_open ? open[k] : -1;
+    /* fill * elem_size <= aligned_bytes and numel * elem_size <= 2**56: no overflow */
     if (d >= 0 && (drafts[d].fill + p->numel) * p->elem_size > bucket_bytes)
       d = -1; /* full: this key starts a new bucket */
     if (d < 0) {
@@ -191,24 +220,36 @@ zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t 
     int32_t b = l->param_bucket[i];
     l->bucket_params[l->bucket_param_start[b] + cursor[b]++] = i;
   }
-  int64_t shard_offset = 0, used = 0;
+  int64_t shard_offset = 0, used = 0, flat_bytes = 0;
   for (int32_t b = 0; b < n_drafts; b++) {
     const zp_draft_bucket *draft = &drafts[keys[b].draft];
-    int64_t align_elems = align_bytes / draft->elem_size;
-    int64_t end = 0;
+    const int64_t align_elems = align_bytes / draft->elem_size;
+    int64_t end = 0; /* at most the draft's fill: below 2**56 elements */
     for (int32_t j = l->bucket_param_start[b]; j < l->bucket_param_start[b + 1]; j++) {
       int32_t i = l->bucket_params[j];
-      int64_t offset = zp_round_up(end, align_elems);
+      int64_t offset = (end + align_elems - 1) / align_elems * align_elems;
       l->param_offset[i] = offset;
       end = offset + params[i].numel;
       used += params[i].numel;
     }
+    /* world_size * align can be 2**61 elements: the padded bucket is where a plan overflows */
+    int64_t piece_elems, bucket_numel, padded_bytes;
+    if (!zp_mul_i64(world_size, align_elems, &piece_elems) ||
+        !zp_round_up_i64(end, piece_elems, &bucket_numel) ||
+        !zp_mul_i64(bucket_numel, draft->elem_size, &padded_bytes) ||
+        !zp_add_i64(flat_bytes, padded_bytes, &flat_bytes) ||
+        flat_bytes > ZP_LAYOUT_MAX_BYTES) {
+      status = zp_layout_too_big("the flat buffers, padded to world_size * align_bytes,",
+                                 world_size, align_bytes);
+      goto done;
+    }
+    /* every sum below is at most flat_bytes, so at most 2**56 */
     l->bucket_group[b] = draft->group;
     l->bucket_buffer[b] = draft->buffer;
-    l->bucket_numel[b] = zp_round_up(end, (int64_t)world_size * align_elems);
-    l->bucket_shard_numel[b] = l->bucket_numel[b] / world_size;
+    l->bucket_numel[b] = bucket_numel;
+    l->bucket_shard_numel[b] = bucket_numel / world_size;
     l->bucket_flat_offset[b] = l->buffer_numel[draft->buffer];
-    l->buffer_numel[draft->buffer] += l->bucket_numel[b];
+    l->buffer_numel[draft->buffer] += bucket_numel;
     l->bucket_shard_offset[b] = shard_offset;
     shard_offset += l->bucket_shard_numel[b];
   }

@@ -25,6 +25,18 @@
 /* Flat buffers are one per dtype, so a handful; ids beyond this are refused. */
 #define ZP_LAYOUT_MAX_BUFFERS 64
 
+/* The planner's size limits. Every size is checked against them before it is computed, so no
+ * input (2**62 bytes of alignment, 2**31-1 ranks, 2**62 elements) can overflow the int64
+ * arithmetic: the call fails with ZP_ERR_INVALID and a message naming the argument instead.
+ * - align_bytes: a power of two in [1, ZP_LAYOUT_MAX_ALIGN] (1 GiB: above a huge page, far
+ *   above what vector loads or NCCL want).
+ * - the flat buffers together, padding included, hold at most ZP_LAYOUT_MAX_BYTES bytes
+ *   (64 PiB, far beyond any machine). Every element count of a plan is then below 2**56, so a
+ *   caller may multiply one by the bytes of its state (fp32 master plus three fp32 states is
+ *   16 bytes per element) or add up a few without overflowing int64 either. */
+#define ZP_LAYOUT_MAX_ALIGN ((int64_t)1 << 30)
+#define ZP_LAYOUT_MAX_BYTES ((int64_t)1 << 56)
+
 /* What the planner needs to know of one parameter. */
 typedef struct {
   int64_t numel;     /* elements, >= 1 */
@@ -61,9 +73,10 @@ typedef struct {
   int64_t padding_numel; /* elements of all flat buffers that belong to no parameter */
 } zp_layout;
 
-/* Plans the layout of `n_params` parameters for `world_size` ranks. `align_bytes` must be a
- * power of two that every elem_size divides; `bucket_bytes` >= 1. On success *out holds a
- * plan to release with zp_layout_free(). */
+/* Plans the layout of `n_params` parameters for `world_size` >= 1 ranks. `align_bytes` must be
+ * a power of two in [1, ZP_LAYOUT_MAX_ALIGN] that every elem_size divides; `bucket_bytes` >= 1
+ * (any int64: INT64_MAX puts each (group, buffer) in one bucket). The plan must fit in
+ * ZP_LAYOUT_MAX_BYTES. On success *out holds a plan to release with zp_layout_free(). */
 zp_status zp_layout_plan(const zp_param_desc *params, int32_t n_params, int32_t world_size,
                          int64_t align_bytes, int64_t bucket_bytes, zp_layout **out);
 

@@ -35,6 +35,11 @@ zp_status zp_schedule_create(const int32_t *param_bucket, int32_t n_params, int3
   if (n_params < 1 || n_buckets < 1 || param_bucket == NULL)
     return zp_fail(ZP_ERR_INVALID, "schedule: needs >= 1 parameter and bucket (got %d, %d)",
                    n_params, n_buckets);
+  /* Checked before any allocation: n_buckets sizes two arrays, and nothing else bounds it. */
+  if (n_buckets > n_params)
+    return zp_fail(ZP_ERR_INVALID, "schedule: n_buckets=%d exceeds the %d parameters; every "
+                   "bucket holds a parameter, so n_buckets must be in [1, n_params]",
+                   n_buckets, n_params);
   zp_schedule *s = calloc(1, sizeof *s);
   if (s == NULL)
     return zp_fail(ZP_ERR_NOMEM, "schedule: out of memory");

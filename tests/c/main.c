@@ -37,7 +37,11 @@
   X(test_optim_isas_and_threads_agree) \
   X(test_optim_errors)               \
   X(test_shared_flags_publish_then_wait) \
-  X(test_shared_flags_timeout_and_errors)
+  X(test_shared_flags_timeout_and_errors) \
+  X(test_limits_layout)              \
+  X(test_limits_schedules)           \
+  X(test_limits_kernel_tables)       \
+  X(test_limits_parallel_and_flags)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)
