@@ -44,13 +44,14 @@ def _param_groups(params) -> List[dict]:
     return out
 
 
-def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
-               *, stage: int = 3, wrap_policy: WrapPolicy = None, params=None,
+def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Optimizer]] = None,
+               *, stage: Optional[int] = None, wrap_policy: WrapPolicy = None, params=None,
                process_group: Optional[dist.ProcessGroup] = None,
                reshard_after_forward: bool = True, persistence_threshold: int = 0,
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
-               device: Optional[torch.device] = None, **kwargs):
+               device: Optional[torch.device] = None, config=None, strict: bool = True,
+               **kwargs):
     """Prepares `model` for ZeRO training and returns (model, optimizer): the same call for
     every stage.
 
@@ -82,11 +83,27 @@ def initialize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer] = 
     "torch", "nccl" or an executor object, as for ZeroOptimizer. `params` are param groups
     (dicts with "params") over the model's parameters (default: all of them, one group); other
     keyword arguments go to ZeroOptimizer (bucket_bytes, grad_reduce_dtype, loss_scaler, ...)
-    and to optimizer_class (lr, betas, ...)."""
+    and to optimizer_class (lr, betas, ...). optimizer_class defaults to torch.optim.AdamW and
+    stage to 3.
+
+    `config`: a DeepSpeed config (path to its JSON file, or the dict) whose zero_optimization,
+    optimizer, scheduler, fp16/bf16, gradient_clipping and batch-size keys become these options
+    (zero_py/config/deepspeed.py; docs/tools.md). A key zero_py does not honour is an error
+    naming its path, or with strict=False one warning listing them; a keyword given here that
+    the config sets otherwise is an error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, got {type(model).__name__}")
     if getattr(model, "_zero_py", None) is not None:
         raise ValueError("this model is already managed by zero_py; initialize it once")
+    if config is not None:
+        from zero_py.config import deepspeed
+        explicit = {k: v for k, v in locals().items()
+                    if k not in ("model", "config", "strict", "kwargs", "deepspeed")}
+        return deepspeed.initialize(model, config, strict, explicit, kwargs, initialize)
+    if strict is not True:
+        raise ValueError("strict applies to a DeepSpeed config only; pass config= with it")
+    optimizer_class = torch.optim.AdamW if optimizer_class is None else optimizer_class
+    stage = 3 if stage is None else stage
     if stage in (1, 2):
         extra = {"wrap_policy": wrap_policy, "init_fn": init_fn, "prefetch_bytes": prefetch_bytes,
                  "device": device}
