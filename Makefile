@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: all deps build test ctest wheel-check lint pytest demo bench clean gpu-check
+.PHONY: all deps build test ctest fuzz wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -49,6 +49,35 @@ build/ctest: csrc/sources.mk $(CORE_SRC) $(CTEST_SRC) $(wildcard $(ZP_HEADERS) t
 
 ctest: build/ctest
 	./build/ctest
+
+# Coverage-guided fuzzing of the pure C layers (libFuzzer + ASan + UBSan, built with clang):
+# one harness per noun in tests/fuzz/ (layout, schedule, prefetch), each run for FUZZ_SECONDS
+# after replaying its kept crash inputs (tests/fuzz/regressions/<harness>/). Not part of
+# `make test`. Logs, corpus and any crash input go to build/fuzz/ (tests/fuzz/run.sh).
+# clang is its one tool (Debian's clang package brings libFuzzer): installed when missing.
+FUZZ_SECONDS ?= 60
+FUZZ_HARNESSES := layout schedule prefetch
+FUZZ_CC ?= clang
+FUZZ_SRC := csrc/common/status.c csrc/layout/layout.c csrc/schedule/schedule.c \
+            csrc/schedule/prefetch.c
+FUZZ_FLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
+              -fno-sanitize-recover=all -Icsrc -Itests/fuzz
+
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_input.h $(FUZZ_SRC) \
+                   $(wildcard $(ZP_HEADERS))
+	@mkdir -p build/fuzz
+	$(FUZZ_CC) $(FUZZ_FLAGS) $(FUZZ_SRC) $< -o $@
+
+fuzz:
+	@mkdir -p build/fuzz
+	@printf 'int LLVMFuzzerTestOneInput(const char *d, long n) { return (int)(d - d + n * 0); }\n' \
+	  > build/fuzz/probe.c
+	@$(FUZZ_CC) -fsanitize=fuzzer build/fuzz/probe.c -o build/fuzz/probe 2>/dev/null || { \
+	  echo "fuzz: installing clang (libFuzzer) with apt-get"; \
+	  s=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$s apt-get install -y clang || { $$s apt-get update && $$s apt-get install -y clang; }; }
+	@$(MAKE) --no-print-directory FUZZ_CC=$(FUZZ_CC) $(addprefix build/fuzz/fuzz_,$(FUZZ_HARNESSES))
+	tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_HARNESSES)
 
 # The wheel as users get it: built from the sdist (so MANIFEST.in is tested too) and installed
 # into a fresh venv under build/ that sees this machine's packages (torch) but not the source

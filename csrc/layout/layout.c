@@ -47,8 +47,8 @@ static zp_status zp_layout_check(const zp_param_desc *params, int32_t n_params,
   if (n_params < 1 || params == NULL)
     return zp_fail(ZP_ERR_INVALID, "layout: no parameters to lay out (n_params=%d)", n_params);
   if (world_size < 1)
-    return zp_fail(ZP_ERR_INVALID, "layout: world_size must be in [1, 2**31-1], got %d",
-                   world_size);
+    return zp_fail(ZP_ERR_INVALID,
+                   "layout: world_size must be >= 1 (and at most 2**31-1), got %d", world_size);
   if (align_bytes < 1 || align_bytes > ZP_LAYOUT_MAX_ALIGN || (align_bytes & (align_bytes - 1)))
     return zp_fail(ZP_ERR_INVALID,
                    "layout: align_bytes must be a power of two in [1, 2**30], got %lld",

@@ -51,6 +51,26 @@ static inline void *zp_py_alloc_rows(Py_ssize_t n, size_t size) {
   return rows;
 }
 
+/* A Python int argument -> int64, refused with OverflowError when it is outside [lo, hi], the
+ * range of the C parameter it is passed as (INT32_MIN..INT32_MAX or INT64_MIN..INT64_MAX):
+ * PyArg_ParseTuple's own overflow message names neither the call nor the argument. `allowed`
+ * says what the core accepts (e.g. "a power of two in [1, 2**30]"), which is what the caller
+ * must change the value to; values inside [lo, hi] go on to the core, which checks them.
+ * Returns 0, or -1 with an exception set (TypeError for a non-int). */
+static inline int zp_py_int_arg(PyObject *o, const char *fn, const char *name, int64_t lo,
+                                int64_t hi, const char *allowed, int64_t *out) {
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (v == -1 && PyErr_Occurred())
+    return -1;
+  if (overflow != 0 || v < lo || v > hi) {
+    PyErr_Format(PyExc_OverflowError, "%s: %s must be %s, got %S", fn, name, allowed, o);
+    return -1;
+  }
+  *out = (int64_t)v;
+  return 0;
+}
+
 /* ---- the optimizer family's tables, the same in both modules ----
  * segments: int64 rows of ZP_OPT_SEG_FIELDS (master, grad, state0, state1, state2, param_out
  * addresses [0 = NULL], numel, step, group, unused); groups: float64 rows of

@@ -15,11 +15,18 @@
 #include "common/shared_flags.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cpu/stream_bound.h"
+#include "kernels/cpu/tuning.h"
 #include "layout/layout.h"
 #include "schedule/schedule.h"
 
-/* Reads a sequence of Python ints into a new int64 array (caller frees). */
-static int64_t *zp_int64_array(PyObject *seq, const char *what, Py_ssize_t *n_out) {
+/* Reads a sequence of Python ints into a new int64 array (caller frees): fn's argument `name`,
+ * each entry in [lo, hi] (the C field's range; `allowed` is what the core accepts, for the
+ * message of an entry outside it). NULL with an exception set. */
+static int64_t *zp_int64_array(PyObject *seq, const char *fn, const char *name, int64_t lo,
+                               int64_t hi, const char *allowed, Py_ssize_t *n_out) {
+  char what[128];
+  snprintf(what, sizeof what, "%s: %s must be a sequence of int", fn, name);
   PyObject *fast = PySequence_Fast(seq, what);
   if (fast == NULL)
     return NULL;
@@ -30,13 +37,14 @@ static int64_t *zp_int64_array(PyObject *seq, const char *what, Py_ssize_t *n_ou
     return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
-    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (v == -1 && PyErr_Occurred()) {
+    char entry[96];
+    snprintf(entry, sizeof entry, "%s[%zd]", name, i);
+    if (zp_py_int_arg(PySequence_Fast_GET_ITEM(fast, i), fn, entry, lo, hi, allowed,
+                      &values[i]) < 0) {
       free(values);
       Py_DECREF(fast);
       return NULL;
     }
-    values[i] = v;
   }
   Py_DECREF(fast);
   *n_out = n;
@@ -57,45 +65,60 @@ static PyObject *zp_list_i64(const int64_t *v, Py_ssize_t n) {
   return list;
 }
 
-/* layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes) */
+/* layout_plan(numels, groups, buffers, elem_sizes, world_size, align_bytes, bucket_bytes)
+ * Integers arrive as objects: a value outside its C type is refused here by name
+ * (zp_py_int_arg), every other check is the core's (layout.h). */
 static PyObject *zp_py_layout_plan(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *numels_o, *groups_o, *buffers_o, *elems_o;
-  int world_size;
-  long long align_bytes, bucket_bytes;
-  if (!PyArg_ParseTuple(args, "OOOOiLL:layout_plan", &numels_o, &groups_o, &buffers_o, &elems_o,
-                        &world_size, &align_bytes, &bucket_bytes))
+  static const char fn[] = "layout_plan";
+  PyObject *numels_o, *groups_o, *buffers_o, *elems_o, *world_o, *align_o, *bucket_o;
+  if (!PyArg_ParseTuple(args, "OOOOOOO:layout_plan", &numels_o, &groups_o, &buffers_o, &elems_o,
+                        &world_o, &align_o, &bucket_o))
+    return NULL;
+  int64_t world_size, align_bytes, bucket_bytes;
+  if (zp_py_int_arg(world_o, fn, "world_size", INT32_MIN, INT32_MAX, "in [1, 2**31-1]",
+                    &world_size) < 0 ||
+      zp_py_int_arg(align_o, fn, "align_bytes", INT64_MIN, INT64_MAX,
+                    "a power of two in [1, 2**30]", &align_bytes) < 0 ||
+      zp_py_int_arg(bucket_o, fn, "bucket_bytes", INT64_MIN, INT64_MAX, "in [1, 2**63-1]",
+                    &bucket_bytes) < 0)
     return NULL;
   Py_ssize_t n = 0, n_groups = 0, n_buffers = 0, n_elems = 0;
-  int64_t *numels = zp_int64_array(numels_o, "numels must be a sequence", &n);
-  int64_t *groups = numels ? zp_int64_array(groups_o, "groups must be a sequence", &n_groups) : NULL;
-  int64_t *buffers = groups ? zp_int64_array(buffers_o, "buffers must be a sequence", &n_buffers) : NULL;
-  int64_t *elems = buffers ? zp_int64_array(elems_o, "elem_sizes must be a sequence", &n_elems) : NULL;
+  int64_t *numels = zp_int64_array(numels_o, fn, "numels", INT64_MIN, INT64_MAX,
+                                   "in [1, 2**56] (with numel * elem_size <= 2**56)", &n);
+  int64_t *groups = numels ? zp_int64_array(groups_o, fn, "groups", INT32_MIN, INT32_MAX,
+                                            "in [0, 2**31-1]", &n_groups)
+                           : NULL;
+  int64_t *buffers = groups ? zp_int64_array(buffers_o, fn, "buffers", INT32_MIN, INT32_MAX,
+                                             "in [0, 64)", &n_buffers)
+                            : NULL;
+  int64_t *elems = buffers ? zp_int64_array(elems_o, fn, "elem_sizes", INT32_MIN, INT32_MAX,
+                                            "1, 2, 4 or 8", &n_elems)
+                           : NULL;
   zp_param_desc *descs = NULL;
   PyObject *result = NULL;
   if (elems == NULL)
     goto done;
-  if (n_groups != n || n_buffers != n || n_elems != n || n > INT32_MAX) {
+  if (n_groups != n || n_buffers != n || n_elems != n) {
     PyErr_SetString(PyExc_ValueError, "layout_plan: numels, groups, buffers and elem_sizes must "
                                       "have one entry per parameter");
+    goto done;
+  }
+  if (n > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "layout_plan: %zd parameters; at most 2**31-1", n);
     goto done;
   }
   descs = zp_py_alloc_rows(n, sizeof *descs);
   if (descs == NULL)
     goto done;
   for (Py_ssize_t i = 0; i < n; i++) {
-    if (groups[i] > INT32_MAX || buffers[i] > INT32_MAX || elems[i] > INT32_MAX ||
-        groups[i] < INT32_MIN || buffers[i] < INT32_MIN || elems[i] < INT32_MIN) {
-      PyErr_Format(PyExc_ValueError, "layout_plan: parameter %zd has an id out of range", i);
-      goto done;
-    }
     descs[i] = (zp_param_desc){numels[i], (int32_t)groups[i], (int32_t)buffers[i],
                                (int32_t)elems[i]};
   }
   zp_layout *l = NULL;
   zp_status status;
   Py_BEGIN_ALLOW_THREADS status =
-      zp_layout_plan(descs, (int32_t)n, world_size, align_bytes, bucket_bytes, &l);
+      zp_layout_plan(descs, (int32_t)n, (int32_t)world_size, align_bytes, bucket_bytes, &l);
   Py_END_ALLOW_THREADS if (status != ZP_OK) {
     zp_raise(status);
     goto done;
@@ -249,6 +272,44 @@ static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
   return PyUnicode_FromString(zp_isa_name(zp_isa_pick()));
 }
 
+/* cpu_tuning() -> {"isa", "vendor", "prefetch_bytes"}: what the next kernel call will use. */
+static PyObject *zp_py_cpu_tuning(PyObject *self, PyObject *args) {
+  (void)self;
+  (void)args;
+  zp_cpu_tuning t = zp_cpu_tuning_pick();
+  return Py_BuildValue("{s:s,s:s,s:i}", "isa", zp_isa_name(t.isa), "vendor",
+                       zp_cpu_vendor_name(t.vendor), "prefetch_bytes", (int)t.prefetch_bytes);
+}
+
+/* stream_bound(streams, numel, n_threads): streams are int64 rows (address, elem_bytes,
+ * access) of the caller's checked tensors. */
+static PyObject *zp_py_stream_bound(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer buf;
+  long long numel;
+  int n_threads;
+  if (!PyArg_ParseTuple(args, "y*Li:stream_bound", &buf, &numel, &n_threads))
+    return NULL;
+  zp_stream streams[ZP_STREAM_MAX];
+  Py_ssize_t n = buf.len / (3 * 8);
+  if (buf.len % (3 * 8) != 0 || n < 1 || n > ZP_STREAM_MAX) {
+    PyBuffer_Release(&buf);
+    return PyErr_Format(PyExc_ValueError, "stream_bound: streams must be 1 to %d int64 rows of 3",
+                        ZP_STREAM_MAX);
+  }
+  for (Py_ssize_t k = 0; k < n; k++) {
+    int64_t row[3];
+    memcpy(row, (const char *)buf.buf + k * sizeof row, sizeof row);
+    streams[k] = (zp_stream){(void *)(uintptr_t)row[0], (int32_t)row[1], (int32_t)row[2]};
+  }
+  PyBuffer_Release(&buf);
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status =
+      zp_stream_bound_cpu(streams, (int32_t)n, (int64_t)numel, n_threads);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) return zp_raise(status);
+  Py_RETURN_NONE;
+}
+
 static PyObject *zp_py_default_threads(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
@@ -263,25 +324,33 @@ typedef struct {
 } zp_py_schedule;
 
 static PyObject *zp_schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-  PyObject *map_o;
+  PyObject *map_o, *n_buckets_o;
   static char *kwlist[] = {"param_bucket", "n_buckets", NULL};
-  int n_buckets;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oi:Schedule", kwlist, &map_o, &n_buckets))
+  int64_t n_buckets;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Schedule", kwlist, &map_o, &n_buckets_o))
+    return NULL;
+  if (zp_py_int_arg(n_buckets_o, "Schedule", "n_buckets", INT32_MIN, INT32_MAX,
+                    "in [1, len(param_bucket)]", &n_buckets) < 0)
     return NULL;
   Py_ssize_t n = 0;
-  int64_t *map64 = zp_int64_array(map_o, "param_bucket must be a sequence", &n);
+  int64_t *map64 = zp_int64_array(map_o, "Schedule", "param_bucket", INT32_MIN, INT32_MAX,
+                                  "a bucket id in [0, n_buckets)", &n);
   if (map64 == NULL)
     return NULL;
+  if (n > INT32_MAX) {
+    free(map64);
+    return PyErr_Format(PyExc_ValueError, "Schedule: %zd parameters; at most 2**31-1", n);
+  }
   int32_t *map = zp_py_alloc_rows(n, sizeof *map);
   if (map == NULL) {
     free(map64);
     return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++)
-    map[i] = map64[i] < INT32_MIN || map64[i] > INT32_MAX ? -1 : (int32_t)map64[i];
+    map[i] = (int32_t)map64[i];
   free(map64);
   zp_schedule *schedule = NULL;
-  zp_status status = zp_schedule_create(map, (int32_t)n, n_buckets, &schedule);
+  zp_status status = zp_schedule_create(map, (int32_t)n, (int32_t)n_buckets, &schedule);
   free(map);
   if (status != ZP_OK)
     return zp_raise(status);
@@ -317,11 +386,10 @@ static PyObject *zp_released_tuple(zp_py_schedule *self, zp_status status, int32
 }
 
 static PyObject *zp_schedule_grad_ready_py(zp_py_schedule *self, PyObject *arg) {
-  long param = PyLong_AsLong(arg);
-  if (param == -1 && PyErr_Occurred())
+  int64_t param;
+  if (zp_py_int_arg(arg, "Schedule.grad_ready", "param", INT32_MIN, INT32_MAX,
+                    "a parameter index in [0, n_params)", &param) < 0)
     return NULL;
-  if (param < INT32_MIN || param > INT32_MAX)
-    param = -1;
   int32_t n_out = 0;
   int32_t cap = zp_schedule_n_buckets(self->schedule);
   zp_status status = zp_schedule_grad_ready(self->schedule, (int32_t)param, self->out, cap, &n_out);
@@ -395,6 +463,8 @@ static PyMethodDef zp_methods[] = {
     {"flags_wait", zp_py_flags_wait, METH_VARARGS,
      "flags_wait(address, n, stride, value, timeout_s)"},
     {"default_threads", zp_py_default_threads, METH_NOARGS, "threads the CPU kernels use"},
+    {"cpu_tuning", zp_py_cpu_tuning, METH_NOARGS, "ISA, vendor and prefetch of the CPU kernels"},
+    {"stream_bound", zp_py_stream_bound, METH_VARARGS, "stream_bound(streams, numel, n_threads)"},
     {NULL, NULL, 0, NULL}};
 
 static int zp_exec(PyObject *module) {

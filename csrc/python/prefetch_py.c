@@ -32,10 +32,13 @@ static int zp_pf_unit_arg(PyObject *arg, const char *fn, int32_t *out) {
 
 static PyObject *zp_prefetch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"unit_bytes", "keep", "budget_bytes", NULL};
-  PyObject *bytes_o, *keep_o;
-  long long budget;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOL:Prefetch", kwlist, &bytes_o, &keep_o,
-                                   &budget))
+  PyObject *bytes_o, *keep_o, *budget_o;
+  int64_t budget;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:Prefetch", kwlist, &bytes_o, &keep_o,
+                                   &budget_o))
+    return NULL;
+  if (zp_py_int_arg(budget_o, "Prefetch", "budget_bytes", INT64_MIN, INT64_MAX,
+                    "in [0, 2**63-1]", &budget) < 0)
     return NULL;
   PyObject *bytes_f = PySequence_Fast(bytes_o, "Prefetch: unit_bytes must be a sequence of int");
   if (bytes_f == NULL)
@@ -65,11 +68,15 @@ static PyObject *zp_prefetch_new(PyTypeObject *type, PyObject *args, PyObject *k
     goto done;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
-    long long b = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(bytes_f, i));
-    int k = PyObject_IsTrue(PySequence_Fast_GET_ITEM(keep_f, i));
-    if ((b == -1 && PyErr_Occurred()) || k < 0)
+    char name[64];
+    snprintf(name, sizeof name, "unit_bytes[%zd]", i);
+    if (zp_py_int_arg(PySequence_Fast_GET_ITEM(bytes_f, i), "Prefetch", name, INT64_MIN,
+                      INT64_MAX, "in [1, 2**63-1], all units adding up to at most 2**63-1",
+                      &bytes[i]) < 0)
       goto done;
-    bytes[i] = b;
+    int k = PyObject_IsTrue(PySequence_Fast_GET_ITEM(keep_f, i));
+    if (k < 0)
+      goto done;
     keep[i] = (uint8_t)k;
   }
   zp_prefetch *pf = NULL;

@@ -89,7 +89,9 @@ zp_status zp_prefetch_create(int32_t n_units, const int64_t *unit_bytes, const u
       return zp_fail(ZP_ERR_INVALID, "prefetch: unit %d has %lld bytes; every unit needs > 0", u,
                      (long long)unit_bytes[u]);
     if (unit_bytes[u] > INT64_MAX - total)
-      return zp_fail(ZP_ERR_INVALID, "prefetch: the units' bytes add up to more than 2**63-1");
+      return zp_fail(ZP_ERR_INVALID, "prefetch: unit_bytes add up to more than 2**63-1 at unit "
+                     "%d (%lld bytes); the units together must fit in int64", u,
+                     (long long)unit_bytes[u]);
     total += unit_bytes[u];
   }
   zp_prefetch *pf = calloc(1, sizeof *pf);

@@ -75,6 +75,17 @@ void test_limits_layout(void) {
     many[i] = (zp_param_desc){(int64_t)1 << 51, i % 3, 0, 8}; /* 2**54 bytes each */
   FAILS_NAMING(zp_layout_plan(many, 64, 1, 64, INT64_MAX, &l), ZP_ERR_INVALID, "2**56");
 
+  /* the crash inputs the fuzzer found in the planner before the fix (tests/fuzz/regressions/
+   * layout/): 27-29 one-byte parameters, alignment 2**61 or 2**62 */
+  zp_param_desc bytes29[29];
+  for (int32_t i = 0; i < 29; i++)
+    bytes29[i] = one;
+  FAILS_NAMING(zp_layout_plan(bytes29, 29, 14, (int64_t)1 << 61, P56 / 4, &l), ZP_ERR_INVALID,
+               "align_bytes");
+  FAILS_NAMING(zp_layout_plan(bytes29, 27, 4096, P62, 3200, &l), ZP_ERR_INVALID, "align_bytes");
+  FAILS_NAMING(zp_layout_plan(bytes29, 29, INT32_MAX, P62, P62, &l), ZP_ERR_INVALID,
+               "align_bytes");
+
   /* each parameter fits, but padding to world_size * align pieces does not */
   FAILS_NAMING(plan1(one, INT32_MAX, (int64_t)1 << 30, 1 << 20, &l), ZP_ERR_INVALID,
                "world_size");
@@ -121,7 +132,8 @@ void test_limits_layout(void) {
 void test_limits_schedules(void) {
   const int32_t map[2] = {0, 0};
   zp_schedule *s = NULL;
-  /* n_buckets sizes the schedule's arrays: refused before anything is allocated */
+  /* n_buckets sizes the schedule's arrays: refused before anything is allocated (the
+   * fuzzer's find, tests/fuzz/regressions/schedule/: 8 GiB asked for 2 parameters) */
   FAILS_NAMING(zp_schedule_create(map, 2, INT32_MAX, &s), ZP_ERR_INVALID, "n_buckets");
   FAILS_NAMING(zp_schedule_create(map, 2, INT32_MIN, &s), ZP_ERR_INVALID, "bucket");
   FAILS_NAMING(zp_schedule_create(map, INT32_MIN, 1, &s), ZP_ERR_INVALID, "parameter");
