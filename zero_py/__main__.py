@@ -14,6 +14,8 @@ import sys
 from typing import List, Optional
 
 COMMANDS: List[str] = [
+    "zero_py.tools.estimate",
+    "zero_py.tools.env",
 ]
 
 
