@@ -24,6 +24,11 @@ it (OMP_WAIT_POLICY=passive removes it), hence the default sizes of 10M and up:
                         first use (about a minute each, cached under ~/.cache/torch_extensions)
     deepspeed bf16      bf16 parameters only: DeepSpeed's own bf16 path, which updates the bf16
                         parameter in place with fp32 states and keeps no fp32 master
+    bound               zero_py's own streams moved once with no math (kernels.stream_bound,
+                        in C with the kernels' threads, split, ISA and prefetch): read the
+                        gradient, read and write back master and states, write the bf16
+                        parameter. No step can be faster on this machine: "% of bound" is the
+                        bound's median time over the row's
     copy                dst.copy_(src)                             8 bytes/element (read, write)
     triad               torch.add(src, other, alpha=0.5, out=dst)  12 bytes/element (2 reads, write)
 
@@ -58,7 +63,9 @@ memory not read first (copy, triad, the bf16 parameter) cost the CPU an extra re
 cache line that these byte counts leave out, so an in-place update can exceed 100% of triad.
 
 torch and DeepSpeed run on os.cpu_count() OpenMP threads; zero_py picks its own count
-(ZP_NUM_THREADS, else the CPUs it may run on). DS_ACCELERATOR is set to cpu unless set. Before
+(ZP_NUM_THREADS, else the CPUs it may run on), and its bodies and prefetch distance per CPU
+vendor (printed first; ZP_CPU_ISA=avx512|avx2|scalar and ZP_CPU_PREFETCH=<bytes, 0 for none>
+force them, for zero_py and its bound alike). DS_ACCELERATOR is set to cpu unless set. Before
 timing, the script checks one step of zero_py and of DeepSpeed against torch on 1M elements, from
 the same non-zero states, and prints the largest differences.
 """
@@ -250,7 +257,8 @@ def candidates(kind, params, numel, gen):
         steps[0] += 1
         zero_py_step(kind, master, grad, zp_states, param_out, steps[0])
 
-    runs = {"zero_py": (nbytes, zero_py_rep)}
+    runs = {"zero_py": (nbytes, zero_py_rep),
+            "bound": (nbytes, bound_rep(grad, [master] + zp_states, param_out))}
     if kind == "lion":
         exp_avg, buf = torch.zeros(numel), torch.empty(numel)
         runs["torch ops"] = (nbytes, with_casts(lambda: lion_torch(master, param.grad, exp_avg,
@@ -267,6 +275,16 @@ def candidates(kind, params, numel, gen):
             runs["deepspeed bf16"] = (update_bytes(kind, deepspeed_bf16=True),
                                       deepspeed_optimizer(kind, param_bf16).step)
     return runs
+
+
+def bound_rep(grad, updated, written):
+    """The in-place bound of one update: zero_py's own streams moved once with no math
+    (kernels.stream_bound: the kernels' threads, split, ISA and prefetch), unchanged but the
+    write-only parameter, which zero_py's next call writes again."""
+    streams = [(grad, "read")] + [(t, "update") for t in updated]
+    if written is not None:
+        streams.append((written, "write"))
+    return lambda: kernels.stream_bound(streams)
 
 
 def bandwidth_candidates(numel, gen):
@@ -318,11 +336,14 @@ def main():
 
     torch.set_num_threads(os.cpu_count())
     sizes = [int(float(s) * 1e6) for s in args.sizes.split(",")]
-    info = {"cpu": cpu_model(), "cpu_isa": kernels.cpu_isa(),
+    tuning = kernels.cpu_tuning()
+    info = {"cpu": cpu_model(), "cpu_isa": tuning["isa"], "cpu_vendor": tuning["vendor"],
+            "prefetch_bytes": tuning["prefetch_bytes"],
             "torch_threads": torch.get_num_threads(),
             "zero_py_threads": kernels.default_threads(), "torch": torch.__version__,
             "deepspeed": DEEPSPEED_MISSING or deepspeed.__version__}
-    print(f"CPU: {info['cpu']}, {os.cpu_count()} CPUs; zero_py ISA: {info['cpu_isa']}, "
+    print(f"CPU: {info['cpu']} ({info['cpu_vendor']}), {os.cpu_count()} CPUs; zero_py ISA: "
+          f"{info['cpu_isa']}, prefetch {info['prefetch_bytes']} B, "
           f"{info['zero_py_threads']} threads; torch {info['torch']}, "
           f"{info['torch_threads']} threads")
     print(f"DeepSpeed: {info['deepspeed']}" if DEEPSPEED_MISSING is None else
@@ -341,7 +362,9 @@ def main():
     print("\n".join(check_rows) + "\n")
 
     rows = ["| N | params | optimizer | candidate | B/param | median ms | GB/s | % of triad "
-            "| speed-up |", "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+            "| % of bound | speed-up |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    summary = ["| N | params | optimizer | zero_py vs reference | zero_py % of bound |",
+               "|---:|---|---|---:|---:|"]
     results = []
     for numel in sizes:
         gen = torch.Generator().manual_seed(numel)
@@ -358,23 +381,34 @@ def main():
                 gc.collect()
         pooled = {name: [t for *_, g in groups for t in g[name][1]] for name in bandwidth}
         triad_gbps = 12 * numel / statistics.median(pooled["triad"]) / 1e9
-        size_rows = [("", "", name, bandwidth[name][0], pooled[name], None) for name in pooled]
+        size_rows = [("", "", name, bandwidth[name][0], pooled[name], None, None)
+                     for name in pooled]
         for params, kind, group in groups:
             ref = statistics.median(group[reference_name(group)][1])
-            size_rows += [(params, kind, name, nbytes, samples, ref)
+            bound = statistics.median(group["bound"][1])
+            size_rows += [(params, kind, name, nbytes, samples, ref, bound)
                           for name, (nbytes, samples) in group.items() if name not in bandwidth]
-        for params, kind, name, nbytes, samples, ref in size_rows:
+            zp = statistics.median(group["zero_py"][1])
+            summary.append(f"| {numel / 1e6:g}M | {params} | {kind} | {ref / zp:.2f}x "
+                           f"({reference_name(group)}) | {100 * bound / zp:.0f}% |")
+        for params, kind, name, nbytes, samples, ref, bound in size_rows:
             median = statistics.median(samples)
             gbps = nbytes * numel / median / 1e9
             speedup = None if ref is None else ref / median
+            of_bound = None if bound is None else 100 * bound / median
             results.append({"numel": numel, "params": params, "kind": kind, "candidate": name,
                             "bytes_per_param": nbytes, "median_s": median, "gb_per_s": gbps,
-                            "percent_of_triad": 100 * gbps / triad_gbps, "speedup": speedup,
+                            "percent_of_triad": 100 * gbps / triad_gbps,
+                            "percent_of_bound": of_bound, "speedup": speedup,
                             "samples_s": samples})
             rows.append(f"| {numel / 1e6:g}M | {params} | {kind} | {name} | {nbytes} "
                         f"| {median * 1e3:.2f} | {gbps:.1f} | {100 * gbps / triad_gbps:.0f}% "
+                        f"| {'' if of_bound is None else f'{of_bound:.0f}%'} "
                         f"| {'' if speedup is None else f'{speedup:.2f}x'} |")
     print("\n".join(rows))
+    print("\nzero_py against the reference (torch fused, where torch has it) and against the "
+          "bound, same run:\n")
+    print("\n".join(summary))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**info, "reps": args.reps, "warmup": args.warmup, "checks": checks,

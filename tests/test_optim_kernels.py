@@ -344,3 +344,103 @@ def test_bad_tables_and_stats_inputs_raise_value_error():
         kernels.grad_stats_flat([torch.randn(3)], norm_type=0.0)
     with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
         kernels.dtype_code(torch.float64)
+
+
+# ---- run-time tuning (csrc/kernels/cpu/tuning.h): every path against torch.optim ----------
+
+PATHS = [("avx512", "2048", "blocks"), ("avx512", "0", "static"), ("avx2", "2048", "blocks"),
+         ("avx2", "0", "blocks"), ("avx2", "100", "static"), ("scalar", "2048", "blocks")]
+
+
+@pytest.mark.parametrize("isa,prefetch,split", PATHS)
+@pytest.mark.parametrize("name", ["adamw", "adam_amsgrad_maximize", "sgd_momentum_dampening_wd",
+                                  "adagrad_maximize"])
+def test_every_path_matches_its_torch_optim_twin(monkeypatch, name, isa, prefetch, split):
+    """ZP_CPU_ISA forces the bodies, ZP_CPU_PREFETCH the prefetch distance, ZP_CPU_SPLIT the
+    split: each path on its own (not only compared with the others) matches torch.optim, on two
+    threads (140K elements: three 64K blocks) and on a small tensor, fp32 and bf16."""
+    monkeypatch.setenv("ZP_CPU_ISA", isa)
+    monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
+    monkeypatch.setenv("ZP_CPU_SPLIT", split)
+    tuning = kernels.cpu_tuning()
+    assert tuning["prefetch_bytes"] == int(prefetch) and tuning["split"] == split
+    if isa != "avx512" or tuning["isa"] == "avx512":  # avx512 only where the CPU has it
+        assert tuning["isa"] == isa or (isa == "avx2" and tuning["isa"] == "scalar")
+    _run_twin(name, torch.float32, torch.float32, n=140_001, threads=2, steps=8)
+    _run_twin(name, torch.bfloat16, torch.bfloat16, n=1031, steps=8)
+
+
+def test_prefetch_distance_does_not_change_bits(monkeypatch):
+    outs = []
+    for prefetch in ("0", "64", "100", "2048", "65536"):
+        monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
+        outs.append(_isa_workload())
+    for out in outs[1:]:
+        for key, tensors in out.items():
+            if key == "stats":
+                assert tensors == outs[0]["stats"]
+            else:
+                for x, y in zip(tensors, outs[0][key]):
+                    assert torch.equal(x, y), f"{key} depends on the prefetch distance"
+
+
+def test_cpu_tuning_defaults_and_overrides(monkeypatch):
+    monkeypatch.delenv("ZP_CPU_ISA", raising=False)
+    monkeypatch.delenv("ZP_CPU_PREFETCH", raising=False)
+    t = kernels.cpu_tuning()
+    assert t["vendor"] in ("intel", "amd", "other")
+    assert t["isa"] == kernels.cpu_isa() in ("avx512", "avx2", "scalar")
+    assert t["prefetch_bytes"] == 2048 and t["split"] == "blocks"
+    if t["vendor"] == "amd":  # the vendor default: 256-bit bodies on AMD (tuning.h)
+        assert t["isa"] in ("avx2", "scalar")
+    for bad in ("-1", "abc", "9" * 30, "2048x"):  # ignored: the default stays
+        monkeypatch.setenv("ZP_CPU_PREFETCH", bad)
+        assert kernels.cpu_tuning()["prefetch_bytes"] == 2048
+    monkeypatch.setenv("ZP_CPU_PREFETCH", "0")
+    assert kernels.cpu_tuning()["prefetch_bytes"] == 0
+    monkeypatch.setenv("ZP_CPU_ISA", "scalar")
+    assert kernels.cpu_isa() == "scalar" and kernels.cpu_tuning()["isa"] == "scalar"
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("n", [1, 17, 1000, 140_003])
+def test_stream_bound_moves_every_stream_and_changes_nothing(monkeypatch, isa, n):
+    """The bound reads and stores back every byte of its streams: read and update streams keep
+    their bits (NaNs included), write streams are zeroed, for every ISA, both splits."""
+    monkeypatch.setenv("ZP_CPU_ISA", isa)
+    monkeypatch.setenv("ZP_CPU_SPLIT", "static" if n % 2 else "blocks")
+    gen = torch.Generator().manual_seed(n)
+    streams = []
+    for dtype, access in [(torch.float32, "read"), (torch.bfloat16, "read"),
+                          (torch.float32, "update"), (torch.float32, "update"),
+                          (torch.bfloat16, "update"), (torch.float32, "write"),
+                          (torch.bfloat16, "write")]:
+        t = torch.empty(n, dtype=dtype)
+        t.view(torch.int16 if t.element_size() == 2 else torch.int32).random_(generator=gen)
+        streams.append((t, access))
+    before = [_bits(t) for t, _ in streams]
+    for threads in (1, 2, 3):
+        kernels.stream_bound(streams, n_threads=threads)
+        for (t, access), b in zip(streams, before):
+            if access == "write":
+                assert bool((_bits(t) == 0).all())
+            else:
+                assert torch.equal(_bits(t), b), f"{access} stream changed"
+
+
+def test_stream_bound_rejects_bad_streams():
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match="choose read, update or write"):
+        kernels.stream_bound([(x, "copy")])
+    with pytest.raises(ValueError, match="2- or 4-byte elements"):
+        kernels.stream_bound([(x.double(), "read")])
+    with pytest.raises(ValueError, match="every stream needs 8 elements, got 9"):
+        kernels.stream_bound([(x, "read"), (torch.zeros(9), "update")])
+    with pytest.raises(ValueError, match="no streams"):
+        kernels.stream_bound([])
+    with pytest.raises(ValueError, match="1 to 8 int64 rows"):
+        kernels.stream_bound([(x, "read")] * 9)

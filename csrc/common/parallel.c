@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -98,4 +99,47 @@ zp_status zp_parallel_for(int64_t n, int32_t n_threads, int64_t grain, int64_t m
   for (int32_t t = 1; t <= started; t++)
     pthread_join(threads[t], NULL);
   return ZP_OK;
+}
+
+typedef struct {
+  zp_range_fn fn;
+  void *ctx;
+  int64_t n, block;
+  _Atomic int64_t next; /* the first element no thread has taken */
+} zp_block_queue;
+
+static void zp_blocks_drain(void *arg, int64_t begin, int64_t end) {
+  (void)begin, (void)end;
+  zp_block_queue *q = arg;
+  for (;;) {
+    int64_t lo = atomic_fetch_add_explicit(&q->next, q->block, memory_order_relaxed);
+    if (lo >= q->n)
+      return;
+    q->fn(q->ctx, lo, lo + q->block < q->n ? lo + q->block : q->n);
+  }
+}
+
+zp_status zp_parallel_blocks(int64_t n, int32_t n_threads, int64_t block, int64_t min_per_thread,
+                             zp_range_fn fn, void *ctx) {
+  if (n < 0)
+    return zp_fail(ZP_ERR_INVALID, "parallel_blocks: n must be >= 0, got %lld", (long long)n);
+  if (block < 1)
+    block = 1;
+  if (n_threads <= 0)
+    n_threads = zp_default_threads();
+  if (n_threads > ZP_MAX_THREADS)
+    n_threads = ZP_MAX_THREADS;
+  if (min_per_thread < 1)
+    min_per_thread = 1;
+  if (n / min_per_thread < n_threads)
+    n_threads = n / min_per_thread < 1 ? 1 : (int32_t)(n / min_per_thread);
+  if (n == 0)
+    return ZP_OK;
+  if (n_threads == 1) {
+    fn(ctx, 0, n);
+    return ZP_OK;
+  }
+  zp_block_queue q = {fn, ctx, n, block, 0};
+  /* each of the n_threads tasks drains the same queue; the ranges it is given are unused */
+  return zp_parallel_for(n_threads, n_threads, 1, 1, zp_blocks_drain, &q);
 }

@@ -36,6 +36,9 @@
   X(test_optim_matches_reference)     \
   X(test_optim_isas_and_threads_agree) \
   X(test_optim_errors)               \
+  X(test_parallel_blocks_coverage)   \
+  X(test_stream_bound)               \
+  X(test_cpu_tuning_env)             \
   X(test_shared_flags_publish_then_wait) \
   X(test_shared_flags_timeout_and_errors) \
   X(test_limits_layout)              \

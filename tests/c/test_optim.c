@@ -6,8 +6,9 @@
  * the magnitudes of the terms that make it), RTOL = 1e-5 (fp32 rounding is ~6e-8 per
  * operation). param_out (poisoned with NaN before each step) must be exactly the kernel's new
  * master rounded (RNE, or the stochastic rounding of convert.h); bytes before each buffer are
- * guards that must stay untouched. Then: every ISA and thread count gives the same bits,
- * and bad arguments fail with a message. */
+ * guards that must stay untouched. Then: every ISA, thread count and prefetch distance gives
+ * the same bits, and bad arguments fail with a message. Last, the family's bound
+ * (stream_bound.h) and the block split it shares with the kernels (zp_parallel_blocks). */
 #define _POSIX_C_SOURCE 200112L /* setenv */
 #include <math.h>
 #include <stdio.h>
@@ -17,6 +18,9 @@
 #include "check.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cpu/stream_bound.h"
+#include "kernels/cpu/tuning.h"
+#include "common/parallel.h"
 
 #define RTOL 1e-5
 #define N_STEPS 24
@@ -348,10 +352,14 @@ void test_optim_isas_and_threads_agree(void) {
   new_step(f, &r, 0);
   for (int32_t s = 0; s < N_SEGS; s++)
     f->segs[s].step = specs[s].first_step; /* SGD's step-1 path included */
+  /* the prefetch distance changes with the thread count so that every ISA meets every
+   * distance (none, less than a line, the default, far) without 3 x 3 x 4 runs */
+  static const char *prefetch[] = {"0", "100", "2048", "65536"};
   int runs = 0;
   for (int isa = 0; isa < 3; isa++) {
     setenv("ZP_CPU_ISA", isas[isa], 1);
     for (int32_t threads = 1; threads <= 3; threads++, runs++) {
+      setenv("ZP_CPU_PREFETCH", prefetch[(isa + threads) % 4], 1);
       for (int32_t s = 0; s < N_SEGS; s++) { /* back to the state before the step */
         zp_opt_segment *seg = &f->segs[s];
         float *cur[4] = {seg->master, seg->state0, seg->state1, seg->state2};
@@ -374,16 +382,18 @@ void test_optim_isas_and_threads_agree(void) {
               memcpy(first[s * 6 + a], f->alloc[s][a], bytes);
           } else if (first[s * 6 + a]) {
             CHECK_MSG(memcmp(first[s * 6 + a], f->alloc[s][a], bytes) == 0,
-                      "isa %s, %d threads: segment %d buffer %d differs from scalar, 1 thread",
-                      isas[isa], threads, s, a);
+                      "isa %s, %d threads, prefetch %s: segment %d buffer %d differs from "
+                      "scalar, 1 thread",
+                      isas[isa], threads, prefetch[(isa + threads) % 4], s, a);
           }
         }
       }
     }
   }
   unsetenv("ZP_CPU_ISA");
-  printf("  %d runs (isa x threads) compared bitwise; best isa here: %s\n", runs,
-         zp_isa_name(zp_isa_pick()));
+  unsetenv("ZP_CPU_PREFETCH");
+  printf("  %d runs (isa x threads x prefetch) compared bitwise; isa here: %s (%s)\n", runs,
+         zp_isa_name(zp_isa_pick()), zp_cpu_vendor_name(zp_cpu_vendor_id()));
   for (int i = 0; i < N_SEGS * 6; i++)
     free(first[i]);
   free(first);
@@ -466,4 +476,117 @@ void test_optim_errors(void) {
   CHECK_OK(zp_opt_step_cpu(&seg, 1, &sgd, 1, 1));
   CHECK(p[0] == 0.5f && p[1] == 1.5f);
   CHECK_OK(zp_opt_step_cpu(NULL, 0, NULL, 0, 1));
+}
+
+/* ---- the bound and the block split ------------------------------------------------------ */
+
+static void mark_range(void *ctx, int64_t begin, int64_t end) {
+  unsigned char *hits = ctx;
+  for (int64_t i = begin; i < end; i++)
+    hits[i]++; /* each element belongs to one block: no two threads write one byte */
+}
+
+/* Every element is visited exactly once, whatever the thread count and block size. */
+void test_parallel_blocks_coverage(void) {
+  static const int64_t sizes[] = {0, 1, 63, 64, 1000, 65536 * 3 + 7};
+  static const int64_t blocks[] = {1, 64, 1000, 65536};
+  for (size_t a = 0; a < sizeof sizes / sizeof *sizes; a++)
+    for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++)
+      for (int32_t threads = 0; threads <= 5; threads++) {
+        int64_t n = sizes[a];
+        unsigned char *hits = calloc((size_t)n + 1, 1);
+        if (!CHECK(hits != NULL))
+          return;
+        CHECK_OK(zp_parallel_blocks(n, threads, blocks[b], 1, mark_range, hits));
+        int64_t bad = -1;
+        for (int64_t i = 0; i < n && bad < 0; i++)
+          if (hits[i] != 1)
+            bad = i;
+        CHECK_MSG(bad < 0, "n %lld, block %lld, %d threads: element %lld visited %d times",
+                  (long long)n, (long long)blocks[b], threads, (long long)bad,
+                  bad < 0 ? 1 : hits[bad]);
+        free(hits);
+      }
+  CHECK_FAILS(zp_parallel_blocks(-1, 1, 64, 1, mark_range, NULL), ZP_ERR_INVALID);
+}
+
+/* The bound leaves read and update streams as they were (every bit pattern) and zeroes write
+ * streams, on every ISA, at sizes around its 16-element blocks and the 64K thread blocks. */
+void test_stream_bound(void) {
+  static const char *isas[] = {"scalar", "avx2", "avx512"};
+  static const int64_t sizes[] = {0, 1, 15, 16, 33, 70001};
+  static const int32_t bytes[] = {4, 2, 4, 4, 2, 4, 2};
+  static const int32_t access[] = {ZP_STREAM_READ,   ZP_STREAM_READ,   ZP_STREAM_UPDATE,
+                                   ZP_STREAM_UPDATE, ZP_STREAM_UPDATE, ZP_STREAM_WRITE,
+                                   ZP_STREAM_WRITE};
+  enum { NS = 7 };
+  zt_rng r = zt_rng_seed(77);
+  for (size_t z = 0; z < sizeof sizes / sizeof *sizes; z++) {
+    const int64_t n = sizes[z];
+    zp_stream st[NS];
+    unsigned char *want[NS];
+    int ok = 1;
+    for (int k = 0; k < NS; k++) {
+      size_t len = (size_t)n * (size_t)bytes[k] + 1;
+      st[k] = (zp_stream){malloc(len), bytes[k], access[k]};
+      want[k] = malloc(len);
+      ok = ok && st[k].data != NULL && want[k] != NULL;
+      for (size_t i = 0; ok && i < len; i++)
+        ((unsigned char *)st[k].data)[i] = (unsigned char)zt_next(&r);
+      if (ok)
+        memcpy(want[k], st[k].data, len);
+      if (ok && access[k] == ZP_STREAM_WRITE) /* zeroed, the byte past the end kept */
+        memset(want[k], 0, len - 1);
+    }
+    for (int isa = 0; ok && isa < 3; isa++) {
+      setenv("ZP_CPU_ISA", isas[isa], 1);
+      for (int32_t threads = 1; threads <= 3; threads++) {
+        CHECK_OK(zp_stream_bound_cpu(st, NS, n, threads));
+        for (int k = 0; k < NS; k++)
+          CHECK_MSG(memcmp(st[k].data, want[k], (size_t)n * (size_t)bytes[k] + 1) == 0,
+                    "n %lld, isa %s, %d threads: stream %d (access %d) is not as expected",
+                    (long long)n, isas[isa], threads, k, access[k]);
+      }
+    }
+    unsetenv("ZP_CPU_ISA");
+    CHECK(ok);
+    for (int k = 0; k < NS; k++)
+      free(st[k].data), free(want[k]);
+  }
+  float x[4] = {0};
+  zp_stream bad = {x, 8, ZP_STREAM_READ};
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, 1, 4, 1), ZP_ERR_INVALID);
+  bad = (zp_stream){x, 4, 0};
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, 1, 4, 1), ZP_ERR_INVALID);
+  bad = (zp_stream){NULL, 4, ZP_STREAM_READ};
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, 1, 4, 1), ZP_ERR_INVALID);
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, 0, 4, 1), ZP_ERR_INVALID);
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, ZP_STREAM_MAX + 1, 4, 1), ZP_ERR_INVALID);
+  bad = (zp_stream){x, 4, ZP_STREAM_UPDATE};
+  CHECK_FAILS(zp_stream_bound_cpu(&bad, 1, -1, 1), ZP_ERR_INVALID);
+}
+
+/* ZP_CPU_ISA and ZP_CPU_PREFETCH are read at every call; bad values leave the default. */
+void test_cpu_tuning_env(void) {
+  unsetenv("ZP_CPU_ISA");
+  unsetenv("ZP_CPU_PREFETCH");
+  zp_cpu_tuning t = zp_cpu_tuning_pick();
+  CHECK_EQ(t.prefetch_bytes, ZP_CPU_PREFETCH_DEFAULT);
+  CHECK(t.isa == zp_isa_pick());
+  if (t.vendor == ZP_VENDOR_AMD)
+    CHECK(t.isa <= ZP_ISA_AVX2);
+  setenv("ZP_CPU_ISA", "scalar", 1);
+  CHECK(zp_cpu_tuning_pick().isa == ZP_ISA_SCALAR);
+  setenv("ZP_CPU_ISA", "avx2", 1);
+  CHECK(zp_cpu_tuning_pick().isa <= ZP_ISA_AVX2);
+  unsetenv("ZP_CPU_ISA");
+  static const char *bad[] = {"-1", "x", "12ab", "99999999999999999999", "2097152"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    setenv("ZP_CPU_PREFETCH", bad[i], 1);
+    CHECK_MSG(zp_cpu_tuning_pick().prefetch_bytes == ZP_CPU_PREFETCH_DEFAULT,
+              "ZP_CPU_PREFETCH=%s was not ignored", bad[i]);
+  }
+  setenv("ZP_CPU_PREFETCH", "0", 1);
+  CHECK_EQ(zp_cpu_tuning_pick().prefetch_bytes, 0);
+  unsetenv("ZP_CPU_PREFETCH");
 }

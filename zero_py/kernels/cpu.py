@@ -8,7 +8,9 @@ checked: contiguous, on the CPU, of the dtypes the kernels expect.
 from __future__ import annotations
 
 from array import array
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
+
+import torch
 
 from zero_py._native import _C
 from zero_py.kernels.table import group_rows
@@ -17,6 +19,41 @@ from zero_py.kernels.table import group_rows
 def cpu_isa() -> str:
     """The instruction set the C kernels dispatch to on this CPU: avx512, avx2 or scalar."""
     return _C.cpu_isa()
+
+
+def cpu_tuning() -> dict:
+    """What the next call of the C kernels will use: {"isa": avx512/avx2/scalar, "vendor":
+    intel/amd/other, "prefetch_bytes": software prefetch distance per stream (0: none),
+    "split": blocks/static}. ZP_CPU_ISA, ZP_CPU_PREFETCH and ZP_CPU_SPLIT override the
+    defaults (csrc/kernels/cpu/tuning.h)."""
+    return _C.cpu_tuning()
+
+
+STREAM_ACCESS = {"read": 1, "write": 2, "update": 3}
+
+
+def stream_bound(streams: Sequence[Tuple[torch.Tensor, str]],
+                 n_threads: Optional[int] = None) -> None:
+    """The optimizer family's physical bound: one pass over `streams`, (tensor, access) pairs
+    with access "read", "update" (read and stored back unchanged) or "write" (zeroed), with no
+    math and the kernels' threads, split, ISA and prefetch. All tensors are contiguous CPU
+    tensors of 2- or 4-byte elements with the same numel."""
+    rows = array("q")
+    numel = None
+    for t, access in streams:
+        if access not in STREAM_ACCESS:
+            raise ValueError(f"stream access {access!r}: choose read, update or write")
+        if t.device.type != "cpu" or not t.is_contiguous() or t.element_size() not in (2, 4):
+            raise ValueError("stream_bound: streams must be contiguous CPU tensors of 2- or "
+                             "4-byte elements")
+        if numel is not None and t.numel() != numel:
+            raise ValueError(f"stream_bound: every stream needs {numel} elements, got "
+                             f"{t.numel()}")
+        numel = t.numel()
+        rows.extend((t.data_ptr(), t.element_size(), STREAM_ACCESS[access]))
+    if numel is None:
+        raise ValueError("stream_bound: no streams")
+    _C.stream_bound(rows, numel, 0 if n_threads is None else int(n_threads))
 
 
 def default_threads() -> int:

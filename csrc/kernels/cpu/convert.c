@@ -1,9 +1,9 @@
-/* convert.c - bf16/fp16 <-> fp32 buffer conversions: scalar, AVX2+F16C, AVX-512F; the ISA pick.
+/* convert.c - bf16/fp16 <-> fp32 buffer conversions: scalar, AVX2+F16C, AVX-512F.
  *
  * bf16 is converted with integer shifts and adds (the same bits on every path); fp16 with the
  * F16C / AVX-512F conversion instructions, which the scalar functions in convert.h reproduce
  * bit for bit. No -march: SIMD bodies carry target attributes and run only after
- * __builtin_cpu_supports says the CPU has them. */
+ * __builtin_cpu_supports says the CPU has them (zp_isa_pick, tuning.c). */
 #include "kernels/cpu/convert.h"
 
 #include <stdlib.h>
@@ -13,24 +13,6 @@
 #include <immintrin.h>
 #define ZP_X86 1
 #endif
-
-zp_isa zp_isa_pick(void) {
-  const char *cap = getenv("ZP_CPU_ISA");
-  int allow512 = cap == NULL || cap[0] == '\0' || strcmp(cap, "avx512") == 0;
-  int allow2 = allow512 || strcmp(cap, "avx2") == 0;
-#ifdef ZP_X86
-  __builtin_cpu_init();
-  int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-  if (allow512 && has2 && __builtin_cpu_supports("avx512f"))
-    return ZP_ISA_AVX512;
-  if (allow2 && has2)
-    return ZP_ISA_AVX2;
-#else
-  (void)allow2;
-#endif
-  return ZP_ISA_SCALAR;
-}
 
 const char *zp_isa_name(zp_isa isa) {
   return isa == ZP_ISA_AVX512 ? "avx512" : isa == ZP_ISA_AVX2 ? "avx2" : "scalar";

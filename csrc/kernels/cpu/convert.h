@@ -20,8 +20,9 @@
  * and F16C; ZP_ISA_AVX512 needs AVX-512F on top. */
 typedef enum { ZP_ISA_SCALAR = 0, ZP_ISA_AVX2 = 1, ZP_ISA_AVX512 = 2 } zp_isa;
 
-/* The best instruction set this CPU runs, capped by ZP_CPU_ISA ("avx512", "avx2", "scalar")
- * when set. Every level below the one returned runs too. */
+/* The instruction set the kernels use now (tuning.c): ZP_CPU_ISA ("avx512", "avx2", "scalar")
+ * when set, else the vendor's default (tuning.h), in both cases capped by what the CPU runs.
+ * Every level below the one returned runs too. */
 zp_isa zp_isa_pick(void);
 const char *zp_isa_name(zp_isa isa);
 

@@ -18,6 +18,7 @@
 
 #include "common/parallel.h"
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/tuning.h"
 #include "kernels/optim_common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -30,13 +31,17 @@
 /* zp_opt_coef and zp_opt_coef_make (the per-segment constants) are optim_common.h's, shared
  * with the CUDA family. */
 
+/* pf: software prefetch distance in elements (0: none); the scalar bodies ignore it. */
 typedef void (*zp_opt_body)(const zp_opt_coef *c, float *restrict p, const float *restrict g,
-                            float *restrict s0, float *restrict s1, float *restrict s2, int64_t n);
+                            float *restrict s0, float *restrict s1, float *restrict s2, int64_t n,
+                            int64_t pf);
 
 /* ---- scalar bodies: the definition every SIMD body reproduces ---- */
 
 static void zp_adam_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
-                           float *restrict m, float *restrict v, float *restrict vmax, int64_t n) {
+                           float *restrict m, float *restrict v, float *restrict vmax,
+                           int64_t n, int64_t pf) {
+  (void)pf;
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * c->scale;
     if (c->use_l2)
@@ -58,7 +63,9 @@ static void zp_adam_scalar(const zp_opt_coef *c, float *restrict p, const float 
 }
 
 static void zp_sgd_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
-                          float *restrict buf, float *restrict s1, float *restrict s2, int64_t n) {
+                          float *restrict buf, float *restrict s1, float *restrict s2,
+                          int64_t n, int64_t pf) {
+  (void)pf;
   (void)s1, (void)s2;
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * c->scale;
@@ -75,7 +82,8 @@ static void zp_sgd_scalar(const zp_opt_coef *c, float *restrict p, const float *
 
 static void zp_adagrad_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                               float *restrict sum, float *restrict s1, float *restrict s2,
-                              int64_t n) {
+                              int64_t n, int64_t pf) {
+  (void)pf;
   (void)s1, (void)s2;
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * c->scale;
@@ -88,7 +96,9 @@ static void zp_adagrad_scalar(const zp_opt_coef *c, float *restrict p, const flo
 }
 
 static void zp_lion_scalar(const zp_opt_coef *c, float *restrict p, const float *restrict g,
-                           float *restrict m, float *restrict s1, float *restrict s2, int64_t n) {
+                           float *restrict m, float *restrict s1, float *restrict s2,
+                           int64_t n, int64_t pf) {
+  (void)pf;
   (void)s1, (void)s2;
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] * c->scale;
@@ -101,17 +111,17 @@ static void zp_lion_scalar(const zp_opt_coef *c, float *restrict p, const float 
 }
 
 #ifdef ZP_X86
-/* Software prefetch 2 KiB ahead: the hardware prefetcher alone leaves ~8% of the bandwidth
- * unused with four streams per core (a prefetch past the end of a buffer is harmless). */
-#define ZP_PF_DIST 512
-#define ZP_PF(ptr, at) _mm_prefetch((const char *)((ptr) + (at) + ZP_PF_DIST), _MM_HINT_T0)
+/* Software prefetch `pf` elements ahead (tuning.h; 2 KiB by default): the hardware prefetcher
+ * alone leaves ~15% of the bandwidth unused with four streams per core. Into L2, not L1: see
+ * tuning.h. A prefetch past the end of a buffer is harmless. */
+#define ZP_PF(ptr, at) _mm_prefetch((const char *)((ptr) + (at) + pf), _MM_HINT_T1)
 
 /* ---- AVX2 + FMA: 8 lanes ---- */
 #define ZP_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                                  float *restrict m, float *restrict v, float *restrict vmax,
-                                 int64_t n) {
+                                 int64_t n, int64_t pf) {
   const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
   const __m256 decay = _mm256_set1_ps(c->decay), w = _mm256_set1_ps(c->lerp_w);
   const __m256 wm1 = _mm256_set1_ps(c->lerp_wm1), b2 = _mm256_set1_ps(c->b2);
@@ -120,7 +130,7 @@ ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const 
   const int l2 = c->use_l2, small = c->lerp_small, ams = c->amsgrad;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if ((i & 15) == 0) {
+    if (pf > 0 && (i & 15) == 0) {
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
       if (ams)
         ZP_PF(vmax, i);
@@ -145,19 +155,19 @@ ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const 
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
   }
-  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i);
+  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i, pf);
 }
 
 ZP_AVX2 static void zp_sgd_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                                 float *restrict buf, float *restrict s1, float *restrict s2,
-                                int64_t n) {
+                                int64_t n, int64_t pf) {
   const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
   const __m256 mom = _mm256_set1_ps(c->b1), omd = _mm256_set1_ps(c->omb2);
   const __m256 neg_lr = _mm256_set1_ps(c->neg_step);
   const int l2 = c->use_l2, momentum = c->momentum, first = c->first, nesterov = c->nesterov;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if ((i & 15) == 0) {
+    if (pf > 0 && (i & 15) == 0) {
       ZP_PF(p, i), ZP_PF(g, i);
       if (momentum && !first)
         ZP_PF(buf, i);
@@ -173,18 +183,18 @@ ZP_AVX2 static void zp_sgd_avx2(const zp_opt_coef *c, float *restrict p, const f
     }
     _mm256_storeu_ps(p + i, _mm256_fmadd_ps(neg_lr, gi, pi));
   }
-  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i);
+  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i, pf);
 }
 
 ZP_AVX2 static void zp_adagrad_avx2(const zp_opt_coef *c, float *restrict p,
                                     const float *restrict g, float *restrict sum,
-                                    float *restrict s1, float *restrict s2, int64_t n) {
+                                    float *restrict s1, float *restrict s2, int64_t n, int64_t pf) {
   const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
   const __m256 neg_clr = _mm256_set1_ps(c->neg_step), eps = _mm256_set1_ps(c->eps);
   const int l2 = c->use_l2;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if ((i & 15) == 0)
+    if (pf > 0 && (i & 15) == 0)
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
     __m256 pi = _mm256_loadu_ps(p + i);
     __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
@@ -195,12 +205,12 @@ ZP_AVX2 static void zp_adagrad_avx2(const zp_opt_coef *c, float *restrict p,
     __m256 std = _mm256_add_ps(_mm256_sqrt_ps(si), eps);
     _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(neg_clr, gi), std)));
   }
-  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i);
+  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i, pf);
 }
 
 ZP_AVX2 static void zp_lion_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                                  float *restrict m, float *restrict s1, float *restrict s2,
-                                 int64_t n) {
+                                 int64_t n, int64_t pf) {
   const __m256 scale = _mm256_set1_ps(c->scale), decay = _mm256_set1_ps(c->decay);
   const __m256 b1 = _mm256_set1_ps(c->b1), omb1 = _mm256_set1_ps(c->omb1);
   const __m256 b2 = _mm256_set1_ps(c->b2), omb2 = _mm256_set1_ps(c->omb2);
@@ -208,7 +218,7 @@ ZP_AVX2 static void zp_lion_avx2(const zp_opt_coef *c, float *restrict p, const 
   const __m256 zero = _mm256_setzero_ps(), neg_zero = _mm256_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if ((i & 15) == 0)
+    if (pf > 0 && (i & 15) == 0)
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
     __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
     __m256 mi = _mm256_loadu_ps(m + i);
@@ -218,7 +228,7 @@ ZP_AVX2 static void zp_lion_avx2(const zp_opt_coef *c, float *restrict p, const 
     _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay), u));
     _mm256_storeu_ps(m + i, _mm256_fmadd_ps(omb2, gi, _mm256_mul_ps(mi, b2)));
   }
-  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i);
+  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i, pf);
 }
 
 /* ---- AVX-512F: 16 lanes, two vectors per iteration (two independent div/sqrt chains) ---- */
@@ -269,31 +279,36 @@ ZP_INLINE512 void zp_adam16(const zp_coef512 *k, float *p, const float *g, float
 
 ZP_AVX512 static void zp_adam_avx512(const zp_opt_coef *c, float *restrict p,
                                      const float *restrict g, float *restrict m,
-                                     float *restrict v, float *restrict vmax, int64_t n) {
+                                     float *restrict v, float *restrict vmax,
+                                     int64_t n, int64_t pf) {
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
-    ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(m, i + 16), ZP_PF(v, i + 16);
-    if (k.ams)
-      ZP_PF(vmax, i), ZP_PF(vmax, i + 16);
+    if (pf > 0) {
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
+      ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(m, i + 16), ZP_PF(v, i + 16);
+      if (k.ams)
+        ZP_PF(vmax, i), ZP_PF(vmax, i + 16);
+    }
     zp_adam16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL);
     zp_adam16(&k, p + i + 16, g + i + 16, m + i + 16, v + i + 16, k.ams ? vmax + i + 16 : NULL);
   }
   for (; i + 16 <= n; i += 16)
     zp_adam16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL);
-  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i);
+  zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i, pf);
 }
 
 ZP_AVX512 static void zp_sgd_avx512(const zp_opt_coef *c, float *restrict p,
                                     const float *restrict g, float *restrict buf,
-                                    float *restrict s1, float *restrict s2, int64_t n) {
+                                    float *restrict s1, float *restrict s2, int64_t n, int64_t pf) {
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    ZP_PF(p, i), ZP_PF(g, i);
-    if (k.momentum && !k.first)
-      ZP_PF(buf, i);
+    if (pf > 0) {
+      ZP_PF(p, i), ZP_PF(g, i);
+      if (k.momentum && !k.first)
+        ZP_PF(buf, i);
+    }
     __m512 pi = _mm512_loadu_ps(p + i);
     __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k.scale);
     if (k.l2)
@@ -306,7 +321,7 @@ ZP_AVX512 static void zp_sgd_avx512(const zp_opt_coef *c, float *restrict p,
     }
     _mm512_storeu_ps(p + i, _mm512_fmadd_ps(k.neg_step, gi, pi));
   }
-  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i);
+  zp_sgd_scalar(c, p + i, g + i, buf ? buf + i : NULL, s1, s2, n - i, pf);
 }
 
 ZP_INLINE512 void zp_adagrad16(const zp_coef512 *k, float *p, const float *g, float *sum) {
@@ -322,28 +337,33 @@ ZP_INLINE512 void zp_adagrad16(const zp_coef512 *k, float *p, const float *g, fl
 
 ZP_AVX512 static void zp_adagrad_avx512(const zp_opt_coef *c, float *restrict p,
                                         const float *restrict g, float *restrict sum,
-                                        float *restrict s1, float *restrict s2, int64_t n) {
+                                        float *restrict s1, float *restrict s2,
+                                        int64_t n, int64_t pf) {
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
-    ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(sum, i + 16);
+    if (pf > 0) {
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
+      ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(sum, i + 16);
+    }
     zp_adagrad16(&k, p + i, g + i, sum + i);
     zp_adagrad16(&k, p + i + 16, g + i + 16, sum + i + 16);
   }
   for (; i + 16 <= n; i += 16)
     zp_adagrad16(&k, p + i, g + i, sum + i);
-  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i);
+  zp_adagrad_scalar(c, p + i, g + i, sum + i, s1, s2, n - i, pf);
 }
 
 ZP_AVX512 static void zp_lion_avx512(const zp_opt_coef *c, float *restrict p,
                                      const float *restrict g, float *restrict m,
-                                     float *restrict s1, float *restrict s2, int64_t n) {
+                                     float *restrict s1, float *restrict s2,
+                                     int64_t n, int64_t pf) {
   const zp_coef512 k = zp_coef512_load(c);
   const __m512 zero = _mm512_setzero_ps(), neg_zero = _mm512_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
+    if (pf > 0)
+      ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
     __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k.scale);
     __m512 mi = _mm512_loadu_ps(m + i);
     __m512 ci = _mm512_fmadd_ps(k.omb1, gi, _mm512_mul_ps(mi, k.b1));
@@ -352,7 +372,7 @@ ZP_AVX512 static void zp_lion_avx512(const zp_opt_coef *c, float *restrict p,
     _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), k.decay), u));
     _mm512_storeu_ps(m + i, _mm512_fmadd_ps(k.omb2, gi, _mm512_mul_ps(mi, k.b2)));
   }
-  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i);
+  zp_lion_scalar(c, p + i, g + i, m + i, s1, s2, n - i, pf);
 }
 #endif
 
@@ -372,6 +392,7 @@ typedef struct {
   int32_t n_segments;
   const zp_opt_body *bodies;
   const zp_convert_ops *convert;
+  int64_t pf; /* prefetch distance in fp32 elements */
 } zp_opt_job;
 
 static float *zp_at(float *p, int64_t i) { return p ? p + i : NULL; }
@@ -383,7 +404,7 @@ static void zp_opt_run_segment(const zp_opt_job *job, int32_t s, int64_t lo, int
   const zp_opt_body body = job->bodies[c->kind];
   if (c->grad_dtype == ZP_F32 && seg->param_out == NULL) {
     body(c, seg->master + lo, (const float *)seg->grad + lo, zp_at(seg->state0, lo),
-         zp_at(seg->state1, lo), zp_at(seg->state2, lo), hi - lo);
+         zp_at(seg->state1, lo), zp_at(seg->state2, lo), hi - lo, job->pf);
     return;
   }
   float chunk[ZP_OPT_CHUNK];
@@ -399,7 +420,8 @@ static void zp_opt_run_segment(const zp_opt_job *job, int32_t s, int64_t lo, int
     else
       job->convert->widen_f16((const uint16_t *)seg->grad + j, chunk, n);
     float *master = seg->master + j;
-    body(c, master, g, zp_at(seg->state0, j), zp_at(seg->state1, j), zp_at(seg->state2, j), n);
+    body(c, master, g, zp_at(seg->state0, j), zp_at(seg->state1, j), zp_at(seg->state2, j), n,
+         job->pf);
     if (seg->param_out == NULL)
       continue;
     if (c->param_dtype == ZP_F32) {
@@ -451,13 +473,21 @@ zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
     coefs[s] = zp_opt_coef_make(&groups[segments[s].group], segments[s].step);
     starts[s + 1] = starts[s] + segments[s].numel;
   }
-  zp_isa isa = zp_isa_pick();
-  zp_opt_job job = {segments, coefs, starts, n_segments, zp_opt_bodies[isa],
-                    zp_convert_ops_for(isa)};
+  zp_cpu_tuning tune = zp_cpu_tuning_pick();
+  zp_opt_job job = {segments,
+                    coefs,
+                    starts,
+                    n_segments,
+                    zp_opt_bodies[tune.isa],
+                    zp_convert_ops_for(tune.isa),
+                    tune.prefetch_bytes / (int64_t)sizeof(float)};
   /* 64 elements: a cache line of fp32 and two of bf16 per range start; below 64K elements a
    * thread is not worth starting. */
+  const int64_t n = starts[n_segments];
   zp_status status =
-      zp_parallel_for(starts[n_segments], n_threads, 64, 1 << 16, zp_opt_range, &job);
+      tune.split_static
+          ? zp_parallel_for(n, n_threads, 64, ZP_CPU_BLOCK, zp_opt_range, &job)
+          : zp_parallel_blocks(n, n_threads, ZP_CPU_BLOCK, ZP_CPU_BLOCK, zp_opt_range, &job);
   free(coefs);
   free(starts);
   return status;
