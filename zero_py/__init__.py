@@ -9,10 +9,12 @@ See README.md for the quick start and docs/architecture.md for how the code is o
 
 from zero_py import kernels
 from zero_py.api import full_shape, full_state_dict, gathered, initialize
+from zero_py.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from zero_py.optim.lion import Lion
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.optimizer import ZeroOptimizer
 
 __version__ = "0.1.0"
 __all__ = ["ZeroOptimizer", "initialize", "gathered", "full_state_dict", "full_shape",
-           "LossScaler", "Lion", "kernels", "__version__"]
+           "LossScaler", "Lion", "kernels", "save_checkpoint", "load_checkpoint",
+           "CheckpointError", "__version__"]

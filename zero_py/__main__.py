@@ -16,6 +16,7 @@ from typing import List, Optional
 COMMANDS: List[str] = [
     "zero_py.tools.estimate",
     "zero_py.tools.env",
+    "zero_py.checkpoint.cli",
 ]
 
 

@@ -151,7 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._clip_coef: Optional[float] = None  # from clip_grad_norm_, for the next step
         self._nonfinite: Optional[bool] = None   # overflow check done for the next step
-        self._sr_seed = 0x5EED + 7919 * self.executor.rank
+        self._sr_seed = self._rounding_seed_base()
         kind = fused_kind(optimizer_class, self.param_groups)
         self.uses_fused_kernel = kind is not None
         self._kind = kind
@@ -318,19 +318,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- state dicts ----------------------------------------------------------------------------
 
-    def _slice_state(self, s) -> Optional[dict]:
+    def _slice_state(self, s, copy: bool = True) -> Optional[dict]:
         """Managed parameter s.param's state on this rank (its slice, flattened), or None
-        before its first step. Non-fp32 parameters carry their fp32 master as master_param."""
+        before its first step. Non-fp32 parameters carry their fp32 master as master_param.
+        copy=False gives views of the live tensors (a checkpoint writes them out at once)."""
         step = self._step_count[s.param]
         if step == 0:
             return None
-        state = self._update.slice_state(s)
+        state = self._update.slice_state(s, copy)
         if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
             state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
         master = self._masters.piece(s.bucket)
         if master is not None:
-            state["master_param"] = master[s.piece_lo:s.piece_hi].clone()
+            view = master[s.piece_lo:s.piece_hi]
+            state["master_param"] = view.clone() if copy else view
         return state
+
+    def _install_slice(self, s, state: dict) -> None:
+        """Slice s's state from `state` (as _slice_state gives it: per-element tensors of the
+        slice, a step, optionally master_param); the fp32 master follows the parameter unless
+        master_param is given."""
+        self._update.install(s, state)
+        self._step_count[s.param] = int(float(state.get("step", 1)))
+        master = self._masters.piece(s.bucket)
+        if master is not None and "master_param" in state:
+            master[s.piece_lo:s.piece_hi].copy_(state["master_param"].reshape(-1))
+
+    def _rounding_seed_base(self) -> int:
+        """The stochastic-rounding seed of this rank before its first step (it counts steps)."""
+        return 0x5EED + 7919 * self.executor.rank
 
     def _groups_for_dict(self) -> List[dict]:
         index = {id(p): k for k, p in enumerate(self._all_params)}
@@ -390,17 +406,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"another layout than rank {self.executor.rank} of "
                     f"{self.executor.world_size} here; save with consolidate_state_dict() and "
                     "load the full dict to change world size or bucket settings")
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        if (fused_kind(self.optimizer_class, self.param_groups) is None) == self.uses_fused_kernel:
-            raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
-                             "another update path than this optimizer was built with; construct "
-                             "ZeroOptimizer with the same options as the saved run")
-        keys = state_keys(self._kind, self.param_groups) if self.uses_fused_kernel else None
-        if keys is not None and keys != self._update.keys:
-            raise ValueError("the loaded hyperparameters need other optimizer state than this "
-                             "optimizer keeps (e.g. amsgrad or momentum switched on); construct "
-                             "ZeroOptimizer with the same options as the saved run")
+        self._set_hyperparameters(self._check_hyperparameters(state_dict["param_groups"]))
         if shard:
             self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
@@ -416,11 +422,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not shard:
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
                                               self._flat.param_numel[s.param])
-            self._update.install(s, st)
-            self._step_count[s.param] = int(float(st.get("step", 1)))
-            master = self._masters.piece(s.bucket)
-            if master is not None and "master_param" in st:
-                master[s.piece_lo:s.piece_hi].copy_(st["master_param"].reshape(-1))
+            self._install_slice(s, st)
+
+    def _check_hyperparameters(self, saved_groups: List[dict]) -> List[dict]:
+        """The param groups with `saved_groups`' hyperparameters (params kept), checked to fit
+        this optimizer's update path and state; changes nothing."""
+        new = [{**group, **{k: v for k, v in saved.items() if k != "params"}}
+               for group, saved in zip(self.param_groups, saved_groups)]
+        if (fused_kind(self.optimizer_class, new) is None) == self.uses_fused_kernel:
+            raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
+                             "another update path than this optimizer was built with; construct "
+                             "ZeroOptimizer with the same options as the saved run")
+        keys = state_keys(self._kind, new) if self.uses_fused_kernel else None
+        if keys is not None and keys != self._update.keys:
+            raise ValueError("the loaded hyperparameters need other optimizer state than this "
+                             "optimizer keeps (e.g. amsgrad or momentum switched on); construct "
+                             "ZeroOptimizer with the same options as the saved run")
+        return new
+
+    def _set_hyperparameters(self, groups: List[dict]) -> None:
+        """Takes checked groups (_check_hyperparameters); the group dicts stay the same objects
+        (LR schedulers and the updaters hold them)."""
+        for group, new in zip(self.param_groups, groups):
+            group.update({k: v for k, v in new.items() if k != "params"})
 
     # -- accounting -------------------------------------------------------------------------
 

@@ -164,12 +164,13 @@ class FusedUpdate(_Update):
                                     n_threads=torch.get_num_threads()
                                     if flat.device.type == "cpu" else None)
 
-    def slice_state(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
+    def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
+        """Slice s's per-element state tensors (copies, or views of the live state)."""
         if self.states is None:
             return {}
         r = slice(self.flat.bucket_shard_offset[s.bucket] + s.piece_lo,
                   self.flat.bucket_shard_offset[s.bucket] + s.piece_hi)
-        return {k: t[r].clone() for k, t in zip(self.keys, self.states)}
+        return {k: t[r].clone() if copy else t[r] for k, t in zip(self.keys, self.states)}
 
     def install(self, s: ShardSlice, state: dict) -> None:
         missing = [k for k in self.keys if k not in state]
@@ -222,9 +223,9 @@ class TorchUpdate(_Update):
             if master is not None:
                 self.flat.bucket_piece(b).copy_(master)
 
-    def slice_state(self, s: ShardSlice) -> Dict[str, object]:
+    def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, object]:
         state = self.inner.state.get(self.views[s.param]) if self.inner is not None else None
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+        return {k: (v.clone() if copy and isinstance(v, torch.Tensor) else v)
                 for k, v in (state or {}).items()}
 
     def install(self, s: ShardSlice, state: dict) -> None:

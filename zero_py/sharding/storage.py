@@ -35,6 +35,7 @@ class FlatParams(FlatLayout):
     """Managed parameters in flat buffers; rank `rank` of `world_size` owns one piece per bucket."""
 
     shards_frozen = False  # frozen parameters stay whole, outside the storage
+    params_sharded = False  # every rank holds every parameter's full value
 
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  world_size: int, rank: int, align_bytes: int, bucket_bytes: int):
@@ -64,6 +65,13 @@ class FlatParams(FlatLayout):
         b = self.param_bucket[i]
         lo = self.bucket_flat_offset[b] + self.param_offset[i]
         return self.buffers[self.bucket_buffer[b]][lo:lo + self.param_numel[i]]
+
+    def owned_values(self, i: int) -> torch.Tensor:
+        """This rank's slice of parameter i (the part its shard owns), a 1-D view; empty
+        where the rank owns none of it."""
+        s = self.slice_of_param.get(i)
+        view = self.param_view(i)
+        return view[s.param_lo:s.param_hi] if s is not None else view[:0]
 
     # -- collectives over the whole layout -----------------------------------------------------
 
@@ -155,6 +163,7 @@ class ShardedParams(FlatLayout):
     buckets are gathered once and never freed."""
 
     shards_frozen = True  # frozen parameters are sharded too, in frozen_storage
+    params_sharded = True  # a rank holds only its slices (owned_values) between uses
     # the model's frozen parameters (their own ShardedParams over the same units), set by
     # zero_py.initialize; memory_report counts them with these
     frozen_storage: Optional["ShardedParams"] = None
@@ -262,6 +271,11 @@ class ShardedParams(FlatLayout):
 
     def bucket_piece(self, b: int) -> torch.Tensor:
         return self.shards.piece(b)
+
+    def owned_values(self, i: int) -> torch.Tensor:
+        """This rank's slice of parameter i in its shard, a 1-D view (empty where it owns
+        none); what the parameter is between uses."""
+        return self._local[i]
 
     def full_buffer(self, b: int) -> torch.Tensor:
         """Bucket b's gather buffer (whole only while gathered)."""

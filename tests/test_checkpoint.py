@@ -1,0 +1,404 @@
+"""Checkpoints: save at one world size and stage, resume at another, and train on exactly as a
+run that never stopped (the reference: the same training without a checkpoint).
+
+The model is a GPT with tied input/output embeddings, a frozen block and a buffer, trained
+with an LR scheduler whose state travels in `extra`. Scenarios (K steps, save, M more):
+
+    A  bf16 + fp32 masters, AdamW     2 ranks stage 1  ->  2 ranks stage 3
+    B  fp32, AdamW                    2 ranks stage 3  ->  2 ranks stage 1
+    C  fp32, AdamW                    2 ranks stage 2  ->  3 ranks stage 2
+    D  fp32, NAdam (generic path)     2 ranks stage 2  ->  3 ranks stage 3  ->  1 rank stage 1
+
+At one world size the resumed run must match the reference to the last bit (the same sums in
+the same order); across world sizes the gradient sums are added in another order: 1e-5.
+The damaged-checkpoint cases run at 2 ranks: every rank must raise, nothing may change.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distributed
+import models
+import zero_py
+from zero_py.checkpoint.consolidate import torch_optimizer_state
+from zero_py.checkpoint.reader import Checkpoint
+
+K, M = 3, 3
+SCENARIOS = {  # key: (dtype, optimizer class, [(world size, stage), ...])
+    "A": (torch.bfloat16, torch.optim.AdamW, [(2, 1), (2, 3)]),
+    "B": (torch.float32, torch.optim.AdamW, [(2, 3), (2, 1)]),
+    "C": (torch.float32, torch.optim.AdamW, [(2, 2), (3, 2)]),
+    "D": (torch.float32, torch.optim.NAdam, [(2, 2), (3, 3), (1, 1)]),
+}
+
+
+def build(stage, dtype, opt_cls, seed):
+    torch.manual_seed(seed)
+    m = models.TiedGPT(n_layer=3)
+    m.blocks[1].requires_grad_(False)  # a frozen layer
+    m.register_buffer("marker", torch.randn(5))
+    m.to(dtype)
+    kw = {"lr": 3e-3, "weight_decay": 0.05}
+    if dtype != torch.float32:
+        kw["grad_reduce_dtype"] = torch.float32
+    extra = {"wrap_policy": 1000} if stage == 3 else {}
+    model, opt = zero_py.initialize(m, opt_cls, stage=stage, **extra, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    return model, opt, sched
+
+
+def train(model, opt, sched, first, last, rank, world):
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(1000 + t)
+        idx, tgt = models.gpt_batch(gen, batch=12)
+        n = 12 // world
+        loss = model(idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n])
+        loss.float().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def full_params(model):
+    sd = zero_py.full_state_dict(model)
+    return None if sd is None else {k: v.float() for k, v in sd.items()}
+
+
+def resume(path, stage, dtype, opt_cls, rank, world):
+    """A model built from another seed, loaded from `path`; its extra is checked."""
+    model, opt, sched = build(stage, dtype, opt_cls, seed=1)
+    extra = zero_py.load_checkpoint(path, model, opt)
+    sched.load_state_dict(extra["sched"])
+    saved_rank = rank if rank < extra["world"] else 0
+    assert extra["rank"] == saved_rank, (extra["rank"], rank)
+    assert torch.equal(extra["rng"], torch.full((7,), float(saved_rank)))
+    assert extra["note"] == ("tuple", 1.5, float("inf"), None, {3: "int key"})
+    return model, opt, sched
+
+
+def save(path, model, opt, sched, rank, world, **kw):
+    extra = {"sched": sched.state_dict(), "rank": rank, "world": world,
+             "rng": torch.full((7,), float(rank)),
+             "note": ("tuple", 1.5, float("inf"), None, {3: "int key"})}
+    return zero_py.save_checkpoint(path, model, opt, extra, **kw)
+
+
+# -- the runs (each a set of processes) ----------------------------------------------------------
+
+
+def run_first(rank, world, tmp):
+    """Phase 1 of every scenario at 2 ranks, and the references of A, B and C."""
+    out = {}
+    for key, (dtype, cls, phases) in SCENARIOS.items():
+        stage = phases[0][1]
+        model, opt, sched = build(stage, dtype, cls, seed=0)
+        train(model, opt, sched, 0, K, rank, world)
+        with torch.no_grad():
+            model.marker.copy_(torch.arange(5.0))
+        save(os.path.join(tmp, key), model, opt, sched, rank, world)
+        if key in "ABC":
+            train(model, opt, sched, K, K + M, rank, world)
+            out[key] = full_params(model)
+        if key == "C":  # the damaged-checkpoint cases start from these
+            save(os.path.join(tmp, "C_more"), model, opt, sched, rank, world)
+            out["C_optim"] = opt.consolidate_state_dict()
+    # rotation: keep the two newest of step_1 .. step_4 (numbered by step)
+    model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=0)
+    for t in range(4):
+        train(model, opt, sched, t, t + 1, rank, world)
+        save(os.path.join(tmp, "rot", f"step_{t + 1}"), model, opt, sched, rank, world,
+             keep_last=2)
+    out["rot"] = sorted(os.listdir(os.path.join(tmp, "rot")))
+    return out
+
+
+DAMAGED = {  # case: (what the test does to a copy of C, what the error must say)
+    "flipped_byte": ("flip a byte in rank00001's data", "CRC-32"),
+    "truncated": ("cut rank00000 short", "truncated"),
+    "mixed": ("rank00001 from another save", "another save"),
+    "manifest": ("garbage in manifest.json", "not valid JSON"),
+    "missing": ("delete rank00001", "missing"),
+    "version": ("format version 99", "format version 99"),
+}
+
+
+def make_damaged(tmp):
+    src = os.path.join(tmp, "C")
+    for case in DAMAGED:
+        dst = os.path.join(tmp, "bad_" + case)
+        shutil.copytree(src, dst)
+        r0, r1 = (os.path.join(dst, f"rank0000{r}.safetensors") for r in (0, 1))
+        if case == "flipped_byte":
+            with open(r1, "r+b") as f:
+                f.seek(os.path.getsize(r1) - 100)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x40]))
+        elif case == "truncated":
+            os.truncate(r0, os.path.getsize(r0) - 8)
+        elif case == "mixed":
+            shutil.copy(os.path.join(tmp, "C_more", "rank00001.safetensors"), r1)
+        elif case == "manifest":
+            with open(os.path.join(dst, "manifest.json"), "a") as f:
+                f.write("}{")
+        elif case == "missing":
+            os.remove(r1)
+        elif case == "version":
+            man = os.path.join(dst, "manifest.json")
+            with open(man) as f:
+                data = json.load(f)
+            data["version"] = 99
+            with open(man, "w") as f:
+                json.dump(data, f)
+
+
+def _refusal(fn):
+    try:
+        fn()
+    except zero_py.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def run_second_2(rank, world, tmp):
+    """At 2 ranks: phase 2 of A and B; the damaged and mismatched checkpoints."""
+    out = {}
+    for key in "AB":
+        dtype, cls, phases = SCENARIOS[key]
+        model, opt, sched = resume(os.path.join(tmp, key), phases[1][1], dtype, cls, rank, world)
+        out[key + "_marker"] = model.marker.tolist()
+        train(model, opt, sched, K, K + M, rank, world)
+        out[key] = full_params(model)
+    model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = opt.param_groups[0]["lr"]
+    for case in DAMAGED:
+        out["bad_" + case] = _refusal(
+            lambda c=case: zero_py.load_checkpoint(os.path.join(tmp, "bad_" + c), model, opt))
+    other, oopt, _ = build(2, torch.float32, torch.optim.SGD, seed=1)
+    out["wrong_class"] = _refusal(lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"),
+                                                                  other, oopt))
+    torch.manual_seed(0)
+    wide = models.TiedGPT(n_layer=3, d_model=48)
+    wide.blocks[1].requires_grad_(False)
+    wide.register_buffer("marker", torch.randn(5))
+    wmodel, wopt = zero_py.initialize(wide, torch.optim.AdamW, stage=2, lr=1e-3)
+    out["wrong_shape"] = _refusal(lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"),
+                                                                  wmodel, wopt))
+    out["unchanged"] = (all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                        and opt.param_groups[0]["lr"] == lr and opt.optimizer_state_bytes()
+                        == opt._masters.nbytes())
+    return out
+
+
+def run_second_3(rank, world, tmp):
+    """At 3 ranks: phase 2 of C; phase 2 of D, which saves again."""
+    out = {}
+    dtype, cls, phases = SCENARIOS["C"]
+    model, opt, sched = resume(os.path.join(tmp, "C"), phases[1][1], dtype, cls, rank, world)
+    train(model, opt, sched, K, K + M, rank, world)
+    out["C"] = full_params(model)
+    dtype, cls, phases = SCENARIOS["D"]
+    model, opt, sched = resume(os.path.join(tmp, "D"), phases[1][1], dtype, cls, rank, world)
+    train(model, opt, sched, K, K + M, rank, world)
+    save(os.path.join(tmp, "D2"), model, opt, sched, rank, world)
+    return out
+
+
+def run_third_1(rank, world, tmp):
+    """At 1 rank: phase 3 of D, and D's reference (2 K + M... steps without a stop)."""
+    dtype, cls, phases = SCENARIOS["D"]
+    model, opt, sched = build(phases[2][1], dtype, cls, seed=1)
+    extra = zero_py.load_checkpoint(os.path.join(tmp, "D2"), model, opt)
+    sched.load_state_dict(extra["sched"])
+    assert extra["rank"] == 0 and extra["world"] == 3
+    train(model, opt, sched, K + M, K + 2 * M, rank, world)
+    ref, ropt, rsched = build(phases[2][1], dtype, cls, seed=0)
+    train(ref, ropt, rsched, 0, K + 2 * M, rank, world)
+    with torch.no_grad():
+        ref.marker.copy_(torch.arange(5.0))  # as the first run set it before saving
+    return {"D": full_params(model), "D_ref": full_params(ref)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ckpt"))
+    first = distributed.run(run_first, 2, tmp)[0]
+    make_damaged(tmp)
+    second = distributed.run(run_second_2, 2, tmp)
+    third = distributed.run(run_second_3, 3, tmp)[0]
+    fourth = distributed.run(run_third_1, 1, tmp)[0]
+    return {"tmp": tmp, "first": first, "second": second, "third": third, "fourth": fourth}
+
+
+def _worst(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(models.max_rel_diff(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+def test_resume_at_another_stage_matches_the_uninterrupted_run_exactly(runs, key):
+    assert _worst(runs["second"][0][key], runs["first"][key]) == 0.0
+    assert runs["second"][0][key + "_marker"] == [0.0, 1.0, 2.0, 3.0, 4.0]  # the buffer
+
+
+def test_resume_at_another_world_size(runs):
+    assert _worst(runs["third"]["C"], runs["first"]["C"]) < 1e-5
+
+
+def test_resume_two_ranks_to_three_to_one_on_the_generic_path(runs):
+    assert _worst(runs["fourth"]["D"], runs["fourth"]["D_ref"]) < 1e-5
+
+
+def test_keep_last_rotation(runs):
+    assert runs["first"]["rot"] == ["step_3", "step_4"]
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_checkpoint_is_refused_on_every_rank(runs, case):
+    for rank_out in runs["second"]:
+        msg = rank_out["bad_" + case]
+        assert msg is not None, f"rank loaded a checkpoint with: {DAMAGED[case][0]}"
+        assert DAMAGED[case][1] in msg, msg
+
+
+def test_mismatched_model_or_optimizer_is_refused_and_nothing_changes(runs):
+    for rank_out in runs["second"]:
+        assert "SGD" in rank_out["wrong_class"] and "AdamW" in rank_out["wrong_class"]
+        assert "shape" in rank_out["wrong_shape"], rank_out["wrong_shape"]
+        assert rank_out["unchanged"]
+
+
+def test_files_are_safetensors_and_loading_needs_no_pickle(runs):
+    from safetensors.torch import load_file
+
+    path = os.path.join(runs["tmp"], "C")
+    tensors = load_file(os.path.join(path, "rank00001.safetensors"))
+    assert any(k.startswith("state/exp_avg/") for k in tensors)
+    with open(os.path.join(path, "manifest.json")) as f:
+        man = json.load(f)
+    assert man["world_size"] == 2 and man["stage"] == 2 and man["step"] == K
+    ck = Checkpoint.open(path)
+    ck.verify()
+
+
+# -- a rank that dies in the middle of a save ------------------------------------------------------
+
+
+def _killed_worker(rank, world, store, tmp):
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=10))
+    torch.set_num_threads(1)
+    model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=0)
+    train(model, opt, sched, 0, 1, rank, world)
+    path = os.path.join(tmp, "ck")
+    save(path, model, opt, sched, rank, world)
+    train(model, opt, sched, 1, 2, rank, world)
+    if rank == 1:
+        import zero_py.checkpoint.save as save_mod
+
+        def dies_half_way(fpath, tensors, meta):
+            with open(fpath, "wb") as f:
+                f.write(b"\0" * 1000)
+            os._exit(9)
+
+        save_mod.write_tensor_file = dies_half_way
+    t0 = time.monotonic()
+    try:
+        save(path, model, opt, sched, rank, world)
+        result = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - what the survivor raises is the result
+        result = {"raised": f"{type(exc).__name__}: {exc}"}
+    result["seconds"] = time.monotonic() - t0
+    with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    tmp = str(tmp_path)
+    ctx = mp.start_processes(_killed_worker, args=(2, os.path.join(tmp, "store"), tmp),
+                             nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    for p in ctx.processes:
+        p.join(max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            pytest.fail("a rank still runs 120 s after the other died: a hang")
+    with open(os.path.join(tmp, "result0.json")) as f:
+        result = json.load(f)
+    assert result["raised"], "the survivor returned from save_checkpoint as if it had saved"
+    assert result["seconds"] < 10 + 5, result
+    ck = Checkpoint.open(os.path.join(tmp, "ck"))
+    ck.verify()
+    assert ck.manifest["step"] == 1  # the previous checkpoint, whole
+    assert sorted(os.listdir(os.path.join(tmp, "ck"))) == [
+        "manifest.json", "rank00000.safetensors", "rank00001.safetensors"]
+
+
+# -- consolidation and inspection, in one process without torch.distributed --------------------
+
+
+def test_consolidate_gives_the_full_model(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "model.safetensors")
+    subprocess.run([sys.executable, "-m", "zero_py", "consolidate",
+                    os.path.join(runs["tmp"], "C_more"), out], check=True)
+    full = load_file(out)
+    ref = runs["first"]["C"]  # C_more was saved right after the reference's last step
+    model = models.TiedGPT(n_layer=3)
+    model.register_buffer("marker", torch.randn(5))
+    model.load_state_dict(full)  # what torch accepts: every key, tied ones included
+    for k, v in ref.items():
+        assert torch.equal(full[k].float(), v), k
+    assert torch.equal(full["marker"], torch.arange(5.0))
+
+
+def test_consolidate_bf16_and_optimizer_state(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "model.safetensors")
+    optim_out = str(tmp_path / "optim.safetensors")
+    subprocess.run([sys.executable, "-m", "zero_py", "consolidate", "--dtype", "bfloat16",
+                    "--optimizer", optim_out, os.path.join(runs["tmp"], "C_more"), out],
+                   check=True)
+    full = load_file(out)
+    assert all(v.dtype == torch.bfloat16 for k, v in full.items() if k != "marker")
+    optim = torch_optimizer_state(optim_out)
+    ref = runs["first"]["C_optim"]  # consolidate_state_dict() right after C_more was saved
+    assert optim["state"].keys() == ref["state"].keys() and optim["state"]
+    for i, st in ref["state"].items():
+        for key, value in st.items():
+            got = optim["state"][i][key]
+            assert torch.equal(torch.as_tensor(got).float(), value.float()), (i, key)
+    assert [g["params"] for g in optim["param_groups"]] == \
+        [g["params"] for g in ref["param_groups"]]
+    assert optim["param_groups"][0]["lr"] == ref["param_groups"][0]["lr"]
+    # torch.optim takes it
+    model = models.TiedGPT(n_layer=3)
+    model.blocks[1].requires_grad_(False)
+    torch.optim.AdamW(model.parameters(), lr=1.0).load_state_dict(optim)
+
+
+def test_inspect_prints_the_manifest(runs):
+    res = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
+                          os.path.join(runs["tmp"], "C")], check=True, capture_output=True,
+                         text=True)
+    assert "step" in res.stdout and "world size" in res.stdout and "OK" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
+                          os.path.join(runs["tmp"], "bad_flipped_byte")], capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "CRC-32" in (bad.stdout + bad.stderr)

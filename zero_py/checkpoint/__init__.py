@@ -1,0 +1,8 @@
+"""Checkpoints: save_checkpoint / load_checkpoint (any world size, any stage), and the
+readers behind `python -m zero_py consolidate` and `inspect`. Format: docs/checkpoint.md."""
+
+from zero_py.checkpoint.load import load_checkpoint
+from zero_py.checkpoint.reader import CheckpointError
+from zero_py.checkpoint.save import save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]

@@ -1,0 +1,209 @@
+"""Checkpoint files on disk: safetensors files written as a stream, their checksums, and the
+atomic publication of a checkpoint directory.
+
+TensorFileWriter writes the safetensors format (an 8-byte little-endian header length, a JSON
+header naming each tensor's dtype, shape and byte range, then the raw bytes, tensor after
+tensor) from the tensors' own memory, computing the file's CRC-32 in the same pass, so a rank's
+file costs one write of its shards and no copy; consolidation declares every tensor first and
+then writes them one at a time, so it holds one tensor in memory. The files are read back with
+the safetensors package (safe_open, which reads only the byte ranges asked for).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import struct
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_DTYPES = {v: k for k, v in _ST_DTYPES.items()}  # safetensors name -> torch dtype
+_HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts aligned
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors package's own limit
+_READ_CHUNK = 16 * 2**20
+
+
+class TensorFileWriter:
+    """A safetensors file written tensor by tensor, in the order declared.
+
+    `specs` is [(name, dtype, shape)] for every tensor, in file order; `metadata` is str -> str
+    (safetensors' __metadata__). The header is written at once; write(tensor) then takes each
+    tensor in turn. close() fsyncs and returns (file bytes, CRC-32 of the whole file)."""
+
+    def __init__(self, path: str, specs: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: Optional[Dict[str, str]] = None):
+        header: Dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        self._sizes: List[Tuple[str, int, torch.dtype]] = []
+        offset = 0
+        for name, dtype, shape in specs:
+            if dtype not in _ST_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {dtype}, which the checkpoint "
+                                 "format does not store")
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            n = numel * dtype.itemsize
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(d) for d in shape],
+                            "data_offsets": [offset, offset + n]}
+            self._sizes.append((name, n, dtype))
+            offset += n
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-(8 + len(text)) % _HEADER_ALIGN)
+        self.path = path
+        self._next = 0
+        self._crc = 0
+        self._file = open(path, "wb", buffering=0)
+        try:
+            self._put(memoryview(struct.pack("<Q", len(text)) + text))
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _put(self, view: memoryview) -> None:
+        self._crc = zlib.crc32(view, self._crc)
+        while len(view):
+            n = self._file.write(view)
+            if not n:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            view = view[n:]
+
+    def write(self, tensor: torch.Tensor) -> None:
+        name, n, dtype = self._sizes[self._next]
+        if tensor.dtype != dtype or tensor.numel() * tensor.element_size() != n:
+            raise ValueError(f"tensor {name!r}: got {tensor.dtype} x {tensor.numel()}, declared "
+                             f"{dtype} of {n} bytes")
+        if n:
+            host = tensor.detach().reshape(-1)
+            if host.device.type != "cpu":
+                host = host.cpu()
+            host = host.contiguous()
+            self._put(memoryview(host.view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self, fsync: bool = True) -> Tuple[int, int]:
+        if self._next != len(self._sizes):
+            self._file.close()
+            raise ValueError(f"{self.path}: {len(self._sizes) - self._next} declared tensors "
+                             "were not written")
+        try:
+            if fsync:
+                os.fsync(self._file.fileno())
+            size = self._file.tell()
+        finally:
+            self._file.close()
+        return size, self._crc
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def write_tensor_file(path: str, tensors: Sequence[Tuple[str, torch.Tensor]],
+                      metadata: Optional[Dict[str, str]] = None) -> Tuple[int, int]:
+    """Writes `tensors` ([(name, tensor)]) as one safetensors file and fsyncs it; returns
+    (bytes, CRC-32)."""
+    writer = TensorFileWriter(path, [(n, t.dtype, t.shape) for n, t in tensors], metadata)
+    try:
+        for _, t in tensors:
+            writer.write(t)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def read_header(path: str) -> dict:
+    """The JSON header of a safetensors file (checked to be one), without reading its data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is {size} bytes: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path}: its header claims {n} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    return header
+
+
+def file_crc32(path: str) -> int:
+    """CRC-32 of a whole file, read in chunks."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return crc
+            crc = zlib.crc32(view[:n], crc)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_durably(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary name, fsynced, then renamed."""
+    tmp = path + ".part"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the system
+    or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def publish_dir(tmp: str, final: str) -> None:
+    """Makes the finished directory `tmp` appear as `final` in one step: a reader sees the old
+    checkpoint or the new one, never a mix or nothing (an existing `final` is swapped out
+    atomically where the file system allows, then removed)."""
+    parent = os.path.dirname(os.path.abspath(final))
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):
+        shutil.rmtree(tmp)  # the old checkpoint, now under the temporary name
+    else:  # no atomic swap here: the old one is moved aside for an instant
+        aside = tmp + ".old"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    fsync_dir(parent)

@@ -1,0 +1,234 @@
+"""Reading a zero_py checkpoint: the manifest, its checks against the files, and element
+ranges of any parameter (load_checkpoint, consolidate and inspect all read through here).
+
+Checkpoint.open reads manifest.json and every rank file's header (a few KB each) and refuses
+a checkpoint whose format, version, file sizes, file headers or save identity disagree with the
+manifest, naming the file and what is wrong. verify(files) reads those files whole and checks
+their CRC-32 (load_checkpoint shares the files out, one reader per file). read(kind, name, lo,
+hi) reads elements [lo, hi) of one parameter's values ("param"), fp32 master ("master") or
+per-element state ("state/<key>") from whichever files hold them, and only those bytes (the
+safetensors package maps the file and copies the slice).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from safetensors import safe_open
+
+from zero_py.checkpoint import plain
+from zero_py.checkpoint.files import ST_DTYPES, file_crc32, read_header
+from zero_py.collectives.objects import gather_json
+
+FORMAT = "zero_py-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank of the group."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def optimizer_of(model, optimizer):
+    from zero_py.optim.optimizer import ZeroOptimizer  # the checkpoint sits above optim
+
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError("zero_py checkpoints take the ZeroOptimizer of the model (what "
+                        f"zero_py.initialize returned), got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be the nn.Module the optimizer trains, got "
+                        f"{type(model).__name__}")
+    return optimizer
+
+
+def agree(executor, error: Optional[str], what: str) -> None:
+    """Raises CheckpointError on every rank when any rank has an error (each rank's message,
+    by rank). Collective."""
+    errors = gather_json(executor, error, None)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        if len(bad) == executor.world_size and all(e == bad[0][1] for _, e in bad):
+            text = bad[0][1]  # every rank found the same
+        else:
+            text = "; ".join(f"rank {r}: {e}" for r, e in bad)
+        raise CheckpointError(f"{what}: {text}")
+
+
+class Checkpoint:
+    """A checkpoint directory, its manifest checked against its files (see the module
+    docstring)."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.params: Dict[str, dict] = manifest["params"]
+        self._handles: Dict[str, Any] = {}
+        self._raws: Dict[str, _RawFile] = {}
+
+    @classmethod
+    def open(cls, path) -> "Checkpoint":
+        path = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or "
+                                  "is not a directory)")
+        mpath = os.path.join(path, MANIFEST)
+        try:
+            with open(mpath, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} has no {MANIFEST}: not a finished zero_py "
+                                  "checkpoint") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{mpath} is damaged (not valid JSON: {exc})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{mpath} is not a zero_py checkpoint manifest")
+        if manifest.get("version") != VERSION:
+            raise CheckpointError(f"{mpath} has format version {manifest.get('version')!r}; "
+                                  f"this zero_py reads version {VERSION}")
+        ck = cls(path, manifest)
+        ck._check_files()
+        return ck
+
+    def _check_files(self) -> None:
+        man = self.manifest
+        sid = man["save_id"]
+        if sorted(man["files"]) != [rank_file(r) for r in range(man["world_size"])]:
+            raise CheckpointError(f"{self.path}: the manifest lists files "
+                                  f"{sorted(man['files'])}, not one per rank of "
+                                  f"{man['world_size']}")
+        for name, info in man["files"].items():
+            fpath = os.path.join(self.path, name)
+            if not os.path.isfile(fpath):
+                raise CheckpointError(f"{fpath} is missing")
+            size = os.path.getsize(fpath)
+            try:
+                meta = read_header(fpath).get("__metadata__") or {}
+            except ValueError as exc:
+                raise CheckpointError(f"{exc}: the file is truncated or damaged") from None
+            # which save a file belongs to first: a file of another save has another size too
+            if meta.get("format") != FORMAT or meta.get("save_id") != sid:
+                raise CheckpointError(
+                    f"{fpath} belongs to another save (step {meta.get('step')!r}, save id "
+                    f"{meta.get('save_id')!r}) than {MANIFEST} (step {man['step']}, save id "
+                    f"{sid!r}): the checkpoint mixes files of different saves")
+            if size != info["bytes"]:
+                raise CheckpointError(f"{fpath} is {size} bytes, the manifest says "
+                                      f"{info['bytes']}: the file is truncated or damaged")
+            if meta.get("rank") != str(info["rank"]) or meta.get("step") != str(man["step"]):
+                raise CheckpointError(f"{fpath} says rank {meta.get('rank')} step "
+                                      f"{meta.get('step')}, the manifest rank {info['rank']} "
+                                      f"step {man['step']}")
+
+    def verify(self, names: Optional[List[str]] = None) -> None:
+        """Reads the files `names` (default: all) whole and checks their CRC-32."""
+        for name in self.manifest["files"] if names is None else names:
+            info = self.manifest["files"][name]
+            fpath = os.path.join(self.path, name)
+            crc = f"{file_crc32(fpath):08x}"
+            if crc != info["crc32"]:
+                raise CheckpointError(f"{fpath} is damaged: its CRC-32 is {crc}, the manifest "
+                                      f"says {info['crc32']}")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _handle(self, rank: int):
+        """safe_open of rank `rank`'s file (for buffers and extra: small tensors)."""
+        name = rank_file(rank)
+        h = self._handles.get(name)
+        if h is None:
+            h = self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt",
+                                                device="cpu")
+        return h
+
+    def _raw(self, rank: int) -> _RawFile:
+        name = rank_file(rank)
+        f = self._raws.get(name)
+        if f is None:
+            f = self._raws[name] = _RawFile(os.path.join(self.path, name))
+        return f
+
+    def read_into(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of parameter `name`'s `kind` into the 1-D tensor `out` (cast to
+        its dtype and device), from every file that holds a part of them."""
+        done = 0
+        for rank, plo, phi in self.params[name]["pieces"]:
+            a, z = max(lo, plo), min(hi, phi)
+            if a >= z:
+                continue
+            self._raw(rank).read_into(f"{kind}/{name}", phi - plo, a - plo, z - plo,
+                                      out[a - lo:z - lo])
+            done += z - a
+        if done != hi - lo:
+            raise CheckpointError(f"{self.path}: the files hold {done} of elements [{lo}, {hi}) "
+                                  f"of {kind}/{name}")
+
+    def read(self, kind: str, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=dtype)
+        self.read_into(kind, name, lo, hi, out)
+        return out
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self._handle(0).get_tensor(f"buffer/{name}")
+
+    def extra(self, rank: int) -> Any:
+        """The `extra` that rank `rank` saved (None when it saved none)."""
+        if not self.manifest["files"][rank_file(rank)].get("extra"):
+            return None
+        h = self._handle(rank)
+        encoded = json.loads(h.metadata()["extra"])
+        return plain.decode(encoded, h.get_tensor)
+
+    def close(self) -> None:
+        self._handles.clear()
+        for f in self._raws.values():
+            f.close()
+        self._raws.clear()
+
+
+class _RawFile:
+    """Element ranges of the tensors of one safetensors file, read with pread into the
+    destination's memory. Not mapped: pages of a mapped file count in the reader's resident
+    memory until unmapped, and consolidation must stay near one tensor."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.header = read_header(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        self.data_start = 8 + n
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, key: str, numel: int, a: int, z: int, out: torch.Tensor) -> None:
+        entry = self.header.get(key)
+        if not isinstance(entry, dict) or entry.get("dtype") not in ST_DTYPES \
+                or entry.get("shape") != [numel]:
+            raise CheckpointError(f"{self.path} lacks tensor {key} of {numel} elements that the "
+                                  "manifest places there")
+        dtype = ST_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        if end - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {key} has {end - begin} bytes, not "
+                                  f"{numel} elements of {dtype}")
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        dst = out if direct else torch.empty(z - a, dtype=dtype)
+        view = memoryview(dst.view(torch.uint8).numpy()) if z > a else memoryview(b"")
+        offset = self.data_start + begin + a * dtype.itemsize
+        got = 0
+        while got < len(view):
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise CheckpointError(f"{self.path} ended early reading {key}: it is "
+                                      "truncated")
+            got += n
+        if not direct:
+            out.copy_(dst)
+
+    def close(self) -> None:
+        os.close(self.fd)

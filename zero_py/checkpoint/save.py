@@ -1,0 +1,239 @@
+"""zero_py.save_checkpoint: one directory that any world size and any stage resumes from.
+
+Collective over the optimizer's group. Every rank writes one safetensors file of what it owns
+(holdings.py: parameter slices, fp32 masters, optimizer states; rank 0 adds the buffers);
+rank 0 writes manifest.json, which says which element range of which parameter each file
+holds, with every file's size and CRC-32. The files go to a hidden temporary directory beside
+the target, are fsynced, and the directory is renamed to its final name only after every rank
+reported success, so a crash at any point leaves the previous checkpoint as it was. Every
+phase ends with the ranks agreeing: a failure on one rank raises the same error on all of them.
+The format is described in docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from zero_py.checkpoint import plain
+from zero_py.checkpoint.files import fsync_dir, publish_dir, write_tensor_file, write_text_durably
+from zero_py.checkpoint.holdings import holdings, persistent_buffers
+from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
+                                       optimizer_of, rank_file)
+from zero_py.collectives.objects import broadcast_json, gather_json
+
+
+def _rank_payload(model, opt, extra) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
+    """This rank's tensors (file order) and its record for the manifest."""
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    pieces: Dict[str, List[int]] = {}
+    states: Dict[str, Dict[str, Any]] = {}
+    for name, h in holdings(model, opt).items():
+        if h.hi == h.lo:
+            continue
+        pieces[name] = [h.lo, h.hi]
+        tensors.append((f"param/{name}", h.values))
+        if h.slice is None:
+            continue
+        state = opt._slice_state(h.slice, copy=False)
+        if state is None:  # not stepped yet: no state
+            continue
+        keys, scalars = [], {}
+        for key, value in state.items():
+            if key == "master_param":
+                tensors.append((f"master/{name}", value))
+            elif (isinstance(value, torch.Tensor) and value.dim() == 1
+                  and value.numel() == h.hi - h.lo):
+                keys.append(key)
+                tensors.append((f"state/{key}/{name}", value))
+            elif key != "step":
+                scalars[key] = plain.encode(value, None, f"optimizer state {key!r} of {name}")
+        step = state.get("step")
+        states[name] = {"keys": keys, "scalars": scalars,
+                        "step_tensor": None if not isinstance(step, torch.Tensor)
+                        else plain.dtype_name(step.dtype)}
+    if opt.executor.rank == 0:
+        for name, buf in persistent_buffers(model).items():
+            tensors.append((f"buffer/{name}", buf.detach()))
+    extra_tensors: List[Tuple[str, torch.Tensor]] = []
+
+    def sink(t: torch.Tensor) -> str:
+        key = f"extra/{len(extra_tensors)}"
+        extra_tensors.append((key, t.detach()))
+        return key
+
+    encoded = None if extra is None else plain.encode(extra, sink, "extra")
+    tensors.extend(extra_tensors)
+    record = {"pieces": pieces, "states": states, "extra": encoded}
+    return tensors, record
+
+
+def _manifest(model, opt, records: List[dict], save_id: str) -> dict:
+    """The manifest, built on rank 0 from every rank's record."""
+    held = holdings(model, opt)
+    fp = opt._flat
+    names = {id(p): n for n, p in model.named_parameters()}
+    params: Dict[str, dict] = {}
+    for name, h in held.items():
+        entry = {"shape": list(h.shape), "dtype": plain.dtype_name(h.dtype),
+                 "requires_grad": h.requires_grad, "trainable": h.index is not None,
+                 "pieces": []}
+        if h.index is not None:
+            entry["step"] = opt._step_count[h.index]
+            entry["master"] = opt._masters.piece(fp.param_bucket[h.index]) is not None
+        params[name] = entry
+    for r, rec in enumerate(records):
+        for name, (lo, hi) in rec["pieces"].items():
+            params[name]["pieces"].append([r, lo, hi])
+        for name, st in rec["states"].items():
+            params[name].setdefault("state", st)
+    for name, entry in params.items():
+        entry["pieces"].sort(key=lambda x: x[1])
+        if entry.get("step") and "state" not in entry:
+            raise CheckpointError(f"no rank reported the optimizer state of {name}")
+    groups = []
+    for g in opt.param_groups:
+        hyper = {k: plain.encode(v, None, f"param group option {k!r}")
+                 for k, v in g.items() if k != "params"}
+        groups.append({"params": [names[id(p)] for p in g["params"] if id(p) in names], **hyper})
+    buffers = {name: {"shape": list(b.shape), "dtype": plain.dtype_name(b.dtype)}
+               for name, b in persistent_buffers(model).items()}
+    aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+               if n != names[id(p)]}  # tied parameters under their other names
+    steps = [e["step"] for e in params.values() if "step" in e]
+    cls = opt.optimizer_class
+    return {
+        "format": FORMAT, "version": VERSION, "save_id": save_id,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "step": max(steps, default=0), "world_size": opt.executor.world_size,
+        "stage": opt.stage,
+        "optimizer": {"class": f"{cls.__module__}.{cls.__qualname__}",
+                      "fused": opt.uses_fused_kernel, "param_groups": groups,
+                      "rounding_steps": opt._sr_seed - opt._rounding_seed_base(),
+                      "skipped_steps": opt.skipped_steps},
+        "loss_scaler": None if opt.loss_scaler is None else
+        plain.encode(opt.loss_scaler.state_dict(), None, "loss scaler state"),
+        "params": params, "aliases": aliases, "buffers": buffers,
+        "files": {rank_file(r): {"rank": r, "bytes": rec["bytes"], "crc32": rec["crc32"],
+                                 "extra": rec["extra"] is not None}
+                  for r, rec in enumerate(records)},
+        "versions": {"torch": torch.__version__},
+    }
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def _rotate(path: str, keep_last: int) -> List[str]:
+    """Removes the oldest checkpoints named like `path` (same name, another number) beyond the
+    newest keep_last; returns what it removed."""
+    parent, base = os.path.split(path)
+    stem = _NUMBERED.match(base).group(1)
+    found = []
+    for name in os.listdir(parent):
+        m = _NUMBERED.match(name)
+        full = os.path.join(parent, name)
+        if not m or m.group(1) != stem or not os.path.isdir(full):
+            continue
+        try:
+            with open(os.path.join(full, MANIFEST), encoding="utf-8") as f:
+                man = json.load(f)
+        except (OSError, ValueError):
+            continue  # not a finished zero_py checkpoint: never ours to delete
+        if isinstance(man, dict) and man.get("format") == FORMAT:
+            found.append((int(man.get("step", 0)), int(m.group(2)), full))
+    found.sort()
+    removed = [full for _, _, full in found[:-keep_last]]
+    for full in removed:
+        shutil.rmtree(full)
+    if removed:
+        fsync_dir(parent)
+    return removed
+
+
+def save_checkpoint(path, model, optimizer, extra: Any = None, *,
+                    keep_last: Optional[int] = None) -> str:
+    """Saves the model's parameters and buffers, the optimizer's fp32 masters and states, its
+    hyperparameters and loss-scaler state, and `extra`, as the directory `path`. Collective:
+    every rank of the optimizer's group calls it with the same path.
+
+    `model`, `optimizer`: as the user holds them (for stage 3, what zero_py.initialize
+    returned). `extra`: plain data (numbers, strings, lists, dicts, tensors: an LR scheduler's
+    state_dict(), a data-loader position, RNG states), each rank's own; load_checkpoint gives
+    each rank back its own. `keep_last=k`: after this save, keep only the k newest checkpoints
+    named like `path` with another number (e.g. ckpt/step_00100, ckpt/step_00200).
+    Returns the absolute path. Loads at any world size and stage: see load_checkpoint."""
+    opt = optimizer_of(model, optimizer)
+    ex = opt.executor
+    path = os.path.abspath(os.fspath(path))
+    parent, base = os.path.split(path)
+    error = None
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        error = f"keep_last must be an int >= 1 or None, got {keep_last!r}"
+    elif keep_last is not None and not _NUMBERED.match(base):
+        error = (f"keep_last needs checkpoint names that end in a number, to tell which are "
+                 f"older (e.g. {base}_00100); {base!r} does not")
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    record: Dict[str, Any] = {}
+    if error is None:
+        try:
+            with torch.no_grad():
+                tensors, record = _rank_payload(model, opt, extra)
+        except (TypeError, ValueError, CheckpointError) as exc:
+            error = str(exc)
+    agree(ex, error, "save_checkpoint")
+
+    save_id = broadcast_json(ex, uuid.uuid4().hex if ex.rank == 0 else None)
+    tmp = os.path.join(parent, f".{base}.tmp-{save_id}")
+    error = None
+    if ex.rank == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            for name in os.listdir(parent):  # what a crashed save of this path left behind
+                if name.startswith(f".{base}.tmp-"):
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            os.mkdir(tmp)
+        except OSError as exc:
+            error = f"cannot create the checkpoint directory next to {path}: {exc}"
+    agree(ex, error, "save_checkpoint")
+
+    step = max(opt._step_count, default=0)
+    meta = {"format": FORMAT, "version": str(VERSION), "save_id": save_id, "rank": str(ex.rank),
+            "world_size": str(ex.world_size), "step": str(step)}
+    if record.get("extra") is not None:
+        meta["extra"] = json.dumps(record["extra"])
+    error = None
+    try:
+        record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
+                                                 tensors, meta)
+        record["crc32"] = f"{crc:08x}"
+    except OSError as exc:
+        error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {exc}"
+    del tensors
+    records = gather_json(ex, {"error": error, **record}, 0)
+    outcome = None
+    if ex.rank == 0:
+        errors = [r["error"] for r in records if r["error"]]
+        try:
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            manifest = _manifest(model, opt, records, save_id)
+            write_text_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+            fsync_dir(tmp)
+            publish_dir(tmp, path)
+            if keep_last is not None:
+                _rotate(path, keep_last)
+        except (OSError, CheckpointError, TypeError, ValueError) as exc:
+            outcome = f"save_checkpoint({path}) failed, the previous checkpoint is kept: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    outcome = broadcast_json(ex, outcome)
+    if outcome is not None:
+        raise CheckpointError(outcome)
+    return path
