@@ -112,9 +112,11 @@ class _Sizes:
     frozen: int = 0               # frozen parameter elements
     buffer_bytes: int = 0
     units: Optional[List[int]] = None  # stage 3: trainable + frozen elements per unit (0: root)
+    kept: int = 0  # stage 3: elements of the parameters below persistence_threshold
 
 
-def _model_sizes(model: nn.Module, wrap_policy, need_units: bool) -> _Sizes:
+def _model_sizes(model: nn.Module, wrap_policy, need_units: bool,
+                 persistence_threshold: int) -> _Sizes:
     seen, trainable, frozen = set(), [], 0
     for p in model.parameters():
         if id(p) in seen or p.numel() == 0:
@@ -126,14 +128,18 @@ def _model_sizes(model: nn.Module, wrap_policy, need_units: bool) -> _Sizes:
             frozen += p.numel()
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     units = None
+    kept = 0
     if need_units:
         from zero_py.sharding.units import assign_units
 
         unit_list, unit_of = assign_units(model, wrap_policy)
         units = [0] * len(unit_list)
         for p in {id(p): p for p in model.parameters()}.values():
-            units[unit_of[id(p)]] += p.numel()
-    return _Sizes(trainable, frozen, buffer_bytes, units)
+            if p.numel() < persistence_threshold:
+                kept += p.numel()  # the persistent pseudo-unit, whole on every rank
+            else:
+                units[unit_of[id(p)]] += p.numel()
+    return _Sizes(trainable, frozen, buffer_bytes, units, kept)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -189,11 +195,8 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
     if state_bytes is None:
         state_bytes = state_bytes_per_element(optimizer, **(optimizer_kwargs or {}))
     if isinstance(model_or_param_count, nn.Module):
-        sizes = _model_sizes(model_or_param_count, wrap_policy, stage == 3)
-        if stage == 3 and persistence_threshold:
-            kept = [n for n in sizes.trainable if n < persistence_threshold]
-        else:
-            kept = []
+        sizes = _model_sizes(model_or_param_count, wrap_policy, stage == 3,
+                             persistence_threshold)
     else:
         count = model_or_param_count
         if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 1 \
@@ -209,12 +212,11 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         chunk = max(1, min(unit, bucket_bytes // dtype.itemsize))
         trainable = [chunk] * (count // chunk) + ([count % chunk] if count % chunk else [])
         sizes = _Sizes(trainable, units=[root_unit] + [unit] * (n_units - 1) + [rest])
-        kept = []
-    return _estimate(sizes, kept, world_size, stage, dtype, reduce_dtype, state_bytes,
+    return _estimate(sizes, world_size, stage, dtype, reduce_dtype, state_bytes,
                      bucket_bytes, prefetch_bytes, gloo, shared_memory)
 
 
-def _estimate(sizes: _Sizes, kept: List[int], n: int, stage: int, dtype: torch.dtype,
+def _estimate(sizes: _Sizes, n: int, stage: int, dtype: torch.dtype,
               reduce_dtype: torch.dtype, state_bytes: int, bucket_bytes: int,
               prefetch_bytes: Optional[int], gloo: bool, shared_memory: bool) -> MemoryEstimate:
     b, rb = dtype.itemsize, reduce_dtype.itemsize
@@ -242,18 +244,20 @@ def _estimate(sizes: _Sizes, kept: List[int], n: int, stage: int, dtype: torch.d
         working = 0
     else:
         units = sizes.units or [0, psi + sizes.frozen]
-        kept_numel = sum(kept)
         unit_pad = [_round_up(u, pad) if u else 0 for u in units]
-        shard_numel = sum(unit_pad) // n
-        params = shard_numel * b + kept_numel * b
+        kept_pad = _round_up(sizes.kept, pad) if sizes.kept else 0
+        # the persistent pseudo-unit is sharded like the others and also held whole
+        shard_numel = (sum(unit_pad) + kept_pad) // n
+        params = shard_numel * b + kept_pad * b
         root, others = unit_pad[0], sorted(unit_pad[1:], reverse=True)
         largest = others[0] if others else 0
         budget = prefetch_bytes if prefetch_bytes is not None else (root + 2 * largest) * b
         gathered = min(root * b + sum(others[:2]) * b, max(budget, root * b + largest * b))
+        gathered += kept_pad * b  # the persistent unit, gathered once (counted once more)
         transport = 2 * _round_up(largest * b // n, 64) if shared_memory and n > 1 else 0
         working = gathered + transport
         trainable_shard = shard_numel * psi // max(1, psi + sizes.frozen)
-        live = [largest] if n == 1 else [root] + others[:2]
+        live = [max(largest, kept_pad)] if n == 1 else [root, kept_pad] + others[:2]
         grads = trainable_shard * rb + sum(live) * rb
         if gloo and n > 2:  # a reduction in flight and the next one's receive buffers
             grads += 2 * (largest * (n - 2) // n) * rb
