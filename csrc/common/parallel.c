@@ -105,17 +105,21 @@ typedef struct {
   zp_range_fn fn;
   void *ctx;
   int64_t n, block;
-  _Atomic int64_t next; /* the first element no thread has taken */
+  uint64_t n_blocks;
+  /* The first block no thread has taken. Counted in blocks, unsigned: every thread takes one
+   * past the end before it stops, and an element counter could pass INT64_MAX there. */
+  _Atomic uint64_t next;
 } zp_block_queue;
 
 static void zp_blocks_drain(void *arg, int64_t begin, int64_t end) {
   (void)begin, (void)end;
   zp_block_queue *q = arg;
   for (;;) {
-    int64_t lo = atomic_fetch_add_explicit(&q->next, q->block, memory_order_relaxed);
-    if (lo >= q->n)
+    uint64_t b = atomic_fetch_add_explicit(&q->next, 1, memory_order_relaxed);
+    if (b >= q->n_blocks)
       return;
-    q->fn(q->ctx, lo, lo + q->block < q->n ? lo + q->block : q->n);
+    int64_t lo = (int64_t)b * q->block; /* b <= (n - 1) / block: lo < n */
+    q->fn(q->ctx, lo, q->block < q->n - lo ? lo + q->block : q->n);
   }
 }
 
@@ -139,7 +143,7 @@ zp_status zp_parallel_blocks(int64_t n, int32_t n_threads, int64_t block, int64_
     fn(ctx, 0, n);
     return ZP_OK;
   }
-  zp_block_queue q = {fn, ctx, n, block, 0};
+  zp_block_queue q = {fn, ctx, n, block, (uint64_t)(n / block + (n % block != 0)), 0};
   /* each of the n_threads tasks drains the same queue; the ranges it is given are unused */
   return zp_parallel_for(n_threads, n_threads, 1, 1, zp_blocks_drain, &q);
 }

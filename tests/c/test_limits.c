@@ -231,7 +231,20 @@ void test_limits_parallel_and_flags(void) {
                 (long long)grains[g], c.calls, (long long)c.covered);
     }
   }
+  /* the same for the shared block queue: its counter must not pass INT64_MAX either */
+  for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    for (size_t g = 2; g < sizeof grains / sizeof grains[0]; g++) {
+      coverage c = {0, 0};
+      CHECK_OK(zp_parallel_blocks(ns[i], 7, grains[g], 1, count_range, &c));
+      CHECK_MSG(c.covered == ns[i] && c.calls >= 1 && c.calls <= 4,
+                "parallel_blocks(n=%lld, block=%lld): %d ranges covering %lld", (long long)ns[i],
+                (long long)grains[g], c.calls, (long long)c.covered);
+    }
+  }
   coverage c = {0, 0};
+  CHECK_OK(zp_parallel_blocks(5, INT32_MAX, INT64_MIN, INT64_MIN, count_range, &c));
+  CHECK_EQ(c.covered, 5);
+  c = (coverage){0, 0};
   CHECK_OK(zp_parallel_for(3, INT32_MAX, INT64_MIN, INT64_MIN, count_range, &c));
   CHECK_EQ(c.covered, 3);
   FAILS_NAMING(zp_parallel_for(INT64_MIN, 2, 1, 1, count_range, &c), ZP_ERR_INVALID, "n must");
