@@ -81,108 +81,165 @@ static void zp_bound_sort(const zp_bound_job *job, zp_bound_sorted *o) {
 
 #define ZP_BPF(ptr) _mm_prefetch((ptr) + pf, _MM_HINT_T1)
 
-__attribute__((target("avx2"))) static void zp_bound_avx2(const zp_bound_job *job, int64_t lo,
-                                                          int64_t hi) {
-  zp_bound_sorted o;
-  zp_bound_sort(job, &o);
-  const __m256i mask = _mm256_set1_epi32((int)job->mask), zero = _mm256_setzero_si256();
-  const int64_t pf = job->pf_bytes;
+/* One body per ISA, inlined into each caller with the stream counts as constants, so that the
+ * common shapes (below) run with their loops over streams unrolled, as the optimizer bodies
+ * run theirs; other shapes take the same body with counts read at run time. */
+#define ZP_BOUND_ARGS                                                                          \
+  const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask32, int32_t nr4, \
+      int32_t nr2, int32_t nu4, int32_t nu2, int32_t nw4, int32_t nw2
+
+__attribute__((target("avx2"), always_inline)) static inline int64_t
+zp_bound_avx2_body(ZP_BOUND_ARGS) {
+  const __m256i mask = _mm256_set1_epi32((int)mask32), zero = _mm256_setzero_si256();
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
     const int64_t b4 = i * 4, b2 = i * 2;
     const int line2 = pf > 0 && (i & 31) == 0;
     __m256i acc = zero;
-    for (int32_t k = 0; k < o.nr4; k++) {
+    for (int32_t k = 0; k < nr4; k++) {
       if (pf > 0)
-        ZP_BPF(o.r4[k] + b4);
-      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o.r4[k] + b4)));
-      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o.r4[k] + b4 + 32)));
+        ZP_BPF(o->r4[k] + b4);
+      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o->r4[k] + b4)));
+      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o->r4[k] + b4 + 32)));
     }
-    for (int32_t k = 0; k < o.nr2; k++) {
+    for (int32_t k = 0; k < nr2; k++) {
       if (line2)
-        ZP_BPF(o.r2[k] + b2);
-      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o.r2[k] + b2)));
+        ZP_BPF(o->r2[k] + b2);
+      acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o->r2[k] + b2)));
     }
     acc = _mm256_and_si256(acc, mask);
-    for (int32_t k = 0; k < o.nu4; k++) {
-      __m256i *d = (__m256i *)(o.u4[k] + b4);
+    for (int32_t k = 0; k < nu4; k++) {
+      __m256i *d = (__m256i *)(o->u4[k] + b4);
       if (pf > 0)
-        ZP_BPF(o.u4[k] + b4);
+        ZP_BPF(o->u4[k] + b4);
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc));
       _mm256_storeu_si256(d + 1, _mm256_xor_si256(_mm256_loadu_si256(d + 1), acc));
     }
-    for (int32_t k = 0; k < o.nu2; k++) {
-      __m256i *d = (__m256i *)(o.u2[k] + b2);
+    for (int32_t k = 0; k < nu2; k++) {
+      __m256i *d = (__m256i *)(o->u2[k] + b2);
       if (line2)
-        ZP_BPF(o.u2[k] + b2);
+        ZP_BPF(o->u2[k] + b2);
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc));
     }
-    for (int32_t k = 0; k < o.nw4; k++) {
-      _mm256_storeu_si256((__m256i *)(o.w4[k] + b4), acc);
-      _mm256_storeu_si256((__m256i *)(o.w4[k] + b4 + 32), acc);
+    for (int32_t k = 0; k < nw4; k++) {
+      _mm256_storeu_si256((__m256i *)(o->w4[k] + b4), acc);
+      _mm256_storeu_si256((__m256i *)(o->w4[k] + b4 + 32), acc);
     }
-    for (int32_t k = 0; k < o.nw2; k++)
-      _mm256_storeu_si256((__m256i *)(o.w2[k] + b2), acc);
+    for (int32_t k = 0; k < nw2; k++)
+      _mm256_storeu_si256((__m256i *)(o->w2[k] + b2), acc);
   }
-  zp_bound_scalar(job, i, hi);
+  return i;
 }
 
-__attribute__((target("avx512f"))) static void zp_bound_avx512(const zp_bound_job *job,
-                                                               int64_t lo, int64_t hi) {
-  zp_bound_sorted o;
-  zp_bound_sort(job, &o);
-  const __m512i mask = _mm512_set1_epi32((int)job->mask);
-  const int64_t pf = job->pf_bytes;
+__attribute__((target("avx512f"), always_inline)) static inline int64_t
+zp_bound_avx512_body(ZP_BOUND_ARGS) {
+  const __m512i mask = _mm512_set1_epi32((int)mask32);
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
     const int64_t b4 = i * 4, b2 = i * 2;
     const int line2 = pf > 0 && (i & 31) == 0;
     __m512i acc = _mm512_setzero_si512();
-    for (int32_t k = 0; k < o.nr4; k++) {
+    for (int32_t k = 0; k < nr4; k++) {
       if (pf > 0)
-        ZP_BPF(o.r4[k] + b4);
-      acc = _mm512_or_si512(acc, _mm512_loadu_si512(o.r4[k] + b4));
+        ZP_BPF(o->r4[k] + b4);
+      acc = _mm512_or_si512(acc, _mm512_loadu_si512(o->r4[k] + b4));
     }
-    for (int32_t k = 0; k < o.nr2; k++) {
+    for (int32_t k = 0; k < nr2; k++) {
       if (line2)
-        ZP_BPF(o.r2[k] + b2);
+        ZP_BPF(o->r2[k] + b2);
       acc = _mm512_or_si512(
-          acc, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(o.r2[k] + b2))));
+          acc, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(o->r2[k] + b2))));
     }
     acc = _mm512_and_si512(acc, mask);
     const __m256i acc2 = _mm512_castsi512_si256(acc);
-    for (int32_t k = 0; k < o.nu4; k++) {
-      char *d = o.u4[k] + b4;
+    for (int32_t k = 0; k < nu4; k++) {
+      char *d = o->u4[k] + b4;
       if (pf > 0)
         ZP_BPF(d);
       _mm512_storeu_si512(d, _mm512_xor_si512(_mm512_loadu_si512(d), acc));
     }
-    for (int32_t k = 0; k < o.nu2; k++) {
-      __m256i *d = (__m256i *)(o.u2[k] + b2);
+    for (int32_t k = 0; k < nu2; k++) {
+      __m256i *d = (__m256i *)(o->u2[k] + b2);
       if (line2)
-        ZP_BPF(o.u2[k] + b2);
+        ZP_BPF(o->u2[k] + b2);
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc2));
     }
-    for (int32_t k = 0; k < o.nw4; k++)
-      _mm512_storeu_si512(o.w4[k] + b4, acc);
-    for (int32_t k = 0; k < o.nw2; k++)
-      _mm256_storeu_si256((__m256i *)(o.w2[k] + b2), acc2);
+    for (int32_t k = 0; k < nw4; k++)
+      _mm512_storeu_si512(o->w4[k] + b4, acc);
+    for (int32_t k = 0; k < nw2; k++)
+      _mm256_storeu_si256((__m256i *)(o->w2[k] + b2), acc2);
   }
-  zp_bound_scalar(job, i, hi);
+  return i;
+}
+
+/* The shapes of the optimizer family: one gradient (fp32 or 16-bit), the master and 0 to 3
+ * states updated, and at most one 16-bit parameter written. */
+#define ZP_BOUND_SHAPE(isa, tgt, body, r4, r2, u4, w2)                                      \
+  __attribute__((target(tgt))) static int64_t zp_bound_##isa##_##r4##r2##u4##w2(              \
+      const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask) {          \
+    return body(o, lo, hi, pf, mask, r4, r2, u4, 0, 0, w2);                                   \
+  }
+#define ZP_BOUND_SHAPES(isa, t, b)                                                            \
+  ZP_BOUND_SHAPE(isa, t, b, 1, 0, 1, 0) ZP_BOUND_SHAPE(isa, t, b, 1, 0, 2, 0)                \
+  ZP_BOUND_SHAPE(isa, t, b, 1, 0, 3, 0) ZP_BOUND_SHAPE(isa, t, b, 1, 0, 4, 0)                \
+  ZP_BOUND_SHAPE(isa, t, b, 1, 0, 1, 1) ZP_BOUND_SHAPE(isa, t, b, 1, 0, 2, 1)                \
+  ZP_BOUND_SHAPE(isa, t, b, 1, 0, 3, 1) ZP_BOUND_SHAPE(isa, t, b, 1, 0, 4, 1)                \
+  ZP_BOUND_SHAPE(isa, t, b, 0, 1, 1, 0) ZP_BOUND_SHAPE(isa, t, b, 0, 1, 2, 0)                \
+  ZP_BOUND_SHAPE(isa, t, b, 0, 1, 3, 0) ZP_BOUND_SHAPE(isa, t, b, 0, 1, 4, 0)                \
+  ZP_BOUND_SHAPE(isa, t, b, 0, 1, 1, 1) ZP_BOUND_SHAPE(isa, t, b, 0, 1, 2, 1)                \
+  ZP_BOUND_SHAPE(isa, t, b, 0, 1, 3, 1) ZP_BOUND_SHAPE(isa, t, b, 0, 1, 4, 1)
+ZP_BOUND_SHAPES(1, "avx2", zp_bound_avx2_body)
+ZP_BOUND_SHAPES(2, "avx512f", zp_bound_avx512_body)
+
+typedef int64_t (*zp_bound_shape_fn)(const zp_bound_sorted *, int64_t, int64_t, int64_t,
+                                     uint32_t);
+/* [isa - 1][r2][u4 - 1][w2] */
+static const zp_bound_shape_fn zp_bound_shapes[2][2][4][2] = {
+    {{{zp_bound_1_1010, zp_bound_1_1011}, {zp_bound_1_1020, zp_bound_1_1021},
+      {zp_bound_1_1030, zp_bound_1_1031}, {zp_bound_1_1040, zp_bound_1_1041}},
+     {{zp_bound_1_0110, zp_bound_1_0111}, {zp_bound_1_0120, zp_bound_1_0121},
+      {zp_bound_1_0130, zp_bound_1_0131}, {zp_bound_1_0140, zp_bound_1_0141}}},
+    {{{zp_bound_2_1010, zp_bound_2_1011}, {zp_bound_2_1020, zp_bound_2_1021},
+      {zp_bound_2_1030, zp_bound_2_1031}, {zp_bound_2_1040, zp_bound_2_1041}},
+     {{zp_bound_2_0110, zp_bound_2_0111}, {zp_bound_2_0120, zp_bound_2_0121},
+      {zp_bound_2_0130, zp_bound_2_0131}, {zp_bound_2_0140, zp_bound_2_0141}}},
+};
+
+__attribute__((target("avx2"))) static int64_t zp_bound_avx2_any(const zp_bound_sorted *o,
+                                                                 int64_t lo, int64_t hi,
+                                                                 int64_t pf, uint32_t mask) {
+  return zp_bound_avx2_body(o, lo, hi, pf, mask, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
+                            o->nw2);
+}
+
+__attribute__((target("avx512f"))) static int64_t zp_bound_avx512_any(const zp_bound_sorted *o,
+                                                                     int64_t lo, int64_t hi,
+                                                                     int64_t pf,
+                                                                     uint32_t mask) {
+  return zp_bound_avx512_body(o, lo, hi, pf, mask, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
+                              o->nw2);
+}
+
+/* Elements [lo, hi) on a SIMD ISA: the shape's own body when it has one; returns where the
+ * scalar tail starts. */
+static int64_t zp_bound_simd(const zp_bound_job *job, int64_t lo, int64_t hi) {
+  zp_bound_sorted o;
+  zp_bound_sort(job, &o);
+  const int isa512 = job->isa == ZP_ISA_AVX512;
+  if (o.nr4 + o.nr2 == 1 && o.nu4 >= 1 && o.nu4 <= 4 && o.nu2 == 0 && o.nw4 == 0 &&
+      o.nw2 <= 1)
+    return zp_bound_shapes[isa512][o.nr2][o.nu4 - 1][o.nw2](&o, lo, hi, job->pf_bytes,
+                                                            job->mask);
+  return isa512 ? zp_bound_avx512_any(&o, lo, hi, job->pf_bytes, job->mask)
+                : zp_bound_avx2_any(&o, lo, hi, job->pf_bytes, job->mask);
 }
 #endif
 
 static void zp_bound_range(void *ctx, int64_t begin, int64_t end) {
   const zp_bound_job *job = ctx;
 #ifdef ZP_X86
-  if (job->isa == ZP_ISA_AVX512) {
-    zp_bound_avx512(job, begin, end);
-    return;
-  }
-  if (job->isa == ZP_ISA_AVX2) {
-    zp_bound_avx2(job, begin, end);
-    return;
-  }
+  if (job->isa != ZP_ISA_SCALAR)
+    begin = zp_bound_simd(job, begin, end);
 #endif
   zp_bound_scalar(job, begin, end);
 }

@@ -1,7 +1,8 @@
 /* tuning.h - how the CPU kernels of this family run on this CPU: the instruction set of their
- * bodies and the software prefetch distance, picked per vendor and overridable per call.
+ * bodies, the software prefetch distance and the split across threads, picked per vendor and
+ * overridable per call.
  *
- * Every choice here changes speed only, never bits: every body and every distance gives the
+ * Every choice here changes speed only, never bits: every body, distance and split gives the
  * same results (optim.h, convert.h). The environment is read at every call, so a test or a
  * benchmark can switch paths inside one process:
  *   ZP_CPU_ISA       "avx512", "avx2" or "scalar": use that body (capped by what the CPU runs);
@@ -11,7 +12,7 @@
  *   ZP_CPU_SPLIT     "blocks" (default): threads take 64K-element blocks in turn, so a thread
  *                    slowed by another process or an SMT sibling does less of the work;
  *                    "static": one contiguous range per thread.
- * Vendor defaults (why: docs/kernels_cpu.md and benchmarks/RESULTS.md, "CPU step on every x86"):
+ * Vendor defaults (measured and argued in benchmarks/RESULTS.md, "The CPU step on every x86"):
  *   Intel: AVX-512 bodies; prefetch 2 KiB ahead into L2.
  *   AMD:   AVX2 bodies (Zen 4 splits 512-bit operations into two 256-bit halves, so 512-bit
  *          bodies gain nothing there on a memory-bound pass); prefetch 2 KiB ahead into L2.
