@@ -1,0 +1,116 @@
+"""`python -m zero_py ...`, run as users run it: in a subprocess.
+
+--help lists every registered command; `estimate` prints the table (and JSON equal to
+zero_py.tools.estimate.estimate_memory's answer), counts a Hugging Face config's parameters
+like the model built from it, and says what to change for bad input; `env` reports the
+versions, the kernels' instruction set and the CUDA/NCCL answer of the library itself.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero_py
+from zero_py.__main__ import COMMANDS, build_parser
+from zero_py.tools.estimate import estimate_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "zero_py", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"python -m zero_py {' '.join(args)} exited {proc.returncode}:\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_help_lists_every_command():
+    out = run_cli("--help").stdout
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    names = list(sub.choices)
+    assert len(names) >= len(COMMANDS)  # each module registers at least one command
+    assert {"estimate", "env"} <= set(names)
+    for name in names:
+        assert name in out, f"`python -m zero_py --help` does not list {name}"
+
+
+def test_estimate_table_for_a_parameter_count():
+    out = run_cli("estimate", "--params", "7e9", "--world", "8", "--stage", "3").stdout
+    assert "stage 3" in out and "DDP" in out
+    for row in ("params", "grads", "optimizer states", "stage-3 working set", "buffers",
+                "total"):
+        assert row in out
+    assert "--unit-params" in out  # the assumption is said
+    side = run_cli("estimate", "--params", "7e9", "--world", "8").stdout
+    assert all(f"stage {s}" in side for s in (1, 2, 3))
+
+
+def test_estimate_json_is_estimate_memory():
+    out = run_cli("estimate", "--params", "1.3e9", "--world", "4", "--dtype", "bf16",
+                  "--unit-params", "5e7", "--json").stdout
+    data = json.loads(out)
+    for s in (1, 2, 3):
+        want = estimate_memory(1.3e9, 4, s, torch.bfloat16, largest_unit=50_000_000).as_dict()
+        assert data["stages"][str(s)] == want
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed (make deps installs it)")
+def test_estimate_from_a_hugging_face_config(tmp_path):
+    import transformers
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 200, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    data = json.loads(run_cli("estimate", "--config", str(path), "--world", "2",
+                              "--json").stdout)
+    real = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: v for k, v in cfg.items() if k != "model_type"}))
+    assert data["param_count"] == sum(p.numel() for p in real.parameters())
+    # the folder holding config.json works too, and the table names the model class
+    out = run_cli("estimate", "--config", str(tmp_path), "--world", "2").stdout
+    assert "LlamaForCausalLM" in out
+
+
+def test_estimate_errors_say_what_to_change(tmp_path):
+    proc = run_cli("estimate", "--params", "1e9", "--world", "2", "--stage", "4", check=False)
+    assert proc.returncode == 2 and "--stage takes 1, 2, 3" in proc.stderr
+    proc = run_cli("estimate", "--params", "1e9", "--world", "0", check=False)
+    assert proc.returncode == 2 and "--world must be >= 1" in proc.stderr
+    proc = run_cli("estimate", "--world", "2", check=False)
+    assert proc.returncode == 2 and "--params" in proc.stderr and "--config" in proc.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    proc = run_cli("estimate", "--config", str(tmp_path), "--world", "2", check=False)
+    assert proc.returncode == 2 and "model_type" in proc.stderr
+
+
+def test_env_reports_this_machine():
+    from zero_py._native import _C
+    from zero_py.collectives import nccl
+    from zero_py.kernels import cuda
+
+    data = json.loads(run_cli("env", "--json").stdout)
+    assert data["torch"] == torch.__version__
+    assert data["zero_py"].startswith(zero_py.__version__)
+    assert data["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
+    assert data["CPU kernels"].startswith(_C.cpu_isa())
+    for key in ("safetensors", "transformers", "CPU"):
+        assert data[key]
+    why = cuda.unavailable_reason()
+    assert data["CUDA kernels"] == ("usable" if why is None else f"no: {why}")
+    why = nccl.unavailable_reason()
+    if why is None:
+        assert data["NCCL executor"].startswith("usable")
+    else:
+        assert data["NCCL executor"] == f"no: {why}"
+    table = run_cli("env").stdout
+    assert "CPU kernels" in table and "NCCL executor" in table
