@@ -6,9 +6,25 @@ from __future__ import annotations
 import sys
 
 
-def _consolidate(args) -> int:
-    import resource
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
 
+
+def _reset_peak_rss() -> bool:
+    """Resets the kernel's record of this process's peak RSS (Linux); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _consolidate(args) -> int:
     import torch
 
     from zero_py.checkpoint.consolidate import consolidate
@@ -21,16 +37,19 @@ def _consolidate(args) -> int:
             print(f"--dtype {args.dtype}: not a torch dtype (e.g. bfloat16, float32)",
                   file=sys.stderr)
             return 2
+    measured = _reset_peak_rss()  # the peak of consolidation alone, not of the imports
+    before = _status_kib("VmRSS")
     try:
         sizes = consolidate(args.checkpoint, args.out, dtype, args.optimizer,
                             verify=not args.no_verify)
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"consolidate: {exc}", file=sys.stderr)
         return 1
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    memory = (f"; resident memory {before / 1024:.1f} MiB before, at most "
+              f"{_status_kib('VmHWM') / 1024:.1f} MiB during it" if measured else "")
     print(f"wrote {args.out} ({sizes['weights']:,} bytes)"
           + (f" and {args.optimizer} ({sizes['optimizer']:,} bytes)" if args.optimizer else "")
-          + f"; peak resident memory {peak / 2**20:.1f} MiB")
+          + memory)
     return 0
 
 

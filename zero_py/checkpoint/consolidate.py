@@ -30,6 +30,16 @@ def _numel(shape) -> int:
     return n
 
 
+class _Scratch:
+    """One reusable host buffer; view(dtype, numel) is its start as a tensor of that type."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.empty(max(nbytes, 8), dtype=torch.uint8)
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.buf[:numel * dtype.itemsize].view(dtype)
+
+
 def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
                 optimizer_out: Optional[str] = None, verify: bool = True) -> Dict[str, int]:
     """Writes the checkpoint at `path` as full weights to `out` (in `dtype`, default each
@@ -49,11 +59,14 @@ def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
                    for name, b in man["buffers"].items()]
         writer = TensorFileWriter(out, [(k, d, s) for k, _, d, s in weights] + buffers,
                                   {"format": "pt", "zero_py_step": str(man["step"])})
+        # one buffer, the size of the largest tensor, holds each tensor in turn
+        scratch = _Scratch(max((_numel(s) * d.itemsize for _, _, d, s in weights), default=0))
         try:
             for _, name, dt, shape in weights:
                 entry = man["params"][name]
                 exact = dt == plain.dtype_of(entry["dtype"]) or not entry.get("master")
-                t = ck.read("param" if exact else "master", name, 0, _numel(shape), dt)
+                t = scratch.view(dt, _numel(shape))
+                ck.read_into("param" if exact else "master", name, 0, t.numel(), t)
                 writer.write(t)
             for name, _, _ in buffers:
                 writer.write(ck.buffer(name))
@@ -94,9 +107,12 @@ def _optimizer_file(ck: Checkpoint, out: str) -> int:
     meta = {"format": "pt", "param_groups": json.dumps(groups), "scalars": json.dumps(scalars),
             "optimizer": man["optimizer"]["class"]}
     writer = TensorFileWriter(out, specs, meta)
+    scratch = _Scratch(max((numel * 4 for _, _, numel, _ in reads), default=0))
     try:
-        for kind, name, numel, shape in reads:
-            writer.write(ck.read(kind, name, 0, numel, torch.float32).view(shape))
+        for kind, name, numel, _ in reads:
+            t = scratch.view(torch.float32, numel)
+            ck.read_into(kind, name, 0, numel, t)
+            writer.write(t)
     except BaseException:
         writer.abort()
         raise

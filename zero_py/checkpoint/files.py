@@ -18,6 +18,7 @@ import os
 import shutil
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,7 +29,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 ST_DTYPES = {v: k for k, v in _ST_DTYPES.items()}  # safetensors name -> torch dtype
 _HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts aligned
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors package's own limit
-_READ_CHUNK = 16 * 2**20
+_READ_CHUNK = 4 * 2**20  # checksums stream through one buffer this size
 
 
 class TensorFileWriter:
@@ -141,16 +142,20 @@ def read_header(path: str) -> dict:
 
 
 def file_crc32(path: str) -> int:
-    """CRC-32 of a whole file, read in chunks."""
+    """CRC-32 of a whole file. Two buffers: a thread reads the next chunk while this one sums
+    the last (both release the GIL), so the check costs about max(read, sum), not their sum."""
     crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
+    bufs = (bytearray(_READ_CHUNK), bytearray(_READ_CHUNK))
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(f.readinto, bufs[0])
+        k = 0
         while True:
-            n = f.readinto(buf)
+            n = pending.result()
             if not n:
                 return crc
-            crc = zlib.crc32(view[:n], crc)
+            pending = pool.submit(f.readinto, bufs[1 - k])
+            crc = zlib.crc32(memoryview(bufs[k])[:n], crc)
+            k = 1 - k
 
 
 def fsync_dir(path: str) -> None:

@@ -7,8 +7,10 @@ the model (tied parameters once, under their first name) Held says:
 - which elements this rank saves, [lo, hi) of the flattened parameter: its slice of the flat
   layout (every stage), or for a parameter outside the optimizer's storage (frozen under stages
   1-2, or not given to the optimizer), an even split of the elements over the ranks;
-- which elements a load fills, [load_lo, load_hi): the same slice under stage 3 (a rank holds
-  only that), the whole parameter under stages 1-2 (every rank holds every value);
+- which elements a load reads, [load_lo, load_hi): the same slice for a parameter in the
+  optimizer's storage (under stages 1-2 the storage's all-gather then gives every rank the
+  rest, as after a step), the whole parameter for one outside it (replicated, read by every
+  rank);
 - the optimizer's ShardSlice for a trainable parameter (its masters and states cover exactly
   [lo, hi)).
 """
@@ -66,10 +68,7 @@ def holdings(model: nn.Module, optimizer) -> Dict[str, Held]:
             s = storage.slice_of_param.get(i)
             lo, hi = (s.param_lo, s.param_hi) if s is not None else (0, 0)
             values = storage.owned_values(i)
-            if storage.params_sharded:
-                load = (lo, hi, values)
-            else:
-                load = (0, numel, storage.param_view(i))
+            load = (lo, hi, values)  # stages 1-2: the storage's all-gather fills the rest
             trainable = storage is flat
             out[name] = Held(name, shape, p.dtype, p.requires_grad, lo, hi, values, *load,
                              s if trainable else None, i if trainable else None)

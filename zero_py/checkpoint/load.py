@@ -5,8 +5,10 @@ sizes, headers, the save every file belongs to, and the CRC-32 of a share of the
 k is read by rank k mod world size), and the checkpoint against the model and optimizer (names,
 shapes, optimizer class and state, param groups, loss scaler, buffers). The ranks agree on the
 outcome, so a bad checkpoint raises the same error on every rank. Only then does each rank read
-what it holds (holdings.py): under stage 3 its slices of the parameters, under stages 1-2 the
-whole parameters, and always only its own slices of the fp32 masters and optimizer states.
+what it owns (holdings.py): its slices of the parameters (under stages 1-2 an all-gather then
+makes them every rank's, as after a step) and of the fp32 masters and optimizer states.
+Parameters outside the optimizer's storage (frozen under stages 1-2) are read whole by every
+rank.
 """
 
 from __future__ import annotations
@@ -118,8 +120,16 @@ def _install(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dic
         s = h.slice
         if s is None:
             continue
-        state: Dict[str, Any] = {"step": opt._step_count[h.index]}
         st = entry.get("state") if entry.get("step") else None
+        master_kind = "master" if entry.get("master") else "param"
+        views = opt._state_views(s)
+        if views is not None:  # the fused path: straight into the live tensors
+            for key in st["keys"] if st is not None else ():
+                ck.read_into(f"state/{key}", name, s.param_lo, s.param_hi, views[key])
+            if "master_param" in views and entry["trainable"]:
+                ck.read_into(master_kind, name, s.param_lo, s.param_hi, views["master_param"])
+            continue
+        state: Dict[str, Any] = {"step": opt._step_count[h.index]}
         if st is not None:
             for key in st["keys"]:
                 state[key] = ck.read(f"state/{key}", name, s.param_lo, s.param_hi, torch.float32)
@@ -129,8 +139,8 @@ def _install(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dic
                                              dtype=plain.dtype_of(st["step_tensor"]))
         if opt._masters.piece(s.bucket) is not None and entry["trainable"]:
             # the fp32 value: the saved master, or the saved parameter when it had none (fp32)
-            state["master_param"] = ck.read("master" if entry.get("master") else "param", name,
-                                            s.param_lo, s.param_hi, torch.float32)
+            state["master_param"] = ck.read(master_kind, name, s.param_lo, s.param_hi,
+                                            torch.float32)
         if st is not None:
             opt._install_slice(s, state)
         elif "master_param" in state:
@@ -180,7 +190,10 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
         ck.close()
     agree(ex, error, "load_checkpoint")
     with torch.no_grad():
-        for storage in (opt._flat, getattr(opt._flat, "frozen_storage", None)):
-            if storage is not None and storage.params_sharded:
-                storage.publish(ex, [])  # units held whole (persistent) get the new values
+        flat = opt._flat
+        # stages 1-2: every rank's slices to every rank; stage 3: refresh the units held whole
+        flat.publish(ex, [] if flat.params_sharded else range(flat.n_buckets))
+        frozen = getattr(flat, "frozen_storage", None)
+        if frozen is not None:
+            frozen.publish(ex, [])
     return extra

@@ -344,6 +344,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if master is not None and "master_param" in state:
             master[s.piece_lo:s.piece_hi].copy_(state["master_param"].reshape(-1))
 
+    def _state_views(self, s) -> Optional[Dict[str, torch.Tensor]]:
+        """Live views of slice s's per-element state and its fp32 master ("master_param", when
+        the parameter has one), for a loader to fill in place; None on the torch.optim path,
+        whose state goes through _install_slice."""
+        if not self.uses_fused_kernel:
+            return None
+        views = self._update.state_views(s)
+        master = self._masters.piece(s.bucket)
+        if master is not None:
+            views["master_param"] = master[s.piece_lo:s.piece_hi]
+        return views
+
     def _rounding_seed_base(self) -> int:
         """The stochastic-rounding seed of this rank before its first step (it counts steps)."""
         return 0x5EED + 7919 * self.executor.rank

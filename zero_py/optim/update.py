@@ -182,6 +182,12 @@ class FusedUpdate(_Update):
         for k, t in zip(self.keys, states):
             t[lo:lo + s.numel].copy_(state[k].reshape(-1))
 
+    def state_views(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
+        """Live views of slice s's state tensors (allocated at first use), to fill in place."""
+        states = self._ensure_states()
+        lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
+        return {k: t[lo:lo + s.numel] for k, t in zip(self.keys, states)}
+
     def reset(self) -> None:
         self.states = None
 

@@ -1,0 +1,199 @@
+"""Checkpoint save and load throughput: zero_py against the disk and torch.distributed.checkpoint.
+
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_io.py [--params-m 64] [--rounds 3]
+             [--dir /tmp/zp_ckpt_bench]
+
+One model (a stack of square fp32 Linear layers, --params-m million parameters) trained one
+step with AdamW two ways: zero_py stage 2 and DDP + torch.optim.AdamW. Both checkpoints hold
+the same bytes (parameters and two fp32 states: 12 bytes per parameter). Each round takes turns:
+
+    disk       every rank writes a file of its share of those bytes (write + fsync), reads it
+    zero_py    zero_py.save_checkpoint / load_checkpoint (checksums verified on load)
+    dcp        torch.distributed.checkpoint.save / load of DDP's model and optimizer state
+               dicts (get_state_dict / set_state_dict; replicated tensors are written once)
+
+Before every read the files are evicted from the page cache (posix_fadvise DONTNEED after
+fsync), so loads read the disk. Throughput = checkpoint bytes / wall time of the call on the
+slowest rank (a barrier before and after). Rank 0 prints the medians and the ratios; then
+`python -m zero_py consolidate` runs on the zero_py checkpoint and its peak RSS is printed
+beside the largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero_py
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def build(params_m: float, width: int = 2048) -> nn.Module:
+    n_layers = max(1, round(params_m * 1e6 / (width * width + width)))
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(n_layers)])
+
+
+def one_step(model, opt, seed: int) -> None:
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def evict(paths) -> None:
+    """Drops the files' pages from the page cache (they are fsynced: clean pages go)."""
+    for root in paths:
+        for dirpath, _, files in os.walk(root) if os.path.isdir(root) else [("", [], [root])]:
+            for name in files:
+                path = os.path.join(dirpath, name)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def disk_write(path: str, nbytes: int) -> None:
+    buf = memoryview(torch.randint(0, 255, (min(nbytes, 64 * 2**20),),
+                                   dtype=torch.uint8).numpy())
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left:
+            left -= f.write(buf[:min(left, len(buf))])
+        os.fsync(f.fileno())
+
+
+def disk_read(path: str) -> None:
+    buf = bytearray(64 * 2**20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params-m", type=float, default=64.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/zp_ckpt_bench")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    root = args.dir
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
+
+    torch.manual_seed(0)
+    zmodel = build(args.params_m)
+    zmodel, zopt = zero_py.initialize(zmodel, torch.optim.AdamW, stage=2, lr=1e-4)
+    one_step(zmodel, zopt, rank)
+    torch.manual_seed(0)
+    ddp = DDP(build(args.params_m))
+    dopt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    one_step(ddp, dopt, rank)
+    n_params = sum(p.numel() for p in zmodel.parameters())
+
+    zpath, dpath = os.path.join(root, "zero_py"), os.path.join(root, "dcp")
+    raw = os.path.join(root, f"raw{rank}.bin")
+    times = {k: [] for k in ("disk save", "zero_py save", "dcp save", "disk load",
+                             "zero_py load", "zero_py load (no verify)", "dcp load")}
+    ck_bytes = None
+    for _ in range(args.rounds):
+        if rank == 0:
+            shutil.rmtree(dpath, ignore_errors=True)
+        dist.barrier()
+        times["zero_py save"].append(timed(lambda: zero_py.save_checkpoint(zpath, zmodel, zopt)))
+        ck_bytes = dir_bytes(zpath)
+        times["disk save"].append(timed(lambda n=ck_bytes // world: disk_write(raw, n)))
+
+        def dcp_save():
+            msd, osd = get_state_dict(ddp, dopt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=dpath)
+
+        times["dcp save"].append(timed(dcp_save))
+        evict([raw, zpath, dpath])
+        times["disk load"].append(timed(lambda: disk_read(raw)))
+        evict([zpath])
+        times["zero_py load"].append(timed(lambda: zero_py.load_checkpoint(zpath, zmodel, zopt)))
+        evict([zpath])
+        times["zero_py load (no verify)"].append(
+            timed(lambda: zero_py.load_checkpoint(zpath, zmodel, zopt, verify=False)))
+
+        def dcp_load():
+            msd, osd = get_state_dict(ddp, dopt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=dpath)
+            set_state_dict(ddp, dopt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+
+        evict([dpath])
+        times["dcp load"].append(timed(dcp_load))
+    dcp_bytes = dir_bytes(dpath) if rank == 0 else 0
+    if rank == 0:
+        gb = ck_bytes / 1e9
+        print(f"# checkpoint I/O, {world} ranks, {cpu_model()}, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}")
+        print(f"# {n_params / 1e6:.1f}M fp32 parameters + AdamW: zero_py checkpoint "
+              f"{ck_bytes / 1e6:.1f} MB, DCP checkpoint {dcp_bytes / 1e6:.1f} MB; "
+              f"median of {args.rounds} rounds, page cache evicted before loads\n")
+        print("| what | median s | GB/s | vs disk | zero_py / dcp |")
+        print("|---|---:|---:|---:|---:|")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, t in med.items():
+            kind = "save" if "save" in k else "load"
+            vs_disk = med[f"disk {kind}"] / t
+            vs_dcp = (f"{med[f'dcp {kind}'] / t:.2f}x faster" if k.startswith("zero_py")
+                      else "")
+            print(f"| {k} | {t:.3f} | {gb / t:.2f} | {100 * vs_disk:.0f}% | {vs_dcp} |")
+        largest = max(p.numel() * p.element_size() for p in zmodel.parameters())
+        out = os.path.join(root, "full.safetensors")
+        res = subprocess.run([sys.executable, "-m", "zero_py", "consolidate", zpath, out],
+                             capture_output=True, text=True)
+        print(f"\nconsolidate: {res.stdout.strip() or res.stderr.strip()}")
+        print(f"largest tensor {largest / 2**20:.1f} MiB")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
