@@ -4,6 +4,7 @@ Single process, run from anywhere once zero_py is installed (DeepSpeed is option
 
     python benchmarks/optim_kernels.py [--sizes 10,30] [--kinds adamw,adam,sgd,adagrad,lion]
                                        [--params fp32,bf16] [--reps 15] [--json optim.json]
+                                       [--variants 'ZP_CPU_ISA=avx2;ZP_CPU_PREFETCH=0']
 
 Add 100 to --sizes for 100M parameters (about 7 GB of memory at the peak). Run it on an
 otherwise idle machine: with few cores, one other busy process slows every candidate by a
@@ -229,8 +230,26 @@ def check_against_torch(kind, params, numel=2**20):
     return diffs
 
 
-def candidates(kind, params, numel, gen):
-    """name -> (bytes per parameter, zero-argument function running one repetition)."""
+def with_env(env, fn):
+    """fn with the environment variables `env` set around each call (the C kernels read
+    ZP_CPU_* at every call), restored after it."""
+    def rep():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return rep
+
+
+def candidates(kind, params, numel, gen, variants=()):
+    """name -> (bytes per parameter, zero-argument function running one repetition).
+    variants: environments ({ZP_CPU_...: value}) for extra zero_py candidates."""
     nbytes = update_bytes(kind)
     master = torch.randn(numel, generator=gen)
     grad = torch.randn(numel, generator=gen).to(PARAM_DTYPE[params])
@@ -259,6 +278,9 @@ def candidates(kind, params, numel, gen):
 
     runs = {"zero_py": (nbytes, zero_py_rep),
             "bound": (nbytes, bound_rep(grad, [master] + zp_states, param_out))}
+    for env in variants:
+        runs["zero_py " + ",".join(f"{k}={v}" for k, v in env.items())] = (
+            nbytes, with_env(env, zero_py_rep))
     if kind == "lion":
         exp_avg, buf = torch.zeros(numel), torch.empty(numel)
         runs["torch ops"] = (nbytes, with_casts(lambda: lion_torch(master, param.grad, exp_avg,
@@ -324,6 +346,10 @@ def main():
                         help="comma-separated parameter precisions: fp32, bf16")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per candidate")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--variants", default="",
+                        help="extra zero_py candidates, ';'-separated, each a ','-separated "
+                             "list of ZP_CPU_*=value (e.g. 'ZP_CPU_ISA=avx2;ZP_CPU_PREFETCH=0'"
+                             "): which path is fastest on this CPU, in the same run")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
     kinds, precisions = args.kinds.split(","), args.params.split(",")
@@ -334,16 +360,25 @@ def main():
         if p not in PARAM_DTYPE:
             parser.error(f"unknown parameter precision {p!r}; choose from fp32, bf16")
 
+    variants = []
+    for spec in filter(None, args.variants.split(";")):
+        env = dict(item.split("=", 1) for item in spec.split(","))
+        if not all(k.startswith("ZP_CPU_") for k in env):
+            parser.error(f"--variants: {spec!r} sets something other than ZP_CPU_*")
+        variants.append(env)
+
     torch.set_num_threads(os.cpu_count())
     sizes = [int(float(s) * 1e6) for s in args.sizes.split(",")]
     tuning = kernels.cpu_tuning()
     info = {"cpu": cpu_model(), "cpu_isa": tuning["isa"], "cpu_vendor": tuning["vendor"],
-            "prefetch_bytes": tuning["prefetch_bytes"],
+            "prefetch_bytes": tuning["prefetch_bytes"], "prefetch_into": tuning["prefetch_into"],
+            "split": tuning["split"],
             "torch_threads": torch.get_num_threads(),
             "zero_py_threads": kernels.default_threads(), "torch": torch.__version__,
             "deepspeed": DEEPSPEED_MISSING or deepspeed.__version__}
     print(f"CPU: {info['cpu']} ({info['cpu_vendor']}), {os.cpu_count()} CPUs; zero_py ISA: "
-          f"{info['cpu_isa']}, prefetch {info['prefetch_bytes']} B, "
+          f"{info['cpu_isa']}, prefetch {info['prefetch_bytes']} B into "
+          f"{info['prefetch_into'].upper()}, split {info['split']}, "
           f"{info['zero_py_threads']} threads; torch {info['torch']}, "
           f"{info['torch_threads']} threads")
     print(f"DeepSpeed: {info['deepspeed']}" if DEEPSPEED_MISSING is None else
@@ -372,7 +407,7 @@ def main():
         groups = []
         for params in precisions:
             for kind in kinds:
-                runs = {**candidates(kind, params, numel, gen), **bandwidth}
+                runs = {**candidates(kind, params, numel, gen, variants), **bandwidth}
                 times = measure({name: fn for name, (_, fn) in runs.items()}, args.reps,
                                 args.warmup)
                 groups.append((params, kind, {name: (runs[name][0], times[name])

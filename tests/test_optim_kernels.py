@@ -348,8 +348,9 @@ def test_bad_tables_and_stats_inputs_raise_value_error():
 
 # ---- run-time tuning (csrc/kernels/cpu/tuning.h): every path against torch.optim ----------
 
-PATHS = [("avx512", "2048", "blocks"), ("avx512", "0", "static"), ("avx2", "2048", "blocks"),
-         ("avx2", "0", "blocks"), ("avx2", "100", "static"), ("scalar", "2048", "blocks")]
+PATHS = [("avx512", "2048", "blocks"), ("avx512", "0", "static"), ("avx512", "2048:l1", "blocks"),
+         ("avx2", "2048", "blocks"), ("avx2", "0", "blocks"), ("avx2", "100:l1", "static"),
+         ("scalar", "2048", "blocks")]
 
 
 @pytest.mark.parametrize("isa,prefetch,split", PATHS)
@@ -363,7 +364,8 @@ def test_every_path_matches_its_torch_optim_twin(monkeypatch, name, isa, prefetc
     monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
     monkeypatch.setenv("ZP_CPU_SPLIT", split)
     tuning = kernels.cpu_tuning()
-    assert tuning["prefetch_bytes"] == int(prefetch) and tuning["split"] == split
+    assert tuning["prefetch_bytes"] == int(prefetch.split(":")[0]) and tuning["split"] == split
+    assert tuning["prefetch_into"] == ("l1" if prefetch.endswith(":l1") else "l2")
     if isa != "avx512" or tuning["isa"] == "avx512":  # avx512 only where the CPU has it
         assert tuning["isa"] == isa or (isa == "avx2" and tuning["isa"] == "scalar")
     _run_twin(name, torch.float32, torch.float32, n=140_001, threads=2, steps=8)
@@ -372,7 +374,7 @@ def test_every_path_matches_its_torch_optim_twin(monkeypatch, name, isa, prefetc
 
 def test_prefetch_distance_does_not_change_bits(monkeypatch):
     outs = []
-    for prefetch in ("0", "64", "100", "2048", "65536"):
+    for prefetch in ("0", "64", "100", "2048", "65536", "2048:l1", "100:l1"):
         monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
         outs.append(_isa_workload())
     for out in outs[1:]:
@@ -393,11 +395,15 @@ def test_cpu_tuning_defaults_and_overrides(monkeypatch):
     assert t["prefetch_bytes"] == 2048 and t["split"] == "blocks"
     if t["vendor"] == "amd":  # the vendor default: 256-bit bodies on AMD (tuning.h)
         assert t["isa"] in ("avx2", "scalar")
-    for bad in ("-1", "abc", "9" * 30, "2048x"):  # ignored: the default stays
+    assert t["prefetch_into"] == "l2"
+    for bad in ("-1", "abc", "9" * 30, "2048x", ":l1", "2048:l3"):  # ignored: the default stays
         monkeypatch.setenv("ZP_CPU_PREFETCH", bad)
         assert kernels.cpu_tuning()["prefetch_bytes"] == 2048
     monkeypatch.setenv("ZP_CPU_PREFETCH", "0")
     assert kernels.cpu_tuning()["prefetch_bytes"] == 0
+    monkeypatch.setenv("ZP_CPU_PREFETCH", "4096:l1")
+    assert kernels.cpu_tuning()["prefetch_bytes"] == 4096
+    assert kernels.cpu_tuning()["prefetch_into"] == "l1"
     monkeypatch.setenv("ZP_CPU_ISA", "scalar")
     assert kernels.cpu_isa() == "scalar" and kernels.cpu_tuning()["isa"] == "scalar"
 
@@ -413,6 +419,7 @@ def test_stream_bound_moves_every_stream_and_changes_nothing(monkeypatch, isa, n
     their bits (NaNs included), write streams are zeroed, for every ISA, both splits."""
     monkeypatch.setenv("ZP_CPU_ISA", isa)
     monkeypatch.setenv("ZP_CPU_SPLIT", "static" if n % 2 else "blocks")
+    monkeypatch.setenv("ZP_CPU_PREFETCH", "2048:l1" if n == 1000 else "2048")
     gen = torch.Generator().manual_seed(n)
     streams = []
     for dtype, access in [(torch.float32, "read"), (torch.bfloat16, "read"),

@@ -354,7 +354,7 @@ void test_optim_isas_and_threads_agree(void) {
     f->segs[s].step = specs[s].first_step; /* SGD's step-1 path included */
   /* the prefetch distance changes with the thread count so that every ISA meets every
    * distance (none, less than a line, the default, far) without 3 x 3 x 4 runs */
-  static const char *prefetch[] = {"0", "100", "2048", "65536"};
+  static const char *prefetch[] = {"0", "100:l1", "2048", "65536"};
   int runs = 0;
   for (int isa = 0; isa < 3; isa++) {
     setenv("ZP_CPU_ISA", isas[isa], 1);
@@ -580,13 +580,18 @@ void test_cpu_tuning_env(void) {
   setenv("ZP_CPU_ISA", "avx2", 1);
   CHECK(zp_cpu_tuning_pick().isa <= ZP_ISA_AVX2);
   unsetenv("ZP_CPU_ISA");
-  static const char *bad[] = {"-1", "x", "12ab", "99999999999999999999", "2097152"};
+  static const char *bad[] = {"-1", "x", "12ab", "99999999999999999999", "2097152", ":l1",
+                              "64:l3"};
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     setenv("ZP_CPU_PREFETCH", bad[i], 1);
     CHECK_MSG(zp_cpu_tuning_pick().prefetch_bytes == ZP_CPU_PREFETCH_DEFAULT,
               "ZP_CPU_PREFETCH=%s was not ignored", bad[i]);
   }
+  CHECK_EQ(zp_cpu_tuning_pick().prefetch_l1, 0);
   setenv("ZP_CPU_PREFETCH", "0", 1);
   CHECK_EQ(zp_cpu_tuning_pick().prefetch_bytes, 0);
+  setenv("ZP_CPU_PREFETCH", "512:l1", 1);
+  CHECK_EQ(zp_cpu_tuning_pick().prefetch_bytes, 512);
+  CHECK_EQ(zp_cpu_tuning_pick().prefetch_l1, 1);
   unsetenv("ZP_CPU_PREFETCH");
 }

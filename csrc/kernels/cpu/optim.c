@@ -31,7 +31,8 @@
 /* zp_opt_coef and zp_opt_coef_make (the per-segment constants) are optim_common.h's, shared
  * with the CUDA family. */
 
-/* pf: software prefetch distance in elements (0: none); the scalar bodies ignore it. */
+/* pf: software prefetch distance in elements (0: none; negative: into L1, see ZP_PF); the scalar
+ * bodies ignore it. */
 typedef void (*zp_opt_body)(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                             float *restrict s0, float *restrict s1, float *restrict s2, int64_t n,
                             int64_t pf);
@@ -111,10 +112,17 @@ static void zp_lion_scalar(const zp_opt_coef *c, float *restrict p, const float 
 }
 
 #ifdef ZP_X86
-/* Software prefetch `pf` elements ahead (tuning.h; 2 KiB by default): the hardware prefetcher
- * alone leaves ~15% of the bandwidth unused with four streams per core. Into L2, not L1: see
- * tuning.h. A prefetch past the end of a buffer is harmless. */
-#define ZP_PF(ptr, at) _mm_prefetch((const char *)((ptr) + (at) + pf), _MM_HINT_T1)
+/* Software prefetch |pf| elements ahead (tuning.h; 2 KiB by default): the hardware prefetcher
+ * alone leaves ~15% of the bandwidth unused with four streams per core. Into L2 (pf > 0), or
+ * L1 (pf < 0: ZP_CPU_PREFETCH=<bytes>:l1); see tuning.h. A prefetch past the end of a buffer is
+ * harmless. */
+static inline void zp_prefetch(const float *at, int64_t pf) {
+  if (pf != 0)
+    _mm_prefetch((const char *)(at + pf), _MM_HINT_T1);
+  else
+    _mm_prefetch((const char *)(at - pf), _MM_HINT_T0);
+}
+#define ZP_PF(ptr, at) zp_prefetch((ptr) + (at), pf)
 
 /* ---- AVX2 + FMA: 8 lanes ---- */
 #define ZP_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -130,7 +138,7 @@ ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const 
   const int l2 = c->use_l2, small = c->lerp_small, ams = c->amsgrad;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (pf > 0 && (i & 15) == 0) {
+    if (pf != 0 && (i & 15) == 0) {
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
       if (ams)
         ZP_PF(vmax, i);
@@ -167,7 +175,7 @@ ZP_AVX2 static void zp_sgd_avx2(const zp_opt_coef *c, float *restrict p, const f
   const int l2 = c->use_l2, momentum = c->momentum, first = c->first, nesterov = c->nesterov;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (pf > 0 && (i & 15) == 0) {
+    if (pf != 0 && (i & 15) == 0) {
       ZP_PF(p, i), ZP_PF(g, i);
       if (momentum && !first)
         ZP_PF(buf, i);
@@ -194,7 +202,7 @@ ZP_AVX2 static void zp_adagrad_avx2(const zp_opt_coef *c, float *restrict p,
   const int l2 = c->use_l2;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (pf > 0 && (i & 15) == 0)
+    if (pf != 0 && (i & 15) == 0)
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
     __m256 pi = _mm256_loadu_ps(p + i);
     __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
@@ -218,7 +226,7 @@ ZP_AVX2 static void zp_lion_avx2(const zp_opt_coef *c, float *restrict p, const 
   const __m256 zero = _mm256_setzero_ps(), neg_zero = _mm256_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (pf > 0 && (i & 15) == 0)
+    if (pf != 0 && (i & 15) == 0)
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
     __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
     __m256 mi = _mm256_loadu_ps(m + i);
@@ -284,7 +292,7 @@ ZP_AVX512 static void zp_adam_avx512(const zp_opt_coef *c, float *restrict p,
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    if (pf > 0) {
+    if (pf != 0) {
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
       ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(m, i + 16), ZP_PF(v, i + 16);
       if (k.ams)
@@ -304,7 +312,7 @@ ZP_AVX512 static void zp_sgd_avx512(const zp_opt_coef *c, float *restrict p,
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    if (pf > 0) {
+    if (pf != 0) {
       ZP_PF(p, i), ZP_PF(g, i);
       if (k.momentum && !k.first)
         ZP_PF(buf, i);
@@ -342,7 +350,7 @@ ZP_AVX512 static void zp_adagrad_avx512(const zp_opt_coef *c, float *restrict p,
   const zp_coef512 k = zp_coef512_load(c);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    if (pf > 0) {
+    if (pf != 0) {
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(sum, i);
       ZP_PF(p, i + 16), ZP_PF(g, i + 16), ZP_PF(sum, i + 16);
     }
@@ -362,7 +370,7 @@ ZP_AVX512 static void zp_lion_avx512(const zp_opt_coef *c, float *restrict p,
   const __m512 zero = _mm512_setzero_ps(), neg_zero = _mm512_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    if (pf > 0)
+    if (pf != 0)
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i);
     __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k.scale);
     __m512 mi = _mm512_loadu_ps(m + i);
@@ -392,7 +400,7 @@ typedef struct {
   int32_t n_segments;
   const zp_opt_body *bodies;
   const zp_convert_ops *convert;
-  int64_t pf; /* prefetch distance in fp32 elements */
+  int64_t pf; /* prefetch distance in fp32 elements; negative: into L1 */
 } zp_opt_job;
 
 static float *zp_at(float *p, int64_t i) { return p ? p + i : NULL; }
@@ -480,7 +488,7 @@ zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
                     n_segments,
                     zp_opt_bodies[tune.isa],
                     zp_convert_ops_for(tune.isa),
-                    tune.prefetch_bytes / (int64_t)sizeof(float)};
+                    tune.prefetch_bytes / (int64_t)sizeof(float) * (tune.prefetch_l1 ? -1 : 1)};
   /* 64 elements: a cache line of fp32 and two of bf16 per range start; below 64K elements a
    * thread is not worth starting. */
   const int64_t n = starts[n_segments];

@@ -21,7 +21,7 @@
 typedef struct {
   zp_stream s[ZP_STREAM_MAX];
   int32_t n;
-  int64_t pf_bytes;
+  int64_t pf_bytes; /* negative: into L1 */
   uint32_t mask; /* 0, from the caller's side of the compiler's view */
   zp_isa isa;
 } zp_bound_job;
@@ -79,7 +79,14 @@ static void zp_bound_sort(const zp_bound_job *job, zp_bound_sorted *o) {
   }
 }
 
-#define ZP_BPF(ptr) _mm_prefetch((ptr) + pf, _MM_HINT_T1)
+/* pf > 0: into L2; pf < 0: into L1 (ZP_CPU_PREFETCH=<bytes>:l1), as the bodies */
+#define ZP_BPF(ptr)                                  \
+  do {                                               \
+    if (pf > 0)                                      \
+      _mm_prefetch((ptr) + pf, _MM_HINT_T1);         \
+    else                                             \
+      _mm_prefetch((ptr) - pf, _MM_HINT_T0);         \
+  } while (0)
 
 /* One body per ISA, inlined into each caller with the stream counts as constants, so that the
  * common shapes (below) run with their loops over streams unrolled, as the optimizer bodies
@@ -94,10 +101,10 @@ zp_bound_avx2_body(ZP_BOUND_ARGS) {
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
     const int64_t b4 = i * 4, b2 = i * 2;
-    const int line2 = pf > 0 && (i & 31) == 0;
+    const int line2 = pf != 0 && (i & 31) == 0;
     __m256i acc = zero;
     for (int32_t k = 0; k < nr4; k++) {
-      if (pf > 0)
+      if (pf != 0)
         ZP_BPF(o->r4[k] + b4);
       acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o->r4[k] + b4)));
       acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i *)(o->r4[k] + b4 + 32)));
@@ -110,7 +117,7 @@ zp_bound_avx2_body(ZP_BOUND_ARGS) {
     acc = _mm256_and_si256(acc, mask);
     for (int32_t k = 0; k < nu4; k++) {
       __m256i *d = (__m256i *)(o->u4[k] + b4);
-      if (pf > 0)
+      if (pf != 0)
         ZP_BPF(o->u4[k] + b4);
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc));
       _mm256_storeu_si256(d + 1, _mm256_xor_si256(_mm256_loadu_si256(d + 1), acc));
@@ -137,10 +144,10 @@ zp_bound_avx512_body(ZP_BOUND_ARGS) {
   int64_t i = lo;
   for (; i + 16 <= hi; i += 16) {
     const int64_t b4 = i * 4, b2 = i * 2;
-    const int line2 = pf > 0 && (i & 31) == 0;
+    const int line2 = pf != 0 && (i & 31) == 0;
     __m512i acc = _mm512_setzero_si512();
     for (int32_t k = 0; k < nr4; k++) {
-      if (pf > 0)
+      if (pf != 0)
         ZP_BPF(o->r4[k] + b4);
       acc = _mm512_or_si512(acc, _mm512_loadu_si512(o->r4[k] + b4));
     }
@@ -154,7 +161,7 @@ zp_bound_avx512_body(ZP_BOUND_ARGS) {
     const __m256i acc2 = _mm512_castsi512_si256(acc);
     for (int32_t k = 0; k < nu4; k++) {
       char *d = o->u4[k] + b4;
-      if (pf > 0)
+      if (pf != 0)
         ZP_BPF(d);
       _mm512_storeu_si512(d, _mm512_xor_si512(_mm512_loadu_si512(d), acc));
     }
@@ -270,7 +277,7 @@ zp_status zp_stream_bound_cpu(const zp_stream *streams, int32_t n_streams, int64
   memset(&job, 0, sizeof job);
   memcpy(job.s, streams, (size_t)n_streams * sizeof *streams);
   job.n = n_streams;
-  job.pf_bytes = tune.prefetch_bytes;
+  job.pf_bytes = tune.prefetch_l1 ? -(int64_t)tune.prefetch_bytes : tune.prefetch_bytes;
   job.mask = zp_bound_mask;
   job.isa = tune.isa;
   /* zp_opt_step_cpu's split, so that both see the same ranges */

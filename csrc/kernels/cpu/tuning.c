@@ -73,15 +73,19 @@ zp_isa zp_isa_pick(void) {
 }
 
 zp_cpu_tuning zp_cpu_tuning_pick(void) {
-  zp_cpu_tuning t = {zp_isa_pick(), ZP_CPU_PREFETCH_DEFAULT, 0, zp_cpu_vendor_id()};
+  zp_cpu_tuning t = {zp_isa_pick(), ZP_CPU_PREFETCH_DEFAULT, 0, 0, zp_cpu_vendor_id()};
   const char *split = getenv("ZP_CPU_SPLIT");
   t.split_static = split != NULL && strcmp(split, "static") == 0;
   const char *env = getenv("ZP_CPU_PREFETCH");
   if (env != NULL && env[0] != '\0') {
     char *end;
     long v = strtol(env, &end, 10);
-    if (*end == '\0' && v >= 0 && v <= ZP_CPU_PREFETCH_MAX)
+    int l1 = strcmp(end, ":l1") == 0;
+    if ((*end == '\0' || l1 || strcmp(end, ":l2") == 0) && end != env && v >= 0 &&
+        v <= ZP_CPU_PREFETCH_MAX) {
       t.prefetch_bytes = (int32_t)v;
+      t.prefetch_l1 = l1;
+    }
   }
   return t;
 }

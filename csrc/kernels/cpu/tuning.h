@@ -8,7 +8,8 @@
  *   ZP_CPU_ISA       "avx512", "avx2" or "scalar": use that body (capped by what the CPU runs);
  *                    unset or empty: the vendor's default below.
  *   ZP_CPU_PREFETCH  software prefetch distance per stream in bytes (0 turns it off, at most
- *                    ZP_CPU_PREFETCH_MAX); unset or empty: the vendor's default.
+ *                    ZP_CPU_PREFETCH_MAX), into L2; "<bytes>:l1" prefetches into L1 instead
+ *                    (PREFETCHT0, as before this file existed); unset or empty: the default.
  *   ZP_CPU_SPLIT     "blocks" (default): threads take 64K-element blocks in turn, so a thread
  *                    slowed by another process or an SMT sibling does less of the work;
  *                    "static": one contiguous range per thread.
@@ -35,6 +36,7 @@ typedef enum { ZP_VENDOR_OTHER = 0, ZP_VENDOR_INTEL = 1, ZP_VENDOR_AMD = 2 } zp_
 typedef struct {
   zp_isa isa;               /* the bodies to run; the CPU runs it */
   int32_t prefetch_bytes;   /* per stream, ahead of the element being read; 0: none */
+  int32_t prefetch_l1;      /* 1: PREFETCHT0 (into L1); 0: PREFETCHT1 (into L2) */
   int32_t split_static;     /* 1: one range per thread (zp_parallel_for); 0: blocks in turn */
   zp_cpu_vendor vendor;
 } zp_cpu_tuning;
