@@ -48,8 +48,11 @@ def test_estimate_table_for_a_parameter_count():
                 "total"):
         assert row in out
     assert "--unit-params" in out  # the assumption is said
-    side = run_cli("estimate", "--params", "7e9", "--world", "8").stdout
+    side = run_cli("estimate", "--params", "7B", "--world", "8").stdout
     assert all(f"stage {s}" in side for s in (1, 2, 3))
+    assert "7,000,000,000 parameters" in side
+    proc = run_cli("estimate", "--params", "seven", "--world", "8", check=False)
+    assert proc.returncode == 2 and "not a parameter count" in proc.stderr
 
 
 def test_estimate_json_is_estimate_memory():

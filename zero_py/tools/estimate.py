@@ -330,6 +330,18 @@ def hf_block_policy(model: nn.Module):
     return classes or None
 
 
+def _count(text: str) -> float:
+    """A parameter count: 7e9, 7000000000, 7B, 1.3b, 350M, 125k."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1:].lower())
+    try:
+        return float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(
+            f"not a parameter count: {text!r} (e.g. 7e9 or 7B)") from None
+
+
 def _parse_stages(text: str) -> List[int]:
     try:
         stages = sorted({int(s) for s in text.split(",")})
@@ -347,7 +359,7 @@ def register(subparsers) -> None:
                     "states, stage 3's working set, buffers) under zero_py, stages side by "
                     "side, beside DDP. Give the model as --params or --config.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    what.add_argument("--params", type=_count, help="parameter count, e.g. 7e9 or 7B")
     what.add_argument("--config", help="a Hugging Face config.json (or its folder): the model "
                                        "is built on the meta device and its parameters counted")
     p.add_argument("--world", type=int, required=True, help="data-parallel ranks")
@@ -359,10 +371,10 @@ def register(subparsers) -> None:
                    choices=["adamw", "adam", "sgd", "sgd-momentum", "adagrad", "lion"])
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                    help="gradient bucket size of stages 1-2 (default 25 MiB)")
-    p.add_argument("--unit-params", type=float,
+    p.add_argument("--unit-params", type=_count,
                    help="stage 3, with --params: the largest unit's parameter count (default: "
                         "1/16 of the model)")
-    p.add_argument("--root-params", type=float, default=0,
+    p.add_argument("--root-params", type=_count, default=0,
                    help="stage 3, with --params: parameters of the root unit, always gathered "
                         "(e.g. untied embeddings)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
