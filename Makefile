@@ -51,22 +51,23 @@ ctest: build/ctest
 	./build/ctest
 
 # Coverage-guided fuzzing of the pure C layers (libFuzzer + ASan + UBSan, built with clang):
-# one harness per noun in tests/fuzz/ (layout, schedule, prefetch), each run for FUZZ_SECONDS
-# after replaying its kept crash inputs (tests/fuzz/regressions/<harness>/). Not part of
-# `make test`. Logs, corpus and any crash input go to build/fuzz/ (tests/fuzz/run.sh).
+# one harness per noun in tests/fuzz/ (layout, schedule, prefetch, and contract: the optimizer
+# tables' checks), each run for FUZZ_SECONDS after replaying its kept crash inputs
+# (tests/fuzz/regressions/<harness>/). Not part of `make test`. Logs, corpus and any crash
+# input go to build/fuzz/ (tests/fuzz/run.sh).
 # clang is its one tool (Debian's clang package brings libFuzzer): installed when missing.
 FUZZ_SECONDS ?= 60
-FUZZ_HARNESSES := layout schedule prefetch
+FUZZ_HARNESSES := layout schedule prefetch contract
 FUZZ_CC ?= clang
 FUZZ_SRC := csrc/common/status.c csrc/layout/layout.c csrc/schedule/schedule.c \
-            csrc/schedule/prefetch.c
+            csrc/schedule/prefetch.c csrc/kernels/contract.c
 FUZZ_FLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
               -fno-sanitize-recover=all -Icsrc -Itests/fuzz
 
 build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_input.h $(FUZZ_SRC) \
                    $(wildcard $(ZP_HEADERS))
 	@mkdir -p build/fuzz
-	$(FUZZ_CC) $(FUZZ_FLAGS) $(FUZZ_SRC) $< -o $@
+	$(FUZZ_CC) $(FUZZ_FLAGS) $(FUZZ_SRC) $< -lm -o $@
 
 fuzz:
 	@mkdir -p build/fuzz
