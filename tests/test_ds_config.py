@@ -190,6 +190,9 @@ def test_values_no_setting_could_honour_always_raise():
         deepspeed.translate({"gradient_clipping": "1.0"})
     with pytest.raises(ValueError, match="AdamW rejects them"):
         deepspeed.translate({"optimizer": {"type": "AdamW", "params": {"lr": -1}}})
+    with pytest.raises(ValueError, match="WarmupLR rejects them.*warmup_type"):
+        deepspeed.translate({"scheduler": {"type": "WarmupLR",
+                                           "params": {"warmup_type": "cubic"}}})
     with pytest.raises(FileNotFoundError, match="not found"):
         deepspeed.translate("/nonexistent/ds_config.json")
     with pytest.raises(TypeError, match="path to a DeepSpeed JSON file or a dict"):

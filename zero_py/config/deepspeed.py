@@ -27,7 +27,7 @@ What each key becomes (docs/tools.md has the full table):
 - communication_data_type -> grad_reduce_dtype.
 - train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps: checked
   against each other and the world size (train = micro * accumulation * world), and given
-  back on optimizer.ds_config; the training loop accumulates (see apply()).
+  back on optimizer.ds_config; the training loop accumulates (see initialize()).
 
 Absent keys: numerics follow DeepSpeed's defaults (adam_w_mode, the loss-scaling constants);
 memory and speed knobs not given keep zero_py's defaults.
@@ -368,7 +368,7 @@ def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
             plan.refuse(f"{path}.{key}", "not a key zero_py knows in the scheduler section "
                                          "(it reads type and params)")
     kind = section.get("type")
-    cls = _SCHEDULERS.get(kind)
+    cls = _SCHEDULERS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} is not one zero_py provides (WarmupLR, "
                                     "WarmupDecayLR, WarmupCosineLR); build the torch scheduler "
@@ -394,6 +394,14 @@ def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
     if "total_num_steps" in signature and "total_num_steps" not in params:
         plan.refuse(f"{path}.params.total_num_steps", f"{kind} needs total_num_steps")
         return
+    if not any(isinstance(v, (list, tuple)) for v in params.values()):
+        # checked now rather than after the model is sharded (per-group lists are checked
+        # against the real param groups when the scheduler is built)
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+        try:
+            cls(probe, **params)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}.params: {kind} rejects them: {exc}") from None
     plan.scheduler = (cls, params)
 
 
