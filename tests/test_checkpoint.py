@@ -53,7 +53,9 @@ def build(stage, dtype, opt_cls, seed):
     kw = {"lr": 3e-3, "weight_decay": 0.05}
     if dtype != torch.float32:
         kw["grad_reduce_dtype"] = torch.float32
-    extra = {"wrap_policy": 1000} if stage == 3 else {}
+    # stage 3: units of >= 1000 parameters; parameters under 64 elements are kept whole
+    # (the persistent unit, which a load must refresh)
+    extra = {"wrap_policy": 1000, "persistence_threshold": 64} if stage == 3 else {}
     model, opt = zero_py.initialize(m, opt_cls, stage=stage, **extra, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     return model, opt, sched
