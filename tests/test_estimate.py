@@ -186,6 +186,44 @@ def test_variants_match_memory_report(world):
             _check_terms(est, reports[name], f"{name}, rank {rank} of {world}")
 
 
+def _tiny_gpt():
+    from zero_py.examples.demo import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(256, n_layer=4, n_head=4, d_model=128, block_size=64)
+
+
+def _gpt_reports(rank, world_size):
+    from zero_py.examples.demo import Block
+
+    out = {}
+    for stage in (1, 2, 3):
+        kw = {"wrap_policy": {Block}} if stage == 3 else {}
+        model, opt = zero_py.initialize(_tiny_gpt(), stage=stage, lr=1e-3, **kw)
+        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = opt.memory_report()
+        del model, opt
+    return out
+
+
+def test_gpt_with_tied_embeddings_matches_memory_report():
+    """A transformer: tied embeddings in the root unit (gathered throughout stage 3), blocks as
+    units, LayerNorms and biases beside the weights; with the shared-memory gathers on."""
+    from zero_py.examples.demo import Block
+
+    res = distributed.run(_gpt_reports, 4)
+    for stage in (1, 2, 3):
+        est = estimate_memory(_tiny_gpt().to("meta"), 4, stage,
+                              wrap_policy={Block} if stage == 3 else None)
+        for rank, reports in enumerate(res):
+            _check_terms(est, reports[stage], f"TinyGPT stage {stage}, rank {rank} of 4")
+
+
 def test_closed_forms_for_a_parameter_count():
     """The ZeRO paper's per-rank model states (K = 12 for mixed-precision Adam): 2 psi + 2 psi
     + K psi / N for stage 1, 2 psi + (2 + K) psi / N for stage 2 and (2 + 2 + K) psi / N for
