@@ -6,13 +6,15 @@
 # glob, relative to the repository root; make's $(wildcard) and Python's glob expand it alike,
 # and setup.py refuses a word that matches no file.
 
-# The C core: the pure layers, the table contract of the kernel families, and the CPU kernel
-# family. Plain C11: no Python, no CUDA. The C tests (`make ctest`) link exactly this.
+# The C core: the pure layers, the table contract of the kernel families, the CPU kernel
+# family and the I/O helpers (checksums). Plain C11: no Python, no CUDA. The C tests
+# (`make ctest`) link exactly this.
 ZP_CORE_SRC := csrc/common/*.c csrc/layout/*.c csrc/schedule/*.c csrc/kernels/contract.c \
-               csrc/kernels/cpu/*.c
+               csrc/kernels/cpu/*.c csrc/io/*.c
 
 # zero_py._C: the core and its CPython binding.
-ZP_C_MODULE_SRC := $(ZP_CORE_SRC) csrc/python/module.c csrc/python/prefetch_py.c
+ZP_C_MODULE_SRC := $(ZP_CORE_SRC) csrc/python/module.c csrc/python/prefetch_py.c \
+                   csrc/python/io_py.c
 
 # zero_py._cuda, its C part (the C compiler): status and threads, the table contract, the NCCL
 # executor and the binding. Not the CPU kernel family: the kernels are the .cu files below.

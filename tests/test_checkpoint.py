@@ -127,7 +127,7 @@ def run_first(rank, world, tmp):
 
 
 DAMAGED = {  # case: (what the test does to a copy of C, what the error must say)
-    "flipped_byte": ("flip a byte in rank00001's data", "CRC-32"),
+    "flipped_byte": ("flip a byte in rank00001's data", "CRC-32C"),
     "truncated": ("cut rank00000 short", "truncated"),
     "mixed": ("rank00001 from another save", "another save"),
     "manifest": ("garbage in manifest.json", "not valid JSON"),
@@ -403,4 +403,27 @@ def test_inspect_prints_the_manifest(runs):
     bad = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
                           os.path.join(runs["tmp"], "bad_flipped_byte")], capture_output=True,
                          text=True)
-    assert bad.returncode != 0 and "CRC-32" in (bad.stdout + bad.stderr)
+    assert bad.returncode != 0 and "CRC-32C" in (bad.stdout + bad.stderr)
+
+
+def _crc32c_reference(data: bytes) -> int:
+    """Bit by bit, from the definition (reflected polynomial 0x82F63B78)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_matches_its_definition():
+    from zero_py._native import _C
+
+    gen = torch.Generator().manual_seed(3)
+    data = bytes(torch.randint(0, 256, (3000,), generator=gen, dtype=torch.uint8).tolist())
+    assert _C.crc32c(b"123456789") == 0xE3069283
+    for lo, hi in ((0, 3000), (1, 2999), (7, 100), (5, 5)):
+        assert _C.crc32c(data[lo:hi]) == _crc32c_reference(data[lo:hi])
+    assert _C.crc32c(data[1000:], _C.crc32c(data[:1000])) == _C.crc32c(data)
+    with pytest.raises(ValueError, match="32-bit"):
+        _C.crc32c(data, 2**32)

@@ -44,7 +44,9 @@
   X(test_limits_layout)              \
   X(test_limits_schedules)           \
   X(test_limits_kernel_tables)       \
-  X(test_limits_parallel_and_flags)
+  X(test_limits_parallel_and_flags)  \
+  X(test_checksum_known_values)      \
+  X(test_checksum_paths_agree)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)

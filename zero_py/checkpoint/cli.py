@@ -82,7 +82,7 @@ def register(sub) -> None:
     p.set_defaults(func=_consolidate)
     p = sub.add_parser("inspect", help="print a checkpoint's manifest as a table and check its "
                        "files", description="Prints a zero_py checkpoint's manifest (step, world "
-                       "size, stage, parameters, bytes) and checks every file's CRC-32.")
+                       "size, stage, parameters, bytes) and checks every file's CRC-32C.")
     p.add_argument("checkpoint", help="the checkpoint directory")
     p.add_argument("--no-verify", action="store_true", help="skip the checksums")
     p.set_defaults(func=_inspect)

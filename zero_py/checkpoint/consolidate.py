@@ -151,11 +151,11 @@ def describe(path, verify: bool = True) -> str:
                  f"({'fused kernel' if man['optimizer']['fused'] else 'torch.optim'}), "
                  f"{len(man['optimizer']['param_groups'])} param group(s)",
                  f"loss scaler  {'yes' if man['loss_scaler'] else 'no'}", "",
-                 f"{'file':<24} {'rank':>4} {'bytes':>14} {'crc32':>8}  check"]
+                 f"{'file':<24} {'rank':>4} {'bytes':>14} {'crc32c':>8}  check"]
         for name, info in sorted(man["files"].items()):
             if verify:
                 ck.verify([name])  # raises CheckpointError on a damaged file
-            lines.append(f"{name:<24} {info['rank']:>4} {info['bytes']:>14,} {info['crc32']:>8}"
+            lines.append(f"{name:<24} {info['rank']:>4} {info['bytes']:>14,} {info['crc32c']:>8}"
                          f"  {'OK' if verify else 'not checked'}")
         lines += ["", f"{'parameter':<40} {'shape':<18} {'dtype':<9} {'train':>5} {'step':>6}"
                   f" {'ranks':>5}"]

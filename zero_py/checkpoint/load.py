@@ -1,7 +1,7 @@
 """zero_py.load_checkpoint: resumes from a checkpoint written at any world size and stage.
 
 Every rank first checks, without changing anything: the manifest against the files (format,
-sizes, headers, the save every file belongs to, and the CRC-32 of a share of the files: file
+sizes, headers, the save every file belongs to, and the CRC-32C of a share of the files: file
 k is read by rank k mod world size), and the checkpoint against the model and optimizer (names,
 shapes, optimizer class and state, param groups, loss scaler, buffers). The ranks agree on the
 outcome, so a bad checkpoint raises the same error on every rank. Only then does each rank read

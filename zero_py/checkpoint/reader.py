@@ -4,7 +4,7 @@ ranges of any parameter (load_checkpoint, consolidate and inspect all read throu
 Checkpoint.open reads manifest.json and every rank file's header (a few KB each) and refuses
 a checkpoint whose format, version, file sizes, file headers or save identity disagree with the
 manifest, naming the file and what is wrong. verify(files) reads those files whole and checks
-their CRC-32 (load_checkpoint shares the files out, one reader per file). read(kind, name, lo,
+their CRC-32C (load_checkpoint shares the files out, one reader per file). read(kind, name, lo,
 hi) reads elements [lo, hi) of one parameter's values ("param"), fp32 master ("master") or
 per-element state ("state/<key>") from whichever files hold them, and only those bytes (the
 safetensors package maps the file and copies the slice).
@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from zero_py.checkpoint import plain
-from zero_py.checkpoint.files import ST_DTYPES, file_crc32, read_header
+from zero_py.checkpoint.files import ST_DTYPES, file_crc32c, read_header
 from zero_py.collectives.objects import gather_json
 
 FORMAT = "zero_py-checkpoint"
@@ -127,14 +127,14 @@ class Checkpoint:
                                       f"step {man['step']}")
 
     def verify(self, names: Optional[List[str]] = None) -> None:
-        """Reads the files `names` (default: all) whole and checks their CRC-32."""
+        """Reads the files `names` (default: all) whole and checks their CRC-32C."""
         for name in self.manifest["files"] if names is None else names:
             info = self.manifest["files"][name]
             fpath = os.path.join(self.path, name)
-            crc = f"{file_crc32(fpath):08x}"
-            if crc != info["crc32"]:
-                raise CheckpointError(f"{fpath} is damaged: its CRC-32 is {crc}, the manifest "
-                                      f"says {info['crc32']}")
+            crc = f"{file_crc32c(fpath):08x}"
+            if crc != info["crc32c"]:
+                raise CheckpointError(f"{fpath} is damaged: its CRC-32C is {crc}, the manifest "
+                                      f"says {info['crc32c']}")
 
     # -- reading ------------------------------------------------------------------------------
 

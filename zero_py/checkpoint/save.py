@@ -3,7 +3,7 @@
 Collective over the optimizer's group. Every rank writes one safetensors file of what it owns
 (holdings.py: parameter slices, fp32 masters, optimizer states; rank 0 adds the buffers);
 rank 0 writes manifest.json, which says which element range of which parameter each file
-holds, with every file's size and CRC-32. The files go to a hidden temporary directory beside
+holds, with every file's size and CRC-32C. The files go to a hidden temporary directory beside
 the target, are fsynced, and the directory is renamed to its final name only after every rank
 reported success, so a crash at any point leaves the previous checkpoint as it was. Every
 phase ends with the ranks agreeing: a failure on one rank raises the same error on all of them.
@@ -121,7 +121,7 @@ def _manifest(model, opt, records: List[dict], save_id: str) -> dict:
         "loss_scaler": None if opt.loss_scaler is None else
         plain.encode(opt.loss_scaler.state_dict(), None, "loss scaler state"),
         "params": params, "aliases": aliases, "buffers": buffers,
-        "files": {rank_file(r): {"rank": r, "bytes": rec["bytes"], "crc32": rec["crc32"],
+        "files": {rank_file(r): {"rank": r, "bytes": rec["bytes"], "crc32c": rec["crc32c"],
                                  "extra": rec["extra"] is not None}
                   for r, rec in enumerate(records)},
         "versions": {"torch": torch.__version__},
@@ -213,7 +213,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     try:
         record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
                                                  tensors, meta)
-        record["crc32"] = f"{crc:08x}"
+        record["crc32c"] = f"{crc:08x}"
     except OSError as exc:
         error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {exc}"
     del tensors
