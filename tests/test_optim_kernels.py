@@ -348,34 +348,43 @@ def test_bad_tables_and_stats_inputs_raise_value_error():
 
 # ---- run-time tuning (csrc/kernels/cpu/tuning.h): every path against torch.optim ----------
 
-PATHS = [("avx512", "2048", "blocks"), ("avx512", "0", "static"), ("avx512", "2048:l1", "blocks"),
-         ("avx2", "2048", "blocks"), ("avx2", "0", "blocks"), ("avx2", "100:l1", "static"),
-         ("scalar", "2048", "blocks")]
+# (ZP_CPU_ISA, ZP_CPU_PREFETCH, ZP_CPU_SPLIT, ZP_CPU_STREAM): "1" streams every 16-bit
+# param_out, "0" none
+PATHS = [("avx512", "2048", "blocks", "1"), ("avx512", "0", "static", "0"),
+         ("avx512", "2048:l1", "blocks", "1"), ("avx2", "2048", "blocks", "1"),
+         ("avx2", "0", "blocks", "0"), ("avx2", "100:l1", "static", "1"),
+         ("scalar", "2048", "blocks", "1")]
 
 
-@pytest.mark.parametrize("isa,prefetch,split", PATHS)
+@pytest.mark.parametrize("isa,prefetch,split,stream", PATHS)
 @pytest.mark.parametrize("name", ["adamw", "adam_amsgrad_maximize", "sgd_momentum_dampening_wd",
                                   "adagrad_maximize"])
-def test_every_path_matches_its_torch_optim_twin(monkeypatch, name, isa, prefetch, split):
+def test_every_path_matches_its_torch_optim_twin(monkeypatch, name, isa, prefetch, split,
+                                                 stream):
     """ZP_CPU_ISA forces the bodies, ZP_CPU_PREFETCH the prefetch distance, ZP_CPU_SPLIT the
-    split: each path on its own (not only compared with the others) matches torch.optim, on two
-    threads (140K elements: three 64K blocks) and on a small tensor, fp32 and bf16."""
+    split, ZP_CPU_STREAM the streaming stores: each path on its own (not only compared with the
+    others) matches torch.optim, on two threads (140K elements: three 64K blocks) and on a
+    small tensor, fp32 and bf16 (and fp16 out)."""
     monkeypatch.setenv("ZP_CPU_ISA", isa)
     monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
     monkeypatch.setenv("ZP_CPU_SPLIT", split)
+    monkeypatch.setenv("ZP_CPU_STREAM", stream)
     tuning = kernels.cpu_tuning()
     assert tuning["prefetch_bytes"] == int(prefetch.split(":")[0]) and tuning["split"] == split
     assert tuning["prefetch_into"] == ("l1" if prefetch.endswith(":l1") else "l2")
     if isa != "avx512" or tuning["isa"] == "avx512":  # avx512 only where the CPU has it
         assert tuning["isa"] == isa or (isa == "avx2" and tuning["isa"] == "scalar")
     _run_twin(name, torch.float32, torch.float32, n=140_001, threads=2, steps=8)
-    _run_twin(name, torch.bfloat16, torch.bfloat16, n=1031, steps=8)
+    _run_twin(name, torch.bfloat16, torch.bfloat16, n=140_001, threads=2, steps=4)
+    _run_twin(name, torch.bfloat16, torch.float16, n=1031, steps=8)
 
 
-def test_prefetch_distance_does_not_change_bits(monkeypatch):
+def test_prefetch_distance_and_streaming_stores_do_not_change_bits(monkeypatch):
     outs = []
-    for prefetch in ("0", "64", "100", "2048", "65536", "2048:l1", "100:l1"):
+    for prefetch, stream in [("0", "0"), ("64", "1"), ("100", "0"), ("2048", "1"),
+                             ("65536", "0"), ("2048:l1", "1"), ("100:l1", "0")]:
         monkeypatch.setenv("ZP_CPU_PREFETCH", prefetch)
+        monkeypatch.setenv("ZP_CPU_STREAM", stream)
         outs.append(_isa_workload())
     for out in outs[1:]:
         for key, tensors in out.items():
@@ -393,6 +402,7 @@ def test_cpu_tuning_defaults_and_overrides(monkeypatch):
     assert t["vendor"] in ("intel", "amd", "other")
     assert t["isa"] == kernels.cpu_isa() in ("avx512", "avx2", "scalar")
     assert t["prefetch_bytes"] == 2048 and t["split"] == "blocks"
+    assert t["stream_min_bytes"] == 4 << 20
     if t["vendor"] == "amd":  # the vendor default: 256-bit bodies on AMD (tuning.h)
         assert t["isa"] in ("avx2", "scalar")
     assert t["prefetch_into"] == "l2"
@@ -419,6 +429,7 @@ def test_stream_bound_moves_every_stream_and_changes_nothing(monkeypatch, isa, n
     their bits (NaNs included), write streams are zeroed, for every ISA, both splits."""
     monkeypatch.setenv("ZP_CPU_ISA", isa)
     monkeypatch.setenv("ZP_CPU_SPLIT", "static" if n % 2 else "blocks")
+    monkeypatch.setenv("ZP_CPU_STREAM", "1" if n > 100 else "0")
     monkeypatch.setenv("ZP_CPU_PREFETCH", "2048:l1" if n == 1000 else "2048")
     gen = torch.Generator().manual_seed(n)
     streams = []
@@ -451,3 +462,25 @@ def test_stream_bound_rejects_bad_streams():
         kernels.stream_bound([])
     with pytest.raises(ValueError, match="1 to 8 int64 rows"):
         kernels.stream_bound([(x, "read")] * 9)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_streaming_stores_at_every_alignment(monkeypatch, isa, out_dtype):
+    """param_out starting at every 2-byte offset of a line: the streaming path writes its
+    unaligned head with plain stores and gives the bits of the plain path, SR included."""
+    monkeypatch.setenv("ZP_CPU_ISA", isa)
+    n = 5000
+    gen = torch.Generator().manual_seed(5)
+    master0, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    for offset in range(0, 33, 3):
+        outs = []
+        for stream in ("0", "1"):
+            monkeypatch.setenv("ZP_CPU_STREAM", stream)
+            base = torch.full((n + 40,), float("nan"), dtype=out_dtype)
+            out = base[offset:offset + n]
+            kernels.optim_step_flat("sgd", master0.clone(), grad, param_out=out, step=1,
+                                    lr=0.1, stochastic_rounding=out_dtype == torch.bfloat16,
+                                    seed=offset)
+            outs.append(base)
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), offset

@@ -272,16 +272,17 @@ static PyObject *zp_py_cpu_isa(PyObject *self, PyObject *args) {
   return PyUnicode_FromString(zp_isa_name(zp_isa_pick()));
 }
 
-/* cpu_tuning() -> {"isa", "vendor", "prefetch_bytes", "prefetch_into", "split"}: what the next
- * kernel call will use. */
+/* cpu_tuning() -> {"isa", "vendor", "prefetch_bytes", "prefetch_into", "split",
+ * "stream_min_bytes"}: what the next kernel call will use. */
 static PyObject *zp_py_cpu_tuning(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
   zp_cpu_tuning t = zp_cpu_tuning_pick();
-  return Py_BuildValue("{s:s,s:s,s:i,s:s,s:s}", "isa", zp_isa_name(t.isa), "vendor",
+  return Py_BuildValue("{s:s,s:s,s:i,s:s,s:s,s:L}", "isa", zp_isa_name(t.isa), "vendor",
                        zp_cpu_vendor_name(t.vendor), "prefetch_bytes", (int)t.prefetch_bytes,
                        "prefetch_into", t.prefetch_l1 ? "l1" : "l2", "split",
-                       t.split_static ? "static" : "blocks");
+                       t.split_static ? "static" : "blocks", "stream_min_bytes",
+                       (long long)t.stream_min_bytes);
 }
 
 /* stream_bound(streams, numel, n_threads): streams are int64 rows (address, elem_bytes,

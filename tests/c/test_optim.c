@@ -360,6 +360,8 @@ void test_optim_isas_and_threads_agree(void) {
     setenv("ZP_CPU_ISA", isas[isa], 1);
     for (int32_t threads = 1; threads <= 3; threads++, runs++) {
       setenv("ZP_CPU_PREFETCH", prefetch[(isa + threads) % 4], 1);
+      /* streaming stores for every 16-bit param_out (1 byte and up), at awkward offsets */
+      setenv("ZP_CPU_STREAM", threads == 2 ? "1" : "0", 1);
       for (int32_t s = 0; s < N_SEGS; s++) { /* back to the state before the step */
         zp_opt_segment *seg = &f->segs[s];
         float *cur[4] = {seg->master, seg->state0, seg->state1, seg->state2};
@@ -392,6 +394,7 @@ void test_optim_isas_and_threads_agree(void) {
   }
   unsetenv("ZP_CPU_ISA");
   unsetenv("ZP_CPU_PREFETCH");
+  unsetenv("ZP_CPU_STREAM");
   printf("  %d runs (isa x threads x prefetch) compared bitwise; isa here: %s (%s)\n", runs,
          zp_isa_name(zp_isa_pick()), zp_cpu_vendor_name(zp_cpu_vendor_id()));
   for (int i = 0; i < N_SEGS * 6; i++)
@@ -541,6 +544,7 @@ void test_stream_bound(void) {
     for (int isa = 0; ok && isa < 3; isa++) {
       setenv("ZP_CPU_ISA", isas[isa], 1);
       for (int32_t threads = 1; threads <= 3; threads++) {
+        setenv("ZP_CPU_STREAM", threads == 2 ? "1" : "0", 1); /* streaming stores, or none */
         CHECK_OK(zp_stream_bound_cpu(st, NS, n, threads));
         for (int k = 0; k < NS; k++)
           CHECK_MSG(memcmp(st[k].data, want[k], (size_t)n * (size_t)bytes[k] + 1) == 0,
@@ -549,6 +553,7 @@ void test_stream_bound(void) {
       }
     }
     unsetenv("ZP_CPU_ISA");
+    unsetenv("ZP_CPU_STREAM");
     CHECK(ok);
     for (int k = 0; k < NS; k++)
       free(st[k].data), free(want[k]);
@@ -572,6 +577,12 @@ void test_cpu_tuning_env(void) {
   unsetenv("ZP_CPU_PREFETCH");
   zp_cpu_tuning t = zp_cpu_tuning_pick();
   CHECK_EQ(t.prefetch_bytes, ZP_CPU_PREFETCH_DEFAULT);
+  CHECK_EQ(t.stream_min_bytes, ZP_CPU_STREAM_DEFAULT);
+  setenv("ZP_CPU_STREAM", "0", 1);
+  CHECK_EQ(zp_cpu_tuning_pick().stream_min_bytes, 0);
+  setenv("ZP_CPU_STREAM", "-5", 1);
+  CHECK_EQ(zp_cpu_tuning_pick().stream_min_bytes, ZP_CPU_STREAM_DEFAULT);
+  unsetenv("ZP_CPU_STREAM");
   CHECK(t.isa == zp_isa_pick());
   if (t.vendor == ZP_VENDOR_AMD)
     CHECK(t.isa <= ZP_ISA_AVX2);

@@ -24,8 +24,10 @@ def cpu_isa() -> str:
 def cpu_tuning() -> dict:
     """What the next call of the C kernels will use: {"isa": avx512/avx2/scalar, "vendor":
     intel/amd/other, "prefetch_bytes": software prefetch distance per stream (0: none),
-    "prefetch_into": l2/l1, "split": blocks/static}. ZP_CPU_ISA, ZP_CPU_PREFETCH and
-    ZP_CPU_SPLIT override the defaults (csrc/kernels/cpu/tuning.h)."""
+    "prefetch_into": l2/l1, "split": blocks/static, "stream_min_bytes": a write-only output
+    (16-bit param_out) this large gets streaming stores, 0: never}. ZP_CPU_ISA,
+    ZP_CPU_PREFETCH, ZP_CPU_SPLIT and ZP_CPU_STREAM override the defaults
+    (csrc/kernels/cpu/tuning.h)."""
     return _C.cpu_tuning()
 
 

@@ -62,9 +62,13 @@ static void zp_narrow_bf16_sr_scalar(const float *src, uint16_t *dst, int64_t n,
     dst[i] = zp_f32_to_bf16_sr(src[i], zp_sr_bits(key, index0 + (uint32_t)i));
 }
 
-static const zp_convert_ops zp_convert_scalar = {zp_widen_bf16_scalar, zp_widen_f16_scalar,
-                                                 zp_narrow_bf16_scalar, zp_narrow_f16_scalar,
-                                                 zp_narrow_bf16_sr_scalar};
+static void zp_no_fence(void) {}
+
+/* scalar: the streaming forms are the plain ones (no such store in C) */
+static const zp_convert_ops zp_convert_scalar = {
+    zp_widen_bf16_scalar,     zp_widen_f16_scalar,   zp_narrow_bf16_scalar,
+    zp_narrow_f16_scalar,     zp_narrow_bf16_sr_scalar, zp_narrow_bf16_scalar,
+    zp_narrow_f16_scalar,     zp_narrow_bf16_sr_scalar, zp_no_fence};
 
 #ifdef ZP_X86
 /* Widening reads a 16-bit stream that is not read anywhere else: prefetch it 2 KiB ahead, one
@@ -74,6 +78,15 @@ static const zp_convert_ops zp_convert_scalar = {zp_widen_bf16_scalar, zp_widen_
     if (((i) & 31) == 0)                                                               \
       _mm_prefetch((const char *)(src + (i) + 1024), _MM_HINT_T0);                     \
   } while (0)
+
+/* Elements before dst + i is `align`-byte aligned (streaming stores need it), at most n. */
+static int64_t zp_nt_head(const uint16_t *dst, int64_t n, uintptr_t align) {
+  int64_t head = (int64_t)(((align - ((uintptr_t)dst & (align - 1))) & (align - 1)) / 2);
+  return head < n ? head : n;
+}
+
+/* Orders this thread's streaming stores before whatever it does next (a join, a flag). */
+static void zp_stream_fence(void) { _mm_sfence(); }
 
 /* ---- AVX2 + F16C: 8 elements per vector ---- */
 #define ZP_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -111,23 +124,36 @@ ZP_AVX2 static inline __m256i zp_bf16_round_avx2(__m256i u, __m256i r) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 }
 
-ZP_AVX2 static void zp_narrow_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
+/* 8 narrowed elements to dst: a streaming store (nt, dst 16-byte aligned) or a plain one. */
+ZP_AVX2 static inline void zp_store8_avx2(uint16_t *dst, __m128i v, int nt) {
+  if (nt)
+    _mm_stream_si128((__m128i *)dst, v);
+  else
+    _mm_storeu_si128((__m128i *)dst, v);
+}
+
+ZP_AVX2 static inline __attribute__((always_inline)) void
+zp_narrow_bf16_avx2_t(const float *src, uint16_t *dst, int64_t n, int nt) {
   const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-  int64_t i = 0;
+  int64_t i = nt ? zp_nt_head(dst, n, 16) : 0;
+  zp_narrow_bf16_scalar(src, dst, i);
   for (; i + 8 <= n; i += 8) {
     __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
     __m256i r = _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
-    _mm_storeu_si128((__m128i *)(dst + i), zp_pack_u32_avx2(zp_bf16_round_avx2(u, r)));
+    zp_store8_avx2(dst + i, zp_pack_u32_avx2(zp_bf16_round_avx2(u, r)), nt);
   }
   zp_narrow_bf16_scalar(src + i, dst + i, n - i);
 }
 
-ZP_AVX2 static void zp_narrow_f16_avx2(const float *src, uint16_t *dst, int64_t n) {
-  int64_t i = 0;
+ZP_AVX2 static inline __attribute__((always_inline)) void
+zp_narrow_f16_avx2_t(const float *src, uint16_t *dst, int64_t n, int nt) {
+  int64_t i = nt ? zp_nt_head(dst, n, 16) : 0;
+  zp_narrow_f16_scalar(src, dst, i);
   for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128((__m128i *)(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    zp_store8_avx2(dst + i,
+                   _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                   nt);
   zp_narrow_f16_scalar(src + i, dst + i, n - i);
 }
 
@@ -142,24 +168,48 @@ ZP_AVX2 static inline __m256i zp_sr_bits_avx2(__m256i index, __m256i key) {
   return _mm256_srli_epi32(x, 16);
 }
 
-ZP_AVX2 static void zp_narrow_bf16_sr_avx2(const float *src, uint16_t *dst, int64_t n,
-                                           uint32_t key, uint32_t index0) {
+ZP_AVX2 static inline __attribute__((always_inline)) void
+zp_narrow_bf16_sr_avx2_t(const float *src, uint16_t *dst, int64_t n, uint32_t key,
+                         uint32_t index0, int nt) {
+  int64_t i = nt ? zp_nt_head(dst, n, 16) : 0;
+  zp_narrow_bf16_sr_scalar(src, dst, i, key, index0);
   const __m256i k = _mm256_set1_epi32((int)key), eight = _mm256_set1_epi32(8);
-  __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)index0),
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(index0 + (uint32_t)i)),
                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
     __m256i r = zp_sr_bits_avx2(index, k);
-    _mm_storeu_si128((__m128i *)(dst + i), zp_pack_u32_avx2(zp_bf16_round_avx2(u, r)));
+    zp_store8_avx2(dst + i, zp_pack_u32_avx2(zp_bf16_round_avx2(u, r)), nt);
     index = _mm256_add_epi32(index, eight);
   }
   zp_narrow_bf16_sr_scalar(src + i, dst + i, n - i, key, index0 + (uint32_t)i);
 }
 
-static const zp_convert_ops zp_convert_avx2 = {zp_widen_bf16_avx2, zp_widen_f16_avx2,
-                                               zp_narrow_bf16_avx2, zp_narrow_f16_avx2,
-                                               zp_narrow_bf16_sr_avx2};
+ZP_AVX2 static void zp_narrow_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_bf16_avx2_t(src, dst, n, 0);
+}
+ZP_AVX2 static void zp_narrow_f16_avx2(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_f16_avx2_t(src, dst, n, 0);
+}
+ZP_AVX2 static void zp_narrow_bf16_sr_avx2(const float *src, uint16_t *dst, int64_t n,
+                                           uint32_t key, uint32_t index0) {
+  zp_narrow_bf16_sr_avx2_t(src, dst, n, key, index0, 0);
+}
+ZP_AVX2 static void zp_narrow_bf16_avx2_nt(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_bf16_avx2_t(src, dst, n, 1);
+}
+ZP_AVX2 static void zp_narrow_f16_avx2_nt(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_f16_avx2_t(src, dst, n, 1);
+}
+ZP_AVX2 static void zp_narrow_bf16_sr_avx2_nt(const float *src, uint16_t *dst, int64_t n,
+                                              uint32_t key, uint32_t index0) {
+  zp_narrow_bf16_sr_avx2_t(src, dst, n, key, index0, 1);
+}
+
+static const zp_convert_ops zp_convert_avx2 = {
+    zp_widen_bf16_avx2,     zp_widen_f16_avx2,      zp_narrow_bf16_avx2,      zp_narrow_f16_avx2,
+    zp_narrow_bf16_sr_avx2, zp_narrow_bf16_avx2_nt, zp_narrow_f16_avx2_nt, zp_narrow_bf16_sr_avx2_nt,
+    zp_stream_fence};
 
 /* ---- AVX-512F: 16 elements per vector ---- */
 #define ZP_AVX512 __attribute__((target("avx512f")))
@@ -191,23 +241,36 @@ ZP_AVX512 static inline __m256i zp_bf16_round_avx512(__m512i u, __m512i r) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-ZP_AVX512 static void zp_narrow_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
+/* 16 narrowed elements to dst: a streaming store (nt, dst 32-byte aligned) or a plain one. */
+ZP_AVX512 static inline void zp_store16_avx512(uint16_t *dst, __m256i v, int nt) {
+  if (nt)
+    _mm256_stream_si256((__m256i *)dst, v);
+  else
+    _mm256_storeu_si256((__m256i *)dst, v);
+}
+
+ZP_AVX512 static inline __attribute__((always_inline)) void
+zp_narrow_bf16_avx512_t(const float *src, uint16_t *dst, int64_t n, int nt) {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  int64_t i = 0;
+  int64_t i = nt ? zp_nt_head(dst, n, 32) : 0;
+  zp_narrow_bf16_scalar(src, dst, i);
   for (; i + 16 <= n; i += 16) {
     __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
     __m512i r = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-    _mm256_storeu_si256((__m256i *)(dst + i), zp_bf16_round_avx512(u, r));
+    zp_store16_avx512(dst + i, zp_bf16_round_avx512(u, r), nt);
   }
   zp_narrow_bf16_scalar(src + i, dst + i, n - i);
 }
 
-ZP_AVX512 static void zp_narrow_f16_avx512(const float *src, uint16_t *dst, int64_t n) {
-  int64_t i = 0;
+ZP_AVX512 static inline __attribute__((always_inline)) void
+zp_narrow_f16_avx512_t(const float *src, uint16_t *dst, int64_t n, int nt) {
+  int64_t i = nt ? zp_nt_head(dst, n, 32) : 0;
+  zp_narrow_f16_scalar(src, dst, i);
   for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256((__m256i *)(dst + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    zp_store16_avx512(dst + i,
+                      _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                      nt);
   zp_narrow_f16_scalar(src + i, dst + i, n - i);
 }
 
@@ -221,24 +284,48 @@ ZP_AVX512 static inline __m512i zp_sr_bits_avx512(__m512i index, __m512i key) {
   return _mm512_srli_epi32(x, 16);
 }
 
-ZP_AVX512 static void zp_narrow_bf16_sr_avx512(const float *src, uint16_t *dst, int64_t n,
-                                               uint32_t key, uint32_t index0) {
+ZP_AVX512 static inline __attribute__((always_inline)) void
+zp_narrow_bf16_sr_avx512_t(const float *src, uint16_t *dst, int64_t n, uint32_t key,
+                           uint32_t index0, int nt) {
+  int64_t i = nt ? zp_nt_head(dst, n, 32) : 0;
+  zp_narrow_bf16_sr_scalar(src, dst, i, key, index0);
   const __m512i k = _mm512_set1_epi32((int)key), sixteen = _mm512_set1_epi32(16);
   __m512i index = _mm512_add_epi32(
-      _mm512_set1_epi32((int)index0),
+      _mm512_set1_epi32((int)(index0 + (uint32_t)i)),
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-    _mm256_storeu_si256((__m256i *)(dst + i), zp_bf16_round_avx512(u, zp_sr_bits_avx512(index, k)));
+    zp_store16_avx512(dst + i, zp_bf16_round_avx512(u, zp_sr_bits_avx512(index, k)), nt);
     index = _mm512_add_epi32(index, sixteen);
   }
   zp_narrow_bf16_sr_scalar(src + i, dst + i, n - i, key, index0 + (uint32_t)i);
 }
 
-static const zp_convert_ops zp_convert_avx512 = {zp_widen_bf16_avx512, zp_widen_f16_avx512,
-                                                 zp_narrow_bf16_avx512, zp_narrow_f16_avx512,
-                                                 zp_narrow_bf16_sr_avx512};
+ZP_AVX512 static void zp_narrow_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_bf16_avx512_t(src, dst, n, 0);
+}
+ZP_AVX512 static void zp_narrow_f16_avx512(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_f16_avx512_t(src, dst, n, 0);
+}
+ZP_AVX512 static void zp_narrow_bf16_sr_avx512(const float *src, uint16_t *dst, int64_t n,
+                                               uint32_t key, uint32_t index0) {
+  zp_narrow_bf16_sr_avx512_t(src, dst, n, key, index0, 0);
+}
+ZP_AVX512 static void zp_narrow_bf16_avx512_nt(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_bf16_avx512_t(src, dst, n, 1);
+}
+ZP_AVX512 static void zp_narrow_f16_avx512_nt(const float *src, uint16_t *dst, int64_t n) {
+  zp_narrow_f16_avx512_t(src, dst, n, 1);
+}
+ZP_AVX512 static void zp_narrow_bf16_sr_avx512_nt(const float *src, uint16_t *dst, int64_t n,
+                                                  uint32_t key, uint32_t index0) {
+  zp_narrow_bf16_sr_avx512_t(src, dst, n, key, index0, 1);
+}
+
+static const zp_convert_ops zp_convert_avx512 = {
+    zp_widen_bf16_avx512,        zp_widen_f16_avx512,     zp_narrow_bf16_avx512,
+    zp_narrow_f16_avx512,        zp_narrow_bf16_sr_avx512, zp_narrow_bf16_avx512_nt,
+    zp_narrow_f16_avx512_nt,     zp_narrow_bf16_sr_avx512_nt, zp_stream_fence};
 #endif
 
 const zp_convert_ops *zp_convert_ops_for(zp_isa isa) {

@@ -121,6 +121,14 @@ typedef struct {
   void (*narrow_f16)(const float *src, uint16_t *dst, int64_t n);
   void (*narrow_bf16_sr)(const float *src, uint16_t *dst, int64_t n, uint32_t key,
                          uint32_t index0);
+  /* The same bits written with streaming (non-temporal) stores, which skip reading each
+   * destination line before writing it: for outputs too large to stay in cache. The caller
+   * runs fence() after its last streaming store and before it signals completion. */
+  void (*narrow_bf16_nt)(const float *src, uint16_t *dst, int64_t n);
+  void (*narrow_f16_nt)(const float *src, uint16_t *dst, int64_t n);
+  void (*narrow_bf16_sr_nt)(const float *src, uint16_t *dst, int64_t n, uint32_t key,
+                            uint32_t index0);
+  void (*fence)(void);
 } zp_convert_ops;
 
 /* The conversions of `isa`, which the CPU must run (at most zp_isa_pick()). */

@@ -22,6 +22,7 @@ typedef struct {
   zp_stream s[ZP_STREAM_MAX];
   int32_t n;
   int64_t pf_bytes; /* negative: into L1 */
+  int nt;           /* streaming stores for the write streams */
   uint32_t mask; /* 0, from the caller's side of the compiler's view */
   zp_isa isa;
 } zp_bound_job;
@@ -88,12 +89,22 @@ static void zp_bound_sort(const zp_bound_job *job, zp_bound_sorted *o) {
       _mm_prefetch((ptr) - pf, _MM_HINT_T0);         \
   } while (0)
 
+/* Write streams take streaming stores where the kernels' outputs do (nt: zp_cpu_tuning's
+ * stream_min_bytes, every write stream 64-byte aligned). */
+#define ZP_BOUND_STORE256(at, v)                  \
+  do {                                            \
+    if (nt)                                       \
+      _mm256_stream_si256((__m256i *)(at), (v));  \
+    else                                          \
+      _mm256_storeu_si256((__m256i *)(at), (v));  \
+  } while (0)
+
 /* One body per ISA, inlined into each caller with the stream counts as constants, so that the
  * common shapes (below) run with their loops over streams unrolled, as the optimizer bodies
  * run theirs; other shapes take the same body with counts read at run time. */
 #define ZP_BOUND_ARGS                                                                          \
-  const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask32, int32_t nr4, \
-      int32_t nr2, int32_t nu4, int32_t nu2, int32_t nw4, int32_t nw2
+  const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask32, int nt,     \
+      int32_t nr4, int32_t nr2, int32_t nu4, int32_t nu2, int32_t nw4, int32_t nw2
 
 __attribute__((target("avx2"), always_inline)) static inline int64_t
 zp_bound_avx2_body(ZP_BOUND_ARGS) {
@@ -129,11 +140,11 @@ zp_bound_avx2_body(ZP_BOUND_ARGS) {
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc));
     }
     for (int32_t k = 0; k < nw4; k++) {
-      _mm256_storeu_si256((__m256i *)(o->w4[k] + b4), acc);
-      _mm256_storeu_si256((__m256i *)(o->w4[k] + b4 + 32), acc);
+      ZP_BOUND_STORE256(o->w4[k] + b4, acc);
+      ZP_BOUND_STORE256(o->w4[k] + b4 + 32, acc);
     }
     for (int32_t k = 0; k < nw2; k++)
-      _mm256_storeu_si256((__m256i *)(o->w2[k] + b2), acc);
+      ZP_BOUND_STORE256(o->w2[k] + b2, acc);
   }
   return i;
 }
@@ -171,10 +182,14 @@ zp_bound_avx512_body(ZP_BOUND_ARGS) {
         ZP_BPF(o->u2[k] + b2);
       _mm256_storeu_si256(d, _mm256_xor_si256(_mm256_loadu_si256(d), acc2));
     }
-    for (int32_t k = 0; k < nw4; k++)
-      _mm512_storeu_si512(o->w4[k] + b4, acc);
+    for (int32_t k = 0; k < nw4; k++) {
+      if (nt)
+        _mm512_stream_si512((void *)(o->w4[k] + b4), acc);
+      else
+        _mm512_storeu_si512(o->w4[k] + b4, acc);
+    }
     for (int32_t k = 0; k < nw2; k++)
-      _mm256_storeu_si256((__m256i *)(o->w2[k] + b2), acc2);
+      ZP_BOUND_STORE256(o->w2[k] + b2, acc2);
   }
   return i;
 }
@@ -183,8 +198,8 @@ zp_bound_avx512_body(ZP_BOUND_ARGS) {
  * states updated, and at most one 16-bit parameter written. */
 #define ZP_BOUND_SHAPE(isa, tgt, body, r4, r2, u4, w2)                                      \
   __attribute__((target(tgt))) static int64_t zp_bound_##isa##_##r4##r2##u4##w2(              \
-      const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask) {          \
-    return body(o, lo, hi, pf, mask, r4, r2, u4, 0, 0, w2);                                   \
+      const zp_bound_sorted *o, int64_t lo, int64_t hi, int64_t pf, uint32_t mask, int nt) {  \
+    return body(o, lo, hi, pf, mask, nt, r4, r2, u4, 0, 0, w2);                               \
   }
 #define ZP_BOUND_SHAPES(isa, t, b)                                                            \
   ZP_BOUND_SHAPE(isa, t, b, 1, 0, 1, 0) ZP_BOUND_SHAPE(isa, t, b, 1, 0, 2, 0)                \
@@ -199,7 +214,7 @@ ZP_BOUND_SHAPES(1, "avx2", zp_bound_avx2_body)
 ZP_BOUND_SHAPES(2, "avx512f", zp_bound_avx512_body)
 
 typedef int64_t (*zp_bound_shape_fn)(const zp_bound_sorted *, int64_t, int64_t, int64_t,
-                                     uint32_t);
+                                     uint32_t, int);
 /* [isa - 1][r2][u4 - 1][w2] */
 static const zp_bound_shape_fn zp_bound_shapes[2][2][4][2] = {
     {{{zp_bound_1_1010, zp_bound_1_1011}, {zp_bound_1_1020, zp_bound_1_1021},
@@ -214,16 +229,17 @@ static const zp_bound_shape_fn zp_bound_shapes[2][2][4][2] = {
 
 __attribute__((target("avx2"))) static int64_t zp_bound_avx2_any(const zp_bound_sorted *o,
                                                                  int64_t lo, int64_t hi,
-                                                                 int64_t pf, uint32_t mask) {
-  return zp_bound_avx2_body(o, lo, hi, pf, mask, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
+                                                                 int64_t pf, uint32_t mask,
+                                                                 int nt) {
+  return zp_bound_avx2_body(o, lo, hi, pf, mask, nt, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
                             o->nw2);
 }
 
 __attribute__((target("avx512f"))) static int64_t zp_bound_avx512_any(const zp_bound_sorted *o,
                                                                      int64_t lo, int64_t hi,
-                                                                     int64_t pf,
-                                                                     uint32_t mask) {
-  return zp_bound_avx512_body(o, lo, hi, pf, mask, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
+                                                                     int64_t pf, uint32_t mask,
+                                                                     int nt) {
+  return zp_bound_avx512_body(o, lo, hi, pf, mask, nt, o->nr4, o->nr2, o->nu4, o->nu2, o->nw4,
                               o->nw2);
 }
 
@@ -236,17 +252,20 @@ static int64_t zp_bound_simd(const zp_bound_job *job, int64_t lo, int64_t hi) {
   if (o.nr4 + o.nr2 == 1 && o.nu4 >= 1 && o.nu4 <= 4 && o.nu2 == 0 && o.nw4 == 0 &&
       o.nw2 <= 1)
     return zp_bound_shapes[isa512][o.nr2][o.nu4 - 1][o.nw2](&o, lo, hi, job->pf_bytes,
-                                                            job->mask);
-  return isa512 ? zp_bound_avx512_any(&o, lo, hi, job->pf_bytes, job->mask)
-                : zp_bound_avx2_any(&o, lo, hi, job->pf_bytes, job->mask);
+                                                            job->mask, job->nt);
+  return isa512 ? zp_bound_avx512_any(&o, lo, hi, job->pf_bytes, job->mask, job->nt)
+                : zp_bound_avx2_any(&o, lo, hi, job->pf_bytes, job->mask, job->nt);
 }
 #endif
 
 static void zp_bound_range(void *ctx, int64_t begin, int64_t end) {
   const zp_bound_job *job = ctx;
 #ifdef ZP_X86
-  if (job->isa != ZP_ISA_SCALAR)
+  if (job->isa != ZP_ISA_SCALAR) {
     begin = zp_bound_simd(job, begin, end);
+    if (job->nt)
+      _mm_sfence(); /* before the thread takes its next block or is joined */
+  }
 #endif
   zp_bound_scalar(job, begin, end);
 }
@@ -280,6 +299,13 @@ zp_status zp_stream_bound_cpu(const zp_stream *streams, int32_t n_streams, int64
   job.pf_bytes = tune.prefetch_l1 ? -(int64_t)tune.prefetch_bytes : tune.prefetch_bytes;
   job.mask = zp_bound_mask;
   job.isa = tune.isa;
+  /* as the kernels: streaming stores for write-only outputs from stream_min_bytes on (they
+   * need aligned addresses: every block of a write stream starts on a 64-byte boundary) */
+  job.nt = tune.stream_min_bytes > 0;
+  for (int32_t k = 0; k < n_streams; k++)
+    if (streams[k].access == ZP_STREAM_WRITE)
+      job.nt = job.nt && numel * streams[k].elem_bytes >= tune.stream_min_bytes &&
+               (uintptr_t)streams[k].data % 64 == 0;
   /* zp_opt_step_cpu's split, so that both see the same ranges */
   return tune.split_static
              ? zp_parallel_for(numel, n_threads, 64, ZP_CPU_BLOCK, zp_bound_range, &job)

@@ -73,7 +73,15 @@ zp_isa zp_isa_pick(void) {
 }
 
 zp_cpu_tuning zp_cpu_tuning_pick(void) {
-  zp_cpu_tuning t = {zp_isa_pick(), ZP_CPU_PREFETCH_DEFAULT, 0, 0, zp_cpu_vendor_id()};
+  zp_cpu_tuning t = {zp_isa_pick(), ZP_CPU_PREFETCH_DEFAULT, 0, 0, ZP_CPU_STREAM_DEFAULT,
+                     zp_cpu_vendor_id()};
+  const char *stream = getenv("ZP_CPU_STREAM");
+  if (stream != NULL && stream[0] != '\0') {
+    char *end;
+    long long v = strtoll(stream, &end, 10);
+    if (*end == '\0' && v >= 0)
+      t.stream_min_bytes = (int64_t)v;
+  }
   const char *split = getenv("ZP_CPU_SPLIT");
   t.split_static = split != NULL && strcmp(split, "static") == 0;
   const char *env = getenv("ZP_CPU_PREFETCH");

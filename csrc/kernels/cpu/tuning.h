@@ -13,6 +13,10 @@
  *   ZP_CPU_SPLIT     "blocks" (default): threads take 64K-element blocks in turn, so a thread
  *                    slowed by another process or an SMT sibling does less of the work;
  *                    "static": one contiguous range per thread.
+ *   ZP_CPU_STREAM    streaming (non-temporal) stores for a write-only output (a bf16/fp16
+ *                    param_out, the bound's write streams) of at least this many bytes per
+ *                    segment; 0: never. Default ZP_CPU_STREAM_DEFAULT: past L2, where the line
+ *                    would not stay cached anyway, and the read before each write is saved.
  * Vendor defaults (measured and argued in benchmarks/RESULTS.md, "The CPU step on every x86"):
  *   Intel: AVX-512 bodies; prefetch 2 KiB ahead into L2.
  *   AMD:   AVX2 bodies (Zen 4 splits 512-bit operations into two 256-bit halves, so 512-bit
@@ -32,12 +36,14 @@ typedef enum { ZP_VENDOR_OTHER = 0, ZP_VENDOR_INTEL = 1, ZP_VENDOR_AMD = 2 } zp_
 
 #define ZP_CPU_PREFETCH_DEFAULT 2048 /* bytes ahead per stream */
 #define ZP_CPU_PREFETCH_MAX (1 << 20)
+#define ZP_CPU_STREAM_DEFAULT (4 << 20) /* bytes of one segment's write-only output */
 
 typedef struct {
   zp_isa isa;               /* the bodies to run; the CPU runs it */
   int32_t prefetch_bytes;   /* per stream, ahead of the element being read; 0: none */
   int32_t prefetch_l1;      /* 1: PREFETCHT0 (into L1); 0: PREFETCHT1 (into L2) */
   int32_t split_static;     /* 1: one range per thread (zp_parallel_for); 0: blocks in turn */
+  int64_t stream_min_bytes; /* write-only outputs this large get streaming stores; 0: never */
   zp_cpu_vendor vendor;
 } zp_cpu_tuning;
 
