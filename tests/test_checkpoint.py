@@ -231,7 +231,30 @@ def run_third_1(rank, world, tmp):
     train(ref, ropt, rsched, 0, K + 2 * M, rank, world)
     with torch.no_grad():
         ref.marker.copy_(torch.arange(5.0))  # as the first run set it before saving
-    return {"D": full_params(model), "D_ref": full_params(ref)}
+    out = {"D": full_params(model), "D_ref": full_params(ref)}
+    # Adagrad (whose state starts at initial_accumulator_value) with a branch unused before
+    # the save: that parameter has no state in the checkpoint and must start fresh after it
+    finals = []
+    for resume_at in (None, K):
+        torch.manual_seed(0)
+        net = models.Branchy()
+        net, nopt = zero_py.initialize(net, torch.optim.Adagrad, stage=2, lr=0.05,
+                                       initial_accumulator_value=0.3)
+        for t in range(2 * K):
+            if t == resume_at:
+                zero_py.save_checkpoint(os.path.join(tmp, "ada"), net, nopt)
+                torch.manual_seed(1)
+                net, nopt = zero_py.initialize(models.Branchy(), torch.optim.Adagrad, stage=2,
+                                               lr=0.05, initial_accumulator_value=0.3)
+                zero_py.load_checkpoint(os.path.join(tmp, "ada"), net, nopt)
+            x, y = models.mlp_batch(torch.Generator().manual_seed(t), d_out=8)
+            loss = torch.nn.functional.mse_loss(net(x, use_branch=t >= K), y)
+            loss.backward()
+            nopt.step()
+            nopt.zero_grad()
+        finals.append(full_params(net))
+    out["ada"], out["ada_ref"] = finals[1], finals[0]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +285,10 @@ def test_resume_at_another_world_size(runs):
 
 def test_resume_two_ranks_to_three_to_one_on_the_generic_path(runs):
     assert _worst(runs["fourth"]["D"], runs["fourth"]["D_ref"]) < 1e-5
+
+
+def test_state_of_a_parameter_unused_before_the_save_starts_fresh(runs):
+    assert _worst(runs["fourth"]["ada"], runs["fourth"]["ada_ref"]) == 0.0
 
 
 def test_keep_last_rotation(runs):

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -200,18 +201,37 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
 
 
-def publish_dir(tmp: str, final: str) -> None:
+def publish_dir(tmp: str, final: str) -> Optional[str]:
     """Makes the finished directory `tmp` appear as `final` in one step: a reader sees the old
-    checkpoint or the new one, never a mix or nothing (an existing `final` is swapped out
-    atomically where the file system allows, then removed)."""
+    checkpoint or the new one, never a mix or nothing. An existing `final` is swapped out
+    atomically where the file system allows; returns where the old one now is (the caller
+    removes it, e.g. in the background), or None."""
     parent = os.path.dirname(os.path.abspath(final))
+    old = None
     if not os.path.lexists(final):
         os.rename(tmp, final)
     elif _exchange(tmp, final):
-        shutil.rmtree(tmp)  # the old checkpoint, now under the temporary name
+        old = tmp  # the old checkpoint, now under the temporary name
     else:  # no atomic swap here: the old one is moved aside for an instant
-        aside = tmp + ".old"
-        os.rename(final, aside)
+        old = tmp + ".old"
+        os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(aside)
     fsync_dir(parent)
+    return old
+
+
+_removals: List[threading.Thread] = []
+
+
+def remove_in_background(path: str) -> None:
+    """Removes a directory on a thread (deleting a large checkpoint takes a while); a process
+    that ends first leaves it, under its temporary name, for the next save to remove."""
+    t = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                         name="zero_py-checkpoint-rm", daemon=True)
+    t.start()
+    _removals.append(t)
+
+
+def wait_for_removals() -> None:
+    while _removals:
+        _removals.pop().join()

@@ -110,6 +110,9 @@ def _install(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dic
         kind = "param" if same or not entry.get("master") else "master"
         ck.read_into(kind, name, h.load_lo, h.load_hi, h.load_into)
     opt._update.reset()
+    opt._allocate_states([h.slice for name, h in held.items() if h.slice is not None
+                          and ck.params[name].get("step") and "state" in ck.params[name]
+                          and ck.params[name]["state"]["keys"]])
     opt._step_count = [0] * len(opt._step_count)
     opt.sync_master_from_params()
     for name, h in held.items():

@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from zero_py.checkpoint import plain
-from zero_py.checkpoint.files import fsync_dir, publish_dir, write_tensor_file, write_text_durably
+from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
+                                      wait_for_removals, write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import holdings, persistent_buffers
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
@@ -190,6 +191,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             error = str(exc)
     agree(ex, error, "save_checkpoint")
 
+    wait_for_removals()  # what the last save replaced is gone before this one writes
     save_id = broadcast_json(ex, uuid.uuid4().hex if ex.rank == 0 else None)
     tmp = os.path.join(parent, f".{base}.tmp-{save_id}")
     error = None
@@ -227,7 +229,9 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             manifest = _manifest(model, opt, records, save_id)
             write_text_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
             fsync_dir(tmp)
-            publish_dir(tmp, path)
+            old = publish_dir(tmp, path)
+            if old is not None:
+                remove_in_background(old)  # the checkpoint this save replaced
             if keep_last is not None:
                 _rotate(path, keep_last)
         except (OSError, CheckpointError, TypeError, ValueError) as exc:

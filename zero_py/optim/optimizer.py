@@ -344,6 +344,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if master is not None and "master_param" in state:
             master[s.piece_lo:s.piece_hi].copy_(state["master_param"].reshape(-1))
 
+    def _allocate_states(self, filled) -> None:
+        """Fresh optimizer state for a load that is about to fill the slices `filled` through
+        _state_views (fused path; the torch.optim path allocates as it installs)."""
+        if self.uses_fused_kernel:
+            self._update.allocate(filled)
+
     def _state_views(self, s) -> Optional[Dict[str, torch.Tensor]]:
         """Live views of slice s's per-element state and its fp32 master ("master_param", when
         the parameter has one), for a loader to fill in place; None on the torch.optim path,

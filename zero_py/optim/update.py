@@ -14,7 +14,7 @@ of absent gradients work exactly as in torch.
 from __future__ import annotations
 
 from array import array
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,16 +81,34 @@ class FusedUpdate(_Update):
         self.keys = state_keys(kind, param_groups)
         self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
 
-    def _ensure_states(self) -> List[torch.Tensor]:
+    def _ensure_states(self, filled: Sequence[Tuple[int, int]] = ()) -> List[torch.Tensor]:
+        """The state tensors, allocated at first use with their initial value (0, or Adagrad's
+        initial_accumulator_value) everywhere but the shard-space ranges `filled`, which the
+        caller overwrites at once (a checkpoint load): their pages are written only once."""
         if self.states is None:
-            n = self.flat.shard_numel
-            self.states = [torch.zeros(n, dtype=torch.float32, device=self.flat.device)
+            flat = self.flat
+            self.states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=flat.device)
                            for _ in self.keys]
-            if self.kind == kernels.OPT_ADAGRAD:
-                for b in range(self.flat.n_buckets):
-                    r = self.flat.shard_range(b)
-                    init = self.param_groups[self.flat.bucket_group[b]]["initial_accumulator_value"]
-                    self.states[0][r.start:r.stop].fill_(init)
+            holes = sorted(filled)
+            k = 0
+            for b in range(flat.n_buckets):
+                r = flat.shard_range(b)
+                init = (self.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
+                        if self.kind == kernels.OPT_ADAGRAD else 0.0)
+                at = r.start
+                while k < len(holes) and holes[k][1] <= r.start:
+                    k += 1
+                j = k
+                while j < len(holes) and holes[j][0] < r.stop:
+                    lo, hi = max(holes[j][0], r.start), min(holes[j][1], r.stop)
+                    if lo > at:
+                        for t in self.states:
+                            t[at:lo].fill_(init)
+                    at = max(at, hi)
+                    j += 1
+                if at < r.stop:
+                    for t in self.states:
+                        t[at:r.stop].fill_(init)
         return self.states
 
     def _runs(self, b: int, used: Sequence[int], step_count: Sequence[int]):
@@ -183,10 +201,19 @@ class FusedUpdate(_Update):
             t[lo:lo + s.numel].copy_(state[k].reshape(-1))
 
     def state_views(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
-        """Live views of slice s's state tensors (allocated at first use), to fill in place."""
+        """Live views of slice s's state tensors (allocated at first use: see allocate), to
+        fill in place."""
         states = self._ensure_states()
         lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
         return {k: t[lo:lo + s.numel] for k, t in zip(self.keys, states)}
+
+    def allocate(self, filled: Sequence[ShardSlice]) -> None:
+        """Allocates fresh state tensors for a load that fills the slices `filled` (only the
+        rest is initialized here)."""
+        self.states = None
+        self._ensure_states([(self.flat.bucket_shard_offset[s.bucket] + s.piece_lo,
+                              self.flat.bucket_shard_offset[s.bucket] + s.piece_hi)
+                             for s in filled])
 
     def reset(self) -> None:
         self.states = None
