@@ -117,7 +117,7 @@ static void zp_lion_scalar(const zp_opt_coef *c, float *restrict p, const float 
  * L1 (pf < 0: ZP_CPU_PREFETCH=<bytes>:l1); see tuning.h. A prefetch past the end of a buffer is
  * harmless. */
 static inline void zp_prefetch(const float *at, int64_t pf) {
-  if (pf != 0)
+  if (pf > 0)
     _mm_prefetch((const char *)(at + pf), _MM_HINT_T1);
   else
     _mm_prefetch((const char *)(at - pf), _MM_HINT_T0);
