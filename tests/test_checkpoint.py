@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -116,6 +117,18 @@ def run_first(rank, world, tmp):
         if key == "C":  # the damaged-checkpoint cases start from these
             save(os.path.join(tmp, "C_more"), model, opt, sched, rank, world)
             out["C_optim"] = opt.consolidate_state_dict()
+            # an asynchronous save of the same state, whose write waits until training has
+            # changed every parameter and state
+            import zero_py.checkpoint.save as save_mod
+
+            gate, real = threading.Event(), save_mod.write_tensor_file
+            save_mod.write_tensor_file = lambda *a, g=gate, w=real: g.wait(60) and w(*a)
+            handle = save(os.path.join(tmp, "C_async"), model, opt, sched, rank, world,
+                          async_save=True)
+            train(model, opt, sched, K + M, K + M + 2, rank, world)
+            gate.set()
+            out["async_path"] = handle.wait()
+            save_mod.write_tensor_file = real
     # rotation: keep the two newest of step_1 .. step_4 (numbered by step)
     model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=0)
     for t in range(4):
@@ -308,6 +321,21 @@ def test_mismatched_model_or_optimizer_is_refused_and_nothing_changes(runs):
         assert "SGD" in rank_out["wrong_class"] and "AdamW" in rank_out["wrong_class"]
         assert "shape" in rank_out["wrong_shape"], rank_out["wrong_shape"]
         assert rank_out["unchanged"]
+
+
+def test_async_save_writes_the_state_of_its_call(runs):
+    """The same bytes as the synchronous save of the same step, though training went on."""
+    from safetensors.torch import load_file
+
+    tmp = runs["tmp"]
+    assert runs["first"]["async_path"] == os.path.join(tmp, "C_async")
+    for r in range(2):
+        name = f"rank0000{r}.safetensors"
+        a = load_file(os.path.join(tmp, "C_async", name))
+        b = load_file(os.path.join(tmp, "C_more", name))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    Checkpoint.open(os.path.join(tmp, "C_async")).verify()
 
 
 def test_files_are_safetensors_and_loading_needs_no_pickle(runs):

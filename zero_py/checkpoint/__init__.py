@@ -3,6 +3,6 @@ readers behind `python -m zero_py consolidate` and `inspect`. Format: docs/check
 
 from zero_py.checkpoint.load import load_checkpoint
 from zero_py.checkpoint.reader import CheckpointError
-from zero_py.checkpoint.save import save_checkpoint
+from zero_py.checkpoint.save import AsyncSave, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "AsyncSave"]

@@ -20,6 +20,7 @@ import torch
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
+from zero_py.checkpoint.save import wait_pending
 
 
 def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
@@ -169,6 +170,7 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     empty) or the other way round. Training then continues as the saved run would have."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
+    wait_pending(opt)  # an asynchronous save of this optimizer finishes first
     error, ck, held, groups = None, None, None, None
     try:
         ck = Checkpoint.open(path)

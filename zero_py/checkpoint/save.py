@@ -17,10 +17,13 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
@@ -76,8 +79,9 @@ def _rank_payload(model, opt, extra) -> Tuple[List[Tuple[str, torch.Tensor]], Di
     return tensors, record
 
 
-def _manifest(model, opt, records: List[dict], save_id: str) -> dict:
-    """The manifest, built on rank 0 from every rank's record."""
+def _manifest_base(model, opt, save_id: str) -> dict:
+    """Everything of the manifest but what the rank files report, read from the optimizer
+    now (an asynchronous save finishes while training goes on)."""
     held = holdings(model, opt)
     fp = opt._flat
     names = {id(p): n for n, p in model.named_parameters()}
@@ -90,15 +94,6 @@ def _manifest(model, opt, records: List[dict], save_id: str) -> dict:
             entry["step"] = opt._step_count[h.index]
             entry["master"] = opt._masters.piece(fp.param_bucket[h.index]) is not None
         params[name] = entry
-    for r, rec in enumerate(records):
-        for name, (lo, hi) in rec["pieces"].items():
-            params[name]["pieces"].append([r, lo, hi])
-        for name, st in rec["states"].items():
-            params[name].setdefault("state", st)
-    for name, entry in params.items():
-        entry["pieces"].sort(key=lambda x: x[1])
-        if entry.get("step") and "state" not in entry:
-            raise CheckpointError(f"no rank reported the optimizer state of {name}")
     groups = []
     for g in opt.param_groups:
         hyper = {k: plain.encode(v, None, f"param group option {k!r}")
@@ -122,11 +117,27 @@ def _manifest(model, opt, records: List[dict], save_id: str) -> dict:
         "loss_scaler": None if opt.loss_scaler is None else
         plain.encode(opt.loss_scaler.state_dict(), None, "loss scaler state"),
         "params": params, "aliases": aliases, "buffers": buffers,
-        "files": {rank_file(r): {"rank": r, "bytes": rec["bytes"], "crc32c": rec["crc32c"],
-                                 "extra": rec["extra"] is not None}
-                  for r, rec in enumerate(records)},
         "versions": {"torch": torch.__version__},
     }
+
+
+def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
+    """The manifest with what every rank reported: its pieces, states, file size and CRC."""
+    params = manifest["params"]
+    for r, rec in enumerate(records):
+        for name, (lo, hi) in rec["pieces"].items():
+            params[name]["pieces"].append([r, lo, hi])
+        for name, st in rec["states"].items():
+            params[name].setdefault("state", st)
+    for name, entry in params.items():
+        entry["pieces"].sort(key=lambda x: x[1])
+        if entry.get("step") and "state" not in entry:
+            raise CheckpointError(f"no rank reported the optimizer state of {name}")
+    manifest["files"] = {rank_file(r): {"rank": r, "bytes": rec["bytes"],
+                                        "crc32c": rec["crc32c"],
+                                        "extra": rec["extra"] is not None}
+                         for r, rec in enumerate(records)}
+    return manifest
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
@@ -159,8 +170,88 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     return removed
 
 
+class AsyncSave:
+    """A save_checkpoint(..., async_save=True) in flight: the rank's file is written, and the
+    checkpoint published, on a thread while training goes on. wait() returns the path, or
+    raises the save's CheckpointError (on every rank). The next save_checkpoint or
+    load_checkpoint with the same optimizer waits for it first; call wait() before
+    torch.distributed.destroy_process_group()."""
+
+    def __init__(self, path: str, thread: threading.Thread, outcome: Dict[str, Any]):
+        self.path = path
+        self._thread = thread
+        self._outcome = outcome
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self._outcome.get("error") is not None:
+            raise CheckpointError(self._outcome["error"])
+        return self.path
+
+
+# per optimizer: the gloo group asynchronous saves finish on (training keeps the optimizer's
+# own group busy meanwhile) and the save in flight
+_async_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_in_flight: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def wait_pending(opt) -> None:
+    """Waits for opt's asynchronous save in flight, if any (its error is raised by its own
+    wait(), not here: a later call must not fail for an earlier save)."""
+    pending = _in_flight.pop(opt, None)
+    if pending is not None:
+        pending._thread.join()
+
+
+def _async_executor(opt):
+    ex = _async_groups.get(opt)
+    if ex is None:
+        from zero_py.collectives.torch_dist import TorchDistExecutor
+
+        ranks = [opt.executor.global_rank(r) for r in range(opt.executor.world_size)]
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        ex = _async_groups[opt] = TorchDistExecutor(group, torch.device("cpu"))
+    return ex
+
+
+def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Optional[dict],
+            keep_last: Optional[int]) -> Optional[str]:
+    """Writes this rank's file, then rank 0 publishes the checkpoint when every rank has
+    written its own. Collective over `ex`; returns None, or the error every rank raises."""
+    error = None
+    try:
+        record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
+                                                 tensors, meta)
+        record["crc32c"] = f"{crc:08x}"
+    except OSError as exc:
+        error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {exc}"
+    del tensors
+    records = gather_json(ex, {"error": error, **record}, 0)
+    outcome = None
+    if ex.rank == 0:
+        errors = [r["error"] for r in records if r["error"]]
+        try:
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            manifest = _complete_manifest(base, records)
+            write_text_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+            fsync_dir(tmp)
+            old = publish_dir(tmp, path)
+            if old is not None:
+                remove_in_background(old)  # the checkpoint this save replaced
+            if keep_last is not None:
+                _rotate(path, keep_last)
+        except (OSError, CheckpointError, TypeError, ValueError) as exc:
+            outcome = f"save_checkpoint({path}) failed, the previous checkpoint is kept: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    return broadcast_json(ex, outcome)
+
+
 def save_checkpoint(path, model, optimizer, extra: Any = None, *,
-                    keep_last: Optional[int] = None) -> str:
+                    keep_last: Optional[int] = None, async_save: bool = False):
     """Saves the model's parameters and buffers, the optimizer's fp32 masters and states, its
     hyperparameters and loss-scaler state, and `extra`, as the directory `path`. Collective:
     every rank of the optimizer's group calls it with the same path.
@@ -170,9 +261,15 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     state_dict(), a data-loader position, RNG states), each rank's own; load_checkpoint gives
     each rank back its own. `keep_last=k`: after this save, keep only the k newest checkpoints
     named like `path` with another number (e.g. ckpt/step_00100, ckpt/step_00200).
-    Returns the absolute path. Loads at any world size and stage: see load_checkpoint."""
+    Returns the absolute path. Loads at any world size and stage: see load_checkpoint.
+
+    `async_save=True`: what the rank saves is copied to host memory now (so training may go on
+    and change it), and the file is written and the checkpoint published on a thread; returns
+    an AsyncSave (wait() gives the path or raises). The copy costs the rank's share of the
+    checkpoint in host memory until the write ends."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
+    wait_pending(opt)  # one save in flight per optimizer
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
@@ -211,33 +308,26 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             "world_size": str(ex.world_size), "step": str(step)}
     if record.get("extra") is not None:
         meta["extra"] = json.dumps(record["extra"])
-    error = None
-    try:
-        record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
-                                                 tensors, meta)
-        record["crc32c"] = f"{crc:08x}"
-    except OSError as exc:
-        error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {exc}"
-    del tensors
-    records = gather_json(ex, {"error": error, **record}, 0)
-    outcome = None
-    if ex.rank == 0:
-        errors = [r["error"] for r in records if r["error"]]
+    manifest = _manifest_base(model, opt, save_id) if ex.rank == 0 else None
+    if not async_save:
+        outcome = _finish(ex, path, tmp, tensors, record, meta, manifest, keep_last)
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        return path
+    with torch.no_grad():
+        tensors = [(name, t.detach().to("cpu", copy=True)) for name, t in tensors]
+    aex = _async_executor(opt)
+    result: Dict[str, Any] = {}
+
+    def run() -> None:
         try:
-            if errors:
-                raise CheckpointError("; ".join(errors))
-            manifest = _manifest(model, opt, records, save_id)
-            write_text_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-            fsync_dir(tmp)
-            old = publish_dir(tmp, path)
-            if old is not None:
-                remove_in_background(old)  # the checkpoint this save replaced
-            if keep_last is not None:
-                _rotate(path, keep_last)
-        except (OSError, CheckpointError, TypeError, ValueError) as exc:
-            outcome = f"save_checkpoint({path}) failed, the previous checkpoint is kept: {exc}"
-            shutil.rmtree(tmp, ignore_errors=True)
-    outcome = broadcast_json(ex, outcome)
-    if outcome is not None:
-        raise CheckpointError(outcome)
-    return path
+            result["error"] = _finish(aex, path, tmp, tensors, record, meta, manifest,
+                                      keep_last)
+        except Exception as exc:  # noqa: BLE001 - a peer that died: the group's error
+            result["error"] = f"save_checkpoint({path}) failed: {type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=run, name="zero_py-checkpoint-save")
+    handle = AsyncSave(path, thread, result)
+    _in_flight[opt] = handle
+    thread.start()
+    return handle
