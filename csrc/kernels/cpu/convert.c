@@ -5,6 +5,7 @@
  * bit for bit. No -march: SIMD bodies carry target attributes and run only after
  * __builtin_cpu_supports says the CPU has them (zp_isa_pick, tuning.c). */
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/convert_simd.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -108,20 +109,6 @@ ZP_AVX2 static void zp_widen_f16_avx2(const uint16_t *src, float *dst, int64_t n
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
   }
   zp_widen_f16_scalar(src + i, dst + i, n - i);
-}
-
-/* 8 uint32 lanes holding values < 2^16 -> 8 uint16, in order. */
-ZP_AVX2 static inline __m128i zp_pack_u32_avx2(__m256i x) {
-  __m256i packed = _mm256_packus_epi32(x, x); /* lanes 0-3 | 0-3 | 4-7 | 4-7 (64-bit groups) */
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
-/* bits + r with NaNs replaced by 0x7FC0 << 16, shifted down: the bf16 lanes as uint32. */
-ZP_AVX2 static inline __m256i zp_bf16_round_avx2(__m256i u, __m256i r) {
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 }
 
 /* 8 narrowed elements to dst: a streaming store (nt, dst 16-byte aligned) or a plain one. */
@@ -231,14 +218,6 @@ ZP_AVX512 static void zp_widen_f16_avx512(const uint16_t *src, float *dst, int64
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
   }
   zp_widen_f16_scalar(src + i, dst + i, n - i);
-}
-
-ZP_AVX512 static inline __m256i zp_bf16_round_avx512(__m512i u, __m512i r) {
-  __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                          _mm512_set1_epi32(0x7F800000));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
 }
 
 /* 16 narrowed elements to dst: a streaming store (nt, dst 32-byte aligned) or a plain one. */

@@ -3,7 +3,10 @@
  * Each segment is walked in chunks of ZP_OPT_CHUNK elements: a bf16/fp16 gradient is widened
  * into a chunk buffer that stays in L1, the update body of the kind runs on fp32, and the new
  * master is narrowed into param_out while it is still in L1, so memory is crossed once. An fp32
- * gradient with no param_out skips the chunking (the body runs on the whole range).
+ * gradient with no param_out skips the chunking (the body runs on the whole range), and so does
+ * Adam* with a bf16 gradient and a bf16 param_out rounded to nearest (the mixed-precision case
+ * that matters most): its SIMD bodies widen and narrow in registers, which saves the chunk's
+ * store and reload (~20% of the compute per element) and gives the same bits.
  *
  * The bodies (scalar, AVX2+FMA, AVX-512F) perform the same float operations in the same order,
  * and the C is compiled as ISO C11 (no floating-point contraction), so every body gives the same
@@ -18,6 +21,7 @@
 
 #include "common/parallel.h"
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/convert_simd.h"
 #include "kernels/cpu/tuning.h"
 #include "kernels/optim_common.h"
 
@@ -127,43 +131,116 @@ static inline void zp_prefetch(const float *at, int64_t pf) {
 /* ---- AVX2 + FMA: 8 lanes ---- */
 #define ZP_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+typedef struct {
+  __m256 scale, wd, decay, w, wm1, b2, omb2, neg_step, bc2, eps;
+  int l2, small, ams;
+} zp_adam256;
+
+#define ZP_INLINE2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+ZP_INLINE2 zp_adam256 zp_adam256_load(const zp_opt_coef *c) {
+  return (zp_adam256){_mm256_set1_ps(c->scale),    _mm256_set1_ps(c->wd),
+                      _mm256_set1_ps(c->decay),    _mm256_set1_ps(c->lerp_w),
+                      _mm256_set1_ps(c->lerp_wm1), _mm256_set1_ps(c->b2),
+                      _mm256_set1_ps(c->omb2),     _mm256_set1_ps(c->neg_step),
+                      _mm256_set1_ps(c->bc2_sqrt), _mm256_set1_ps(c->eps),
+                      c->use_l2,                   c->lerp_small,
+                      c->amsgrad};
+}
+
+/* One Adam* step of 8 elements whose gradient g (unscaled) is already in a register; stores
+ * master, m, v (and vmax) and returns the new master. */
+ZP_INLINE2 __m256 zp_adam8(const zp_adam256 *k, float *p, __m256 g, float *m, float *v,
+                           float *vmax) {
+  __m256 pi = _mm256_loadu_ps(p);
+  __m256 gi = _mm256_mul_ps(g, k->scale);
+  if (k->l2)
+    gi = _mm256_fmadd_ps(k->wd, pi, gi);
+  __m256 mi = _mm256_loadu_ps(m);
+  __m256 d = _mm256_sub_ps(gi, mi);
+  mi = k->small ? _mm256_fmadd_ps(k->w, d, mi) : _mm256_fmadd_ps(k->wm1, d, gi);
+  __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), k->b2);
+  vi = _mm256_fmadd_ps(_mm256_mul_ps(k->omb2, gi), gi, vi);
+  __m256 vv = vi;
+  if (k->ams) {
+    vv = _mm256_max_ps(_mm256_loadu_ps(vmax), vi);
+    _mm256_storeu_ps(vmax, vv);
+  }
+  __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), k->bc2), k->eps);
+  pi = _mm256_add_ps(_mm256_mul_ps(pi, k->decay),
+                     _mm256_div_ps(_mm256_mul_ps(k->neg_step, mi), denom));
+  _mm256_storeu_ps(p, pi);
+  _mm256_storeu_ps(m, mi);
+  _mm256_storeu_ps(v, vi);
+  return pi;
+}
+
 ZP_AVX2 static void zp_adam_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
                                  float *restrict m, float *restrict v, float *restrict vmax,
                                  int64_t n, int64_t pf) {
-  const __m256 scale = _mm256_set1_ps(c->scale), wd = _mm256_set1_ps(c->wd);
-  const __m256 decay = _mm256_set1_ps(c->decay), w = _mm256_set1_ps(c->lerp_w);
-  const __m256 wm1 = _mm256_set1_ps(c->lerp_wm1), b2 = _mm256_set1_ps(c->b2);
-  const __m256 omb2 = _mm256_set1_ps(c->omb2), neg_step = _mm256_set1_ps(c->neg_step);
-  const __m256 bc2 = _mm256_set1_ps(c->bc2_sqrt), eps = _mm256_set1_ps(c->eps);
-  const int l2 = c->use_l2, small = c->lerp_small, ams = c->amsgrad;
+  const zp_adam256 k = zp_adam256_load(c);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     if (pf != 0 && (i & 15) == 0) {
       ZP_PF(p, i), ZP_PF(g, i), ZP_PF(m, i), ZP_PF(v, i);
-      if (ams)
+      if (k.ams)
         ZP_PF(vmax, i);
     }
-    __m256 pi = _mm256_loadu_ps(p + i);
-    __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), scale);
-    if (l2)
-      gi = _mm256_fmadd_ps(wd, pi, gi);
-    __m256 mi = _mm256_loadu_ps(m + i);
-    __m256 d = _mm256_sub_ps(gi, mi);
-    mi = small ? _mm256_fmadd_ps(w, d, mi) : _mm256_fmadd_ps(wm1, d, gi);
-    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v + i), b2);
-    vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, vi);
-    __m256 vv = vi;
-    if (ams) {
-      vv = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vi);
-      _mm256_storeu_ps(vmax + i, vv);
-    }
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2), eps);
-    pi = _mm256_add_ps(_mm256_mul_ps(pi, decay), _mm256_div_ps(_mm256_mul_ps(neg_step, mi), denom));
-    _mm256_storeu_ps(p + i, pi);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
+    (void)zp_adam8(&k, p + i, _mm256_loadu_ps(g + i), m + i, v + i, k.ams ? vmax + i : NULL);
   }
   zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i, pf);
+}
+
+/* Adam* with a bf16 gradient and a bf16 param_out rounded to nearest even: the gradient is
+ * widened and the master narrowed in registers, so no chunk buffer is written and read back
+ * (convert.c's widen, then the body, then convert.c's narrow: the same bits). nt: streaming
+ * stores for out, which is then 16-byte aligned. The last < 8 (or 16) elements take the scalar
+ * path. */
+static void zp_adam_bf16_tail(const zp_opt_coef *c, float *p, const uint16_t *g, float *m,
+                              float *v, float *vmax, uint16_t *out, int64_t n) {
+  float gw[32] = {0}; /* the SIMD bodies leave fewer than 32: one piece */
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t k = n - j < 32 ? n - j : 32;
+    for (int64_t i = 0; i < k; i++)
+      gw[i] = zp_bf16_to_f32(g[j + i]);
+    zp_adam_scalar(c, p + j, gw, m + j, v + j, vmax ? vmax + j : NULL, k, 0);
+    for (int64_t i = 0; i < k; i++)
+      out[j + i] = zp_f32_to_bf16(p[j + i]);
+  }
+}
+
+static inline void zp_prefetch16(const uint16_t *at, int64_t pf) {
+  if (pf > 0)
+    _mm_prefetch((const char *)(at + pf), _MM_HINT_T1);
+  else
+    _mm_prefetch((const char *)(at - pf), _MM_HINT_T0);
+}
+
+ZP_AVX2 static void zp_adam_bf16_avx2(const zp_opt_coef *c, float *restrict p,
+                                      const uint16_t *restrict g, float *restrict m,
+                                      float *restrict v, float *restrict vmax,
+                                      uint16_t *restrict out, int64_t n, int64_t pf, int nt) {
+  const zp_adam256 k = zp_adam256_load(c);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if (pf != 0 && (i & 15) == 0) {
+      ZP_PF(p, i), ZP_PF(m, i), ZP_PF(v, i);
+      if ((i & 31) == 0)
+        zp_prefetch16(g + i, pf);
+      if (k.ams)
+        ZP_PF(vmax, i);
+    }
+    __m256i gw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i)));
+    __m256 pi = zp_adam8(&k, p + i, _mm256_castsi256_ps(_mm256_slli_epi32(gw, 16)), m + i,
+                         v + i, k.ams ? vmax + i : NULL);
+    __m256i u = _mm256_castps_si256(pi);
+    __m128i b = zp_pack_u32_avx2(zp_bf16_round_avx2(u, zp_bf16_rne_bias_avx2(u)));
+    if (nt)
+      _mm_stream_si128((__m128i *)(out + i), b);
+    else
+      _mm_storeu_si128((__m128i *)(out + i), b);
+  }
+  zp_adam_bf16_tail(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, out + i, n - i);
 }
 
 ZP_AVX2 static void zp_sgd_avx2(const zp_opt_coef *c, float *restrict p, const float *restrict g,
@@ -261,10 +338,12 @@ ZP_INLINE512 zp_coef512 zp_coef512_load(const zp_opt_coef *c) {
                       c->nesterov};
 }
 
-ZP_INLINE512 void zp_adam16(const zp_coef512 *k, float *p, const float *g, float *m, float *v,
-                            float *vmax) {
+/* One Adam* step of 16 elements whose gradient g (unscaled) is already in a register; stores
+ * master, m, v (and vmax) and returns the new master. */
+ZP_INLINE512 __m512 zp_adam16_g(const zp_coef512 *k, float *p, __m512 g, float *m, float *v,
+                                float *vmax) {
   __m512 pi = _mm512_loadu_ps(p);
-  __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), k->scale);
+  __m512 gi = _mm512_mul_ps(g, k->scale);
   if (k->l2)
     gi = _mm512_fmadd_ps(k->wd, pi, gi);
   __m512 mi = _mm512_loadu_ps(m);
@@ -283,6 +362,25 @@ ZP_INLINE512 void zp_adam16(const zp_coef512 *k, float *p, const float *g, float
   _mm512_storeu_ps(p, pi);
   _mm512_storeu_ps(m, mi);
   _mm512_storeu_ps(v, vi);
+  return pi;
+}
+
+ZP_INLINE512 void zp_adam16(const zp_coef512 *k, float *p, const float *g, float *m, float *v,
+                            float *vmax) {
+  (void)zp_adam16_g(k, p, _mm512_loadu_ps(g), m, v, vmax);
+}
+
+/* zp_adam16 with a bf16 gradient and a bf16 param_out (see zp_adam_bf16_avx2). */
+ZP_INLINE512 void zp_adam16_bf16(const zp_coef512 *k, float *p, const uint16_t *g, float *m,
+                                 float *v, float *vmax, uint16_t *out, int nt) {
+  __m512i gw = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)g));
+  __m512 pi = zp_adam16_g(k, p, _mm512_castsi512_ps(_mm512_slli_epi32(gw, 16)), m, v, vmax);
+  __m512i u = _mm512_castps_si512(pi);
+  __m256i b = zp_bf16_round_avx512(u, zp_bf16_rne_bias_avx512(u));
+  if (nt)
+    _mm256_stream_si256((__m256i *)out, b);
+  else
+    _mm256_storeu_si256((__m256i *)out, b);
 }
 
 ZP_AVX512 static void zp_adam_avx512(const zp_opt_coef *c, float *restrict p,
@@ -304,6 +402,27 @@ ZP_AVX512 static void zp_adam_avx512(const zp_opt_coef *c, float *restrict p,
   for (; i + 16 <= n; i += 16)
     zp_adam16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL);
   zp_adam_scalar(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, n - i, pf);
+}
+
+ZP_AVX512 static void zp_adam_bf16_avx512(const zp_opt_coef *c, float *restrict p,
+                                        const uint16_t *restrict g, float *restrict m,
+                                        float *restrict v, float *restrict vmax,
+                                        uint16_t *restrict out, int64_t n, int64_t pf, int nt) {
+  const zp_coef512 k = zp_coef512_load(c);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    if (pf != 0) {
+      ZP_PF(p, i), ZP_PF(m, i), ZP_PF(v, i);
+      ZP_PF(p, i + 16), ZP_PF(m, i + 16), ZP_PF(v, i + 16);
+      zp_prefetch16(g + i, pf);
+      if (k.ams)
+        ZP_PF(vmax, i), ZP_PF(vmax, i + 16);
+    }
+    zp_adam16_bf16(&k, p + i, g + i, m + i, v + i, k.ams ? vmax + i : NULL, out + i, nt);
+    zp_adam16_bf16(&k, p + i + 16, g + i + 16, m + i + 16, v + i + 16,
+                   k.ams ? vmax + i + 16 : NULL, out + i + 16, nt);
+  }
+  zp_adam_bf16_tail(c, p + i, g + i, m + i, v + i, vmax ? vmax + i : NULL, out + i, n - i);
 }
 
 ZP_AVX512 static void zp_sgd_avx512(const zp_opt_coef *c, float *restrict p,
@@ -393,6 +512,20 @@ static const zp_opt_body zp_opt_bodies[3][ZP_OPT_KINDS] = {
 #endif
 };
 
+typedef void (*zp_adam_bf16_body)(const zp_opt_coef *c, float *restrict p,
+                                  const uint16_t *restrict g, float *restrict m,
+                                  float *restrict v, float *restrict vmax,
+                                  uint16_t *restrict out, int64_t n, int64_t pf, int nt);
+
+/* Indexed by zp_isa: the scalar ISA keeps the chunked path. */
+static const zp_adam_bf16_body zp_adam_bf16_bodies[3] = {
+    NULL,
+#ifdef ZP_X86
+    zp_adam_bf16_avx2,
+    zp_adam_bf16_avx512,
+#endif
+};
+
 typedef struct {
   const zp_opt_segment *segments;
   const zp_opt_coef *coefs;
@@ -400,6 +533,7 @@ typedef struct {
   int32_t n_segments;
   const zp_opt_body *bodies;
   const zp_convert_ops *convert;
+  zp_adam_bf16_body adam_bf16; /* NULL: Adam* with bf16 grad and param_out takes the chunks */
   int64_t pf; /* prefetch distance in fp32 elements; negative: into L1 */
   int64_t stream_min_bytes; /* a 16-bit param_out this large gets streaming stores; 0: never */
 } zp_opt_job;
@@ -420,6 +554,17 @@ static void zp_opt_run_segment(const zp_opt_job *job, int32_t s, int64_t lo, int
    * the read of each line before its write (2 of 30 bytes per element for AdamW). */
   const int nt = job->stream_min_bytes > 0 && c->param_dtype != ZP_F32 &&
                  seg->numel * 2 >= job->stream_min_bytes;
+  if (job->adam_bf16 != NULL && (c->kind == ZP_OPT_ADAMW || c->kind == ZP_OPT_ADAM) &&
+      c->grad_dtype == ZP_BF16 && c->param_dtype == ZP_BF16 &&
+      !(c->flags & ZP_OPT_STOCHASTIC_ROUNDING)) {
+    uint16_t *out = (uint16_t *)seg->param_out + lo;
+    job->adam_bf16(c, seg->master + lo, (const uint16_t *)seg->grad + lo, zp_at(seg->state0, lo),
+                   zp_at(seg->state1, lo), zp_at(seg->state2, lo), out, hi - lo, job->pf,
+                   nt && ((uintptr_t)out & 31) == 0);
+    if (nt)
+      job->convert->fence();
+    return;
+  }
   float chunk[ZP_OPT_CHUNK];
   for (int64_t j = lo, e; j < hi; j = e) {
     e = (j / ZP_OPT_CHUNK + 1) * ZP_OPT_CHUNK;
@@ -497,6 +642,7 @@ zp_status zp_opt_step_cpu(const zp_opt_segment *segments, int32_t n_segments,
                     n_segments,
                     zp_opt_bodies[tune.isa],
                     zp_convert_ops_for(tune.isa),
+                    zp_adam_bf16_bodies[tune.isa],
                     tune.prefetch_bytes / (int64_t)sizeof(float) * (tune.prefetch_l1 ? -1 : 1),
                     tune.stream_min_bytes};
   /* 64 elements: a cache line of fp32 and two of bf16 per range start; below 64K elements a
