@@ -130,7 +130,8 @@ static inline zp_opt_group *zp_py_opt_group_rows(const Py_buffer *buf, Py_ssize_
  * -1 with an exception set. */
 int zp_prefetch_py_register(PyObject *module);
 
-/* Adds zero_py._C.crc32c and crc32c_impl (io_py.c). Returns 0, or -1 with an exception set. */
+/* Adds zero_py._C.crc32c, crc32c_impl, io_open, IoEngine and IO_ALIGN (io_py.c). Returns 0,
+ * or -1 with an exception set. */
 int zp_io_py_register(PyObject *module);
 
 #endif /* ZP_BINDING_H */

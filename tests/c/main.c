@@ -46,7 +46,9 @@
   X(test_limits_kernel_tables)       \
   X(test_limits_parallel_and_flags)  \
   X(test_checksum_known_values)      \
-  X(test_checksum_paths_agree)
+  X(test_checksum_paths_agree)       \
+  X(test_io_engine_round_trip)       \
+  X(test_io_engine_errors)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)

@@ -30,6 +30,9 @@ def _numel(shape) -> int:
     return n
 
 
+_SMALL_STAGING = {"staging_bytes": 1 << 20, "n_staging": 2}  # memory stays near one tensor
+
+
 class _Scratch:
     """One reusable host buffer; view(dtype, numel) is its start as a tensor of that type."""
 
@@ -58,7 +61,8 @@ def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
         buffers = [(name, plain.dtype_of(b["dtype"]), b["shape"])
                    for name, b in man["buffers"].items()]
         writer = TensorFileWriter(out, [(k, d, s) for k, _, d, s in weights] + buffers,
-                                  {"format": "pt", "zero_py_step": str(man["step"])})
+                                  {"format": "pt", "zero_py_step": str(man["step"])},
+                                  **_SMALL_STAGING)
         # one buffer, the size of the largest tensor, holds each tensor in turn
         scratch = _Scratch(max((_numel(s) * d.itemsize for _, _, d, s in weights), default=0))
         try:
@@ -106,7 +110,7 @@ def _optimizer_file(ck: Checkpoint, out: str) -> int:
         scalars[str(i)] = sc
     meta = {"format": "pt", "param_groups": json.dumps(groups), "scalars": json.dumps(scalars),
             "optimizer": man["optimizer"]["class"]}
-    writer = TensorFileWriter(out, specs, meta)
+    writer = TensorFileWriter(out, specs, meta, **_SMALL_STAGING)
     scratch = _Scratch(max((numel * 4 for _, _, numel, _ in reads), default=0))
     try:
         for kind, name, numel, _ in reads:

@@ -3,8 +3,10 @@ atomic publication of a checkpoint directory.
 
 TensorFileWriter writes the safetensors format (an 8-byte little-endian header length, a JSON
 header naming each tensor's dtype, shape and byte range, then the raw bytes, tensor after
-tensor) from the tensors' own memory, computing the file's CRC-32C in the same pass, so a rank's
-file costs one write of its shards and no copy; consolidation declares every tensor first and
+tensor), computing the file's CRC-32C in the same pass, through zero_py.io's SequentialWriter:
+the bytes are copied into aligned staging buffers written with direct I/O (O_DIRECT, several
+writes in flight on the C engine's threads), which this machine's disk takes at about twice
+the speed of buffered writes and an fsync; consolidation declares every tensor first and
 then writes them one at a time, so it holds one tensor in memory. The files are read back with
 the safetensors package (safe_open, which reads only the byte ranges asked for). The checksum
 is CRC-32C (zero_py._C.crc32c: the SSE4.2 instruction where the CPU has it; about twice the
@@ -26,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py._native import _C
+from zero_py.io.engine import SequentialWriter
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
@@ -41,10 +44,13 @@ class TensorFileWriter:
 
     `specs` is [(name, dtype, shape)] for every tensor, in file order; `metadata` is str -> str
     (safetensors' __metadata__). The header is written at once; write(tensor) then takes each
-    tensor in turn. close() fsyncs and returns (file bytes, CRC-32C of the whole file)."""
+    tensor in turn. close() fsyncs and returns (file bytes, CRC-32C of the whole file).
+    staging_bytes x n_staging: the aligned buffers the bytes go through (32 MiB by default;
+    consolidation, which must stay near one tensor of memory, takes 2 x 1 MiB)."""
 
     def __init__(self, path: str, specs: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
-                 metadata: Optional[Dict[str, str]] = None):
+                 metadata: Optional[Dict[str, str]] = None, staging_bytes: int = 8 << 20,
+                 n_staging: int = 4):
         header: Dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -67,20 +73,16 @@ class TensorFileWriter:
         self.path = path
         self._next = 0
         self._crc = 0
-        self._file = open(path, "wb", buffering=0)
+        self._file = SequentialWriter(path, buffer_bytes=staging_bytes, n_buffers=n_staging)
         try:
             self._put(memoryview(struct.pack("<Q", len(text)) + text))
         except BaseException:
-            self._file.close()
+            self._file.abort()
             raise
 
     def _put(self, view: memoryview) -> None:
         self._crc = _C.crc32c(view, self._crc)
-        while len(view):
-            n = self._file.write(view)
-            if not n:
-                raise OSError(errno.EIO, f"short write to {self.path}")
-            view = view[n:]
+        self._file.write(view)
 
     def write(self, tensor: torch.Tensor) -> None:
         name, n, dtype = self._sizes[self._next]
@@ -97,19 +99,13 @@ class TensorFileWriter:
 
     def close(self, fsync: bool = True) -> Tuple[int, int]:
         if self._next != len(self._sizes):
-            self._file.close()
+            self._file.abort()
             raise ValueError(f"{self.path}: {len(self._sizes) - self._next} declared tensors "
                              "were not written")
-        try:
-            if fsync:
-                os.fsync(self._file.fileno())
-            size = self._file.tell()
-        finally:
-            self._file.close()
-        return size, self._crc
+        return self._file.close(fsync), self._crc
 
     def abort(self) -> None:
-        self._file.close()
+        self._file.abort()
 
 
 def write_tensor_file(path: str, tensors: Sequence[Tuple[str, torch.Tensor]],
