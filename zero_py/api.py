@@ -13,14 +13,16 @@ NCCL executor for CUDA models as stages 1-2 do.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Set, Tuple, Type
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from zero_py.collectives import channel, make_executor
-from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer
+from zero_py.optim import agreement, compat
+from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer, fingerprint
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
@@ -51,7 +53,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
                device: Optional[torch.device] = None, config=None, strict: bool = True,
-               **kwargs):
+               broadcast_buffers: bool = False, **kwargs):
     """Prepares `model` for ZeRO training and returns (model, optimizer): the same call for
     every stage.
 
@@ -79,6 +81,16 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     is materialized module by module: it never exists whole on a rank, and gets the values an
     ordinary build from the same seed gives (see zero_py/stage3/meta_init.py).
 
+    Buffers (BatchNorm running statistics, ...) are broadcast from rank 0 here, for every
+    stage. `broadcast_buffers=True` also broadcasts them before each forward as DDP's
+    broadcast_buffers=True does (before every forward that follows a forward run with
+    gradients enabled outside no_sync(), and before the first): every rank must then run
+    those forwards together.
+
+    Before anything is laid out or sent, the ranks check that they agree on the model
+    (parameter names, shapes, dtypes, requires_grad, stage-3 units, buffers) and the settings;
+    a difference is a ValueError on every rank naming the first one (zero_py/optim/agreement.py).
+
     `executor`: "auto" (zero_py's NCCL executor for CUDA models in an NCCL group),
     "torch", "nccl" or an executor object, as for ZeroOptimizer. `params` are param groups
     (dicts with "params") over the model's parameters (default: all of them, one group); other
@@ -94,11 +106,16 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, got {type(model).__name__}")
     if getattr(model, "_zero_py", None) is not None:
-        raise ValueError("this model is already managed by zero_py; initialize it once")
+        raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
+                         "once per model and keep the (model, optimizer) it returned")
+    names = {id(p): n for n, p in model.named_parameters()}
+    compat.check_unowned(model.parameters(), lambda p: repr(names.get(id(p), "?")))
+    if not isinstance(broadcast_buffers, bool):
+        raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if config is not None:
         from zero_py.config import deepspeed
         explicit = {k: v for k, v in locals().items()
-                    if k not in ("model", "config", "strict", "kwargs", "deepspeed")}
+                    if k not in ("model", "config", "strict", "kwargs", "deepspeed", "names")}
         return deepspeed.initialize(model, config, strict, explicit, kwargs, initialize)
     if strict is not True:
         raise ValueError("strict applies to a DeepSpeed config only; pass config= with it")
@@ -116,7 +133,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                              "construction); build it on a real device for stages 1-2")
         opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
                             stage=stage, process_group=process_group, executor=executor,
-                            **kwargs)
+                            _param_names=names, _agreement=_buffer_entries(model), **kwargs)
+        _start_buffers(model, opt, broadcast_buffers)
         model._zero_py = opt
         return model, opt
     if stage != 3:
@@ -153,6 +171,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dp = make_executor(process_group, device, executor)
+    _agree_stage3(model, dp, optimizer_class, params, units, unit_of, kwargs, {
+        "reshard_after_forward": bool(reshard_after_forward),
+        "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
+        "meta": meta, "init_fn": init_fn})
     gather = channel(dp)  # gathers never interleave with the reductions
     uninitialized: Set[int] = set()
     if meta:
@@ -196,8 +218,83 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         replay_init(model, engine, uninitialized, init_fn)
         opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
+    _start_buffers(model, opt, broadcast_buffers)
     model._zero_py = opt
     return model, opt
+
+
+# ZeroOptimizer's own settings (the rest of initialize's keywords go to the optimizer class)
+_ZERO_OPTIONS = ("bucket_bytes", "align_bytes", "grad_reduce_dtype", "loss_scaler",
+                 "stochastic_rounding")
+
+
+def _buffer_entries(model: nn.Module) -> List[Tuple[str, Any]]:
+    return [(f"buffer {name}", {"shape": list(b.shape), "dtype": str(b.dtype)})
+            for name, b in model.named_buffers()]
+
+
+def _agree_stage3(model: nn.Module, executor, optimizer_class, params, units, unit_of,
+                  kwargs: dict, stage3_options: dict) -> None:
+    """Stage 3's agreement (optim/agreement.py), before the first gather or broadcast: the
+    settings, every parameter with its unit (the wrap policy's result), the buffers."""
+    defaults = inspect.signature(ZeroOptimizer.__init__).parameters
+    options = {k: kwargs.get(k, defaults[k].default) for k in _ZERO_OPTIONS}
+    options.update({k: v for k, v in kwargs.items() if k not in options})
+    options.update(stage3_options)
+    groups = _param_groups(model.parameters() if params is None else params)
+    group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
+    unit_name = [name or "(root)" for name, _ in units]
+    entries = [agreement.param_entry(i, name, p, unit=unit_name[unit_of[id(p)]],
+                                     group=group_of.get(id(p)))
+               for i, (name, p) in enumerate(model.named_parameters())]
+    entries += _buffer_entries(model)
+    entries.append(("units", [[n, type(m).__name__] for n, m in units]))
+    agreement.check(executor, fingerprint(3, executor, optimizer_class, options, groups,
+                                          entries), "zero_py.initialize")
+
+
+def _broadcast_buffers(model: nn.Module, executor) -> None:
+    """Every rank's buffers become rank 0's: one broadcast per dtype (buffers flattened)."""
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for b in model.buffers():
+        if b.numel() > 0 and not b.is_meta:
+            by_dtype.setdefault(b.dtype, []).append(b)
+    with torch.no_grad():
+        for dtype, bufs in by_dtype.items():
+            wire = torch.uint8 if dtype == torch.bool else dtype
+            flat = torch.cat([b.detach().reshape(-1).to(executor.device, wire) for b in bufs])
+            executor.broadcast(flat, 0).wait()
+            at = 0
+            for b in bufs:
+                b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.device, b.dtype))
+                at += b.numel()
+
+
+class _BufferSync:
+    """broadcast_buffers=True: rank 0's buffers before each forward, as DDP decides it (before
+    a forward that follows one run with gradients enabled and outside no_sync, and before the
+    first)."""
+
+    def __init__(self, model: nn.Module, opt: ZeroOptimizer):
+        self.model, self.opt = model, opt
+        self.pending = True
+        model.register_forward_pre_hook(self._pre_forward, prepend=True)
+        model.register_forward_hook(self._post_forward)
+
+    def _pre_forward(self, module, args) -> None:
+        if self.pending:
+            _broadcast_buffers(self.model, self.opt.executor)
+
+    def _post_forward(self, module, args, output) -> None:
+        self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
+
+
+def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
+    if opt.executor.world_size == 1 or not any(True for _ in model.buffers()):
+        return
+    _broadcast_buffers(model, opt.executor)
+    if every_forward:
+        opt._buffer_sync = _BufferSync(model, opt)
 
 
 def _managed_by(model_or_params) -> Tuple[Optional[ZeroOptimizer], Optional[Set[int]]]:

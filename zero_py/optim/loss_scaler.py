@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+_STATE_KEYS = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval",
+               "min_scale", "dynamic")
 
 class LossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -53,10 +55,49 @@ class LossScaler:
                 "growth_interval": self.growth_interval, "min_scale": self.min_scale,
                 "dynamic": self.dynamic}
 
+    @staticmethod
+    def check_state(state) -> dict:
+        """A loaded state, checked as the constructor checks its arguments; changes nothing.
+        Returns it normalized (floats, ints, a bool)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a LossScaler state must be a dict, got {type(state).__name__}")
+        lacking = [k for k in _STATE_KEYS if k not in state]
+        if lacking:
+            raise ValueError(f"the LossScaler state lacks {lacking}: load the dict that "
+                             "LossScaler.state_dict() (or the optimizer's state_dict()) returned")
+        out = {}
+        try:
+            for key in ("scale", "growth_factor", "backoff_factor", "min_scale"):
+                out[key] = float(state[key])
+            for key in ("growth_tracker", "growth_interval"):
+                if float(state[key]) != int(state[key]):
+                    raise ValueError
+                out[key] = int(state[key])
+        except (TypeError, ValueError):
+            raise ValueError(f"the LossScaler state's {key!r} must be a number, got "
+                             f"{state[key]!r}") from None
+        if not isinstance(state["dynamic"], bool):
+            raise ValueError(f"the LossScaler state's 'dynamic' must be a bool, got "
+                             f"{state['dynamic']!r}")
+        out["dynamic"] = state["dynamic"]
+        checks = [("scale", math.isfinite(out["scale"]) and out["scale"] > 0,
+                   "a positive finite number"),
+                  ("growth_factor", out["growth_factor"] > 1.0, "> 1"),
+                  ("backoff_factor", 0.0 < out["backoff_factor"] < 1.0, "in (0, 1)"),
+                  ("growth_interval", out["growth_interval"] >= 1, ">= 1"),
+                  ("min_scale", math.isfinite(out["min_scale"]) and out["min_scale"] > 0,
+                   "a positive finite number"),
+                  ("growth_tracker", 0 <= out["growth_tracker"] < out["growth_interval"],
+                   "in [0, growth_interval)")]
+        for key, ok, want in checks:
+            if not ok:
+                raise ValueError(f"the LossScaler state's {key!r} must be {want}, got "
+                                 f"{state[key]!r}")
+        return out
+
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        for key in ("growth_factor", "backoff_factor", "min_scale"):
-            setattr(self, key, float(state[key]))
-        self.growth_interval = int(state["growth_interval"])
-        self.dynamic = bool(state["dynamic"])
+        """Takes a state from state_dict(), checked first: a bad state (missing keys, a NaN or
+        negative scale) is refused and the scaler stays as it was."""
+        checked = self.check_state(state)
+        for key, value in checked.items():
+            setattr(self, key, value)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import math
 from array import array
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
 from zero_py import kernels
 from zero_py.collectives import gather_object, make_executor
+from zero_py.optim import agreement, compat
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
@@ -30,6 +31,24 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_ALIGN_BYTES = 64
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
+
+
+def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
+                groups: Sequence[dict], params: Sequence[Tuple[str, Any]]) -> List[tuple]:
+    """What every rank must agree on before it lays out or sends anything (agreement.check):
+    the stage, the group, the optimizer and its options, then each parameter (`params`:
+    agreement.param_entry), then the param groups' options. Settings come first, so a rank
+    that took another stage is named as such rather than by its parameters."""
+    ranks = ([executor.global_rank(r) for r in range(executor.world_size)]
+             if hasattr(executor, "global_rank") else None)
+    entries = [("stage", stage), ("world size", executor.world_size), ("group ranks", ranks),
+               ("device type", torch.device(executor.device).type),
+               ("executor", type(executor).__name__), ("optimizer class", optimizer_class)]
+    entries += [(f"option {k}", v) for k, v in sorted(options.items())]
+    entries += list(params)
+    entries.append(("param groups", [{**{k: v for k, v in g.items() if k != "params"},
+                                      "params": len(g["params"])} for g in groups]))
+    return entries
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -65,7 +84,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Adagrad and zero_py.Lion run in the fused C kernels. Parameters with requires_grad=False at
     construction are kept as they are (never updated). Parameters live on the CPU or on one
     CUDA device per rank; CUDA shards are updated by the CUDA kernel family (zero_py.kernels.cuda).
+
+    The ranks check that they agree before anything is laid out or sent (optim/agreement.py):
+    a model or a setting that differs between ranks is a ValueError on every rank that names
+    the first parameter or setting that differs. A parameter belongs to one ZeroOptimizer.
+
+    torch idioms (optim/compat.py): `state` is a read-only view of this rank's slices of the
+    state (state[p]["exp_avg"] is the rank's 1-D slice of p's flattened state; owned_range(p)
+    says which elements); the state-dict hooks of torch.optim run; add_param_group works
+    between steps under stages 1-2. torch.nn.utils.clip_grad_norm_ and torch.amp.GradScaler
+    are refused with a pointer to clip_grad_norm_ and loss_scaler=, their equivalents here.
     """
+
+    # torch.amp.GradScaler then hands step() its scale instead of reading param.grad, which holds
+    # no reduced gradient here: step() refuses it with a pointer to zero_py.LossScaler
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
                  *, stage: int = 2, process_group: Optional[dist.ProcessGroup] = None,
@@ -73,7 +106,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 executor="auto", storage=None, **optimizer_kwargs):
+                 executor="auto", storage=None, _param_names: Optional[Dict[int, str]] = None,
+                 _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         if stage not in (1, 2) and storage is None:
             raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
                              "model, optimizer = zero_py.initialize(model, ..., stage=3)")
@@ -95,17 +129,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         # The optimizer class validates its own keyword arguments and supplies the defaults.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+        self._names = dict(_param_names or {})  # id(param) -> name, for messages
+        self._state_view = compat.StateView(self)
         self._constructing = True
-        super().__init__(params, dict(probe.defaults))
+        super().__init__(params, dict(probe.defaults))  # add_param_group checks ownership
         self._constructing = False
         self.optimizer_class = optimizer_class
         self.stage = stage
+        kind = fused_kind(optimizer_class, self.param_groups)
+        if kind is None and stochastic_rounding:
+            raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                             f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
         first = next((p for g in self.param_groups for p in g["params"]), None)
         self.executor = make_executor(process_group, first.device if first is not None
                                       else torch.device("cpu"), executor)
+        self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        if storage is None:  # stage 3: zero_py.initialize checked before sharding
+            options = {"bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
+                       "grad_reduce_dtype": grad_reduce_dtype, "loss_scaler": loss_scaler,
+                       "stochastic_rounding": bool(stochastic_rounding), **optimizer_kwargs}
+            group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+            agreement.check(self.executor, fingerprint(
+                stage, self.executor, optimizer_class, options, self.param_groups,
+                [agreement.param_entry(i, self._names.get(id(p)), p, group=group_of[id(p)])
+                 for i, p in enumerate(self._all_params)]) + list(_agreement),
+                "zero_py.ZeroOptimizer")
         owned = None if storage is None else {id(p) for p in storage.params}
 
-        self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         managed, groups_of, self._managed_index = [], [], []
         index = 0
         for gi, group in enumerate(self.param_groups):
@@ -123,6 +173,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("the parameters are on several devices "
                              f"({sorted(str(d) for d in {p.device for p in managed})}); zero_py "
                              "shards one device per rank: move the model to one device")
+        self.loss_scaler = loss_scaler
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._clip_coef: Optional[float] = None  # from clip_grad_norm_, for the next step
+        self._nonfinite: Optional[bool] = None   # overflow check done for the next step
+        self._grad_reduce_dtype = grad_reduce_dtype
+        self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
+        self._kind = kind
+        self.uses_fused_kernel = kind is not None
+        self._hook_handles: list = []
         if storage is None:
             storage = FlatParams(managed, groups_of, self.executor.world_size,
                                  self.executor.rank, align_bytes, bucket_bytes)
@@ -130,40 +191,51 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elif [id(p) for p in storage.params] != [id(p) for p in managed]:
             raise ValueError("the storage handed to ZeroOptimizer holds other parameters than "
                              "its trainable ones, or in another order")
-        self._flat = storage
         if not storage.shards_frozen:
             self._broadcast_frozen(managed)
+        self._build(storage, [0] * len(managed))
+        self.sync_master_from_params()
+        self._sr_seed = self._rounding_seed_base()
+        compat.claim(self, managed)
+        self._release = compat.release_on_collect(self, self._hook_handles)
+        compat.install_clip_guards()
+
+    def _build(self, storage, step_count: List[int]) -> None:
+        """The gradient path, the fp32 masters and the update over `storage` (construction, and
+        add_param_group's new layout). The reducer's gradient hooks are recorded so that a
+        rebuild or the optimizer's collection removes them."""
+        fp = self._flat = storage
+        stage = self.stage
         # stage 3 reduces as stage 2 does: from hooks, during backward. A stage-3 bucket is a
         # whole unit: one reduction in flight (it overlaps the backward of the next unit) keeps
         # the gradient working set at two unit-sized buffers.
-        self._reducer = GradReducer(self._flat, self.executor, min(stage, 2), grad_reduce_dtype,
-                                    MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1)
-        self._step_count = [0] * len(managed)  # per managed parameter, as torch's state["step"]
-        fp = self._flat
+        self._reducer, handles = compat.capture_hooks(fp.params, lambda: GradReducer(
+            fp, self.executor, min(stage, 2), self._grad_reduce_dtype,
+            MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1))
+        self._hook_handles.extend(handles)
+        self._step_count = step_count  # per managed parameter, as torch's state["step"]
+        # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor
+        # for (one since the last zero_grad(set_to_none=True)), so that they are updated as
+        # torch.optim updates a zeroed gradient
+        self._had_grad = [0] * len(fp.params)
         self._masters = PieceStore(
             fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
             fp.device)
-        self.sync_master_from_params()
-
-        self.loss_scaler = loss_scaler
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.last_step_skipped = False
-        self.skipped_steps = 0
-        self._clip_coef: Optional[float] = None  # from clip_grad_norm_, for the next step
-        self._nonfinite: Optional[bool] = None   # overflow check done for the next step
-        self._sr_seed = self._rounding_seed_base()
-        kind = fused_kind(optimizer_class, self.param_groups)
-        self.uses_fused_kernel = kind is not None
-        self._kind = kind
-        if kind is not None:
-            self._update = FusedUpdate(kind, fp, self._reducer.grads, self._masters,
+        self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
+        self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
+        if self._kind is not None:
+            self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
                                        self.param_groups)
         else:
-            if self.stochastic_rounding:
-                raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                                 f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-            self._update = TorchUpdate(optimizer_class, fp, self._reducer.grads, self._masters,
-                                       self.param_groups)
+            self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
+                                       self._masters, self.param_groups)
+
+    def _name(self, p: torch.Tensor) -> str:
+        name = self._names.get(id(p))
+        if name is not None:
+            return repr(name)
+        index = next((i for i, q in enumerate(getattr(self, "_all_params", ())) if q is p), None)
+        return f"of shape {tuple(p.shape)}" + (f" (index {index})" if index is not None else "")
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -172,11 +244,144 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The gradient path (stage 3's engine opens and closes its passes)."""
         return self._reducer
 
+    @property
+    def state(self) -> compat.StateView:
+        """Read-only: parameter -> this rank's state of it. Per-element tensors (exp_avg, ...)
+        are the rank's 1-D slice of the flattened parameter's state, views of the live state
+        (owned_range(p) says which elements; empty where the rank holds none of p); "step";
+        "master_param" (the fp32 slice) for bf16/fp16 parameters. The full tensors:
+        consolidate_state_dict()."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value) -> None:
+        if not getattr(self, "_constructing", False):
+            raise AttributeError("ZeroOptimizer.state is a read-only view of this rank's shard; "
+                                 "load state with load_state_dict()")
+        # torch.optim.Optimizer.__init__ assigns its own dict: the view replaces it
+
+    def owned_range(self, p: torch.Tensor) -> Optional[Tuple[int, int]]:
+        """The elements [lo, hi) of flattened parameter p whose state this rank keeps (what
+        state[p] holds), or None where it keeps none."""
+        k = self._managed_of.get(self._param_index.get(id(p), -1))
+        s = self._flat.slice_of_param.get(k) if k is not None else None
+        return (s.param_lo, s.param_hi) if s is not None else None
+
+    def _param_state(self, i: int) -> dict:
+        """state[p] of parameter i (index into all parameters): views, or {}."""
+        k = self._managed_of.get(i)
+        s = self._flat.slice_of_param.get(k) if k is not None else None
+        return (self._slice_state(s, copy=False) or {}) if s is not None else {}
+
     def add_param_group(self, param_group: dict) -> None:
-        if not getattr(self, "_constructing", True):
-            raise RuntimeError("ZeroOptimizer cannot add a param group after construction: the "
-                               "flat layout is fixed; pass every group to the constructor")
-        super().add_param_group(param_group)
+        """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
+        Under stages 1-2 the flat layout is rebuilt with the new group's buckets after the
+        others: every parameter already here keeps its slice, state and fp32 master, and the
+        new parameters start from rank 0's values. Collective (every rank calls it with the
+        same group), between step() and the next backward. Stage 3 lays parameters out at
+        initialize: there, pass the layers to unfreeze in a group of their own from the start
+        (e.g. with lr=0, raised later)."""
+        if getattr(self, "_constructing", True):
+            params = param_group.get("params") if isinstance(param_group, dict) else None
+            params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+            compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params],
+                                 self._name)
+            super().add_param_group(param_group)
+            for name, q in zip(param_group.get("param_names", ()), param_group["params"]):
+                self._names.setdefault(id(q), name)
+            return
+        self._add_group_after_construction(param_group)
+
+    def _add_group_after_construction(self, param_group: dict) -> None:
+        if self._flat.params_sharded:
+            raise RuntimeError(
+                "zero_py stage 3 lays the parameters out at zero_py.initialize, so "
+                "add_param_group cannot add one later: pass the parameters to unfreeze in a "
+                "param group of their own from the start (initialize(..., params=[{'params': "
+                "base}, {'params': later, 'lr': 0.0}]) with requires_grad=True), then raise "
+                "that group's lr when they should train")
+        if self._reducer.pass_open or self._reducer.passes_since_step:
+            raise RuntimeError("add_param_group rebuilds the flat layout: call it between "
+                               "optimizer.step() and the next backward, not with gradients "
+                               "pending")
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError("add_param_group takes a dict with a 'params' entry, e.g. "
+                            "{'params': layer.parameters(), 'lr': 1e-4}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params], self._name)
+        # torch's checks and defaults on a scratch copy: nothing changes if they fail
+        scratch = torch.optim.Optimizer.__new__(torch.optim.Optimizer)
+        scratch.defaults, scratch.state = self.defaults, {}
+        scratch.param_groups = [{k: v for k, v in g.items() if k in ("params", "param_names")}
+                                for g in self.param_groups]
+        torch.optim.Optimizer.add_param_group(scratch, {**param_group, "params": params})
+        group = scratch.param_groups[-1]
+        new = [p for p in group["params"] if p.requires_grad and p.numel() > 0]
+        for i, p in enumerate(new):
+            self._check_param(p, len(self._all_params) + i)
+        if any(p.device != self._flat.device for p in new):
+            raise ValueError(f"the new parameters must be on {self._flat.device}, the device of "
+                             "the others")
+        kind = fused_kind(self.optimizer_class, self.param_groups + [group])
+        if kind != self._kind or (kind is not None and state_keys(
+                kind, self.param_groups + [group]) != self._update.keys):
+            raise ValueError("the new group's options need another update path or other state "
+                             "than this optimizer keeps (e.g. amsgrad, momentum, a tensor lr): "
+                             "give every group the same kind of options at construction")
+        gi = len(self.param_groups)
+        start = len(self._all_params)
+        agreement.check(self.executor, [("add_param_group", {
+            k: v for k, v in group.items() if k != "params"})] + [
+            agreement.param_entry(start + i, self._names.get(id(p)), p)
+            for i, p in enumerate(group["params"])], "ZeroOptimizer.add_param_group")
+        with torch.no_grad():
+            saved = {s.param: self._slice_state(s) for s in self._flat.slices}
+            counts = list(self._step_count)
+            old = self._flat
+            managed = list(old.params) + new
+            groups_of = [old.bucket_group[old.param_bucket[i]] for i in range(len(old.params))]
+            groups_of += [gi] * len(new)
+            storage = FlatParams(managed, groups_of, self.executor.world_size,
+                                 self.executor.rank, self._align_bytes, self._bucket_bytes)
+            for s in storage.slices:
+                if s.param < len(old.params):
+                    was = old.slice_of_param.get(s.param)
+                    if was is None or (was.param_lo, was.param_hi) != (s.param_lo, s.param_hi):
+                        raise RuntimeError("zero_py: the rebuilt layout moved a parameter's "
+                                           "slice; this is a bug, please report it")
+            fresh = [b for b in range(storage.n_buckets)
+                     if any(i >= len(old.params) for i in storage.bucket_params[b])]
+            pending = [self.executor.broadcast(storage.bucket_region(b), 0) for b in fresh]
+            for work in pending:
+                work.wait()
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles.clear()
+            self.param_groups.append(group)
+            self._all_params += group["params"]
+            self._managed_index += [start + k for k, p in enumerate(group["params"])
+                                    if p.requires_grad and p.numel() > 0]
+            self._build(storage, self._step_count + [0] * len(new))
+            self.sync_master_from_params()
+            self._allocate_states([s for s in storage.slices if saved.get(s.param)])
+            for s in storage.slices:
+                st = saved.get(s.param)
+                if st:
+                    views = self._state_views(s)
+                    if views is None:
+                        self._install_slice(s, st)
+                        continue
+                    for key, view in views.items():
+                        view.copy_(st[key])
+            self._step_count[:len(counts)] = counts
+            for name, q in zip(group.get("param_names", ()), group["params"]):
+                self._names.setdefault(id(q), name)
+            frozen = [p for p in group["params"] if not (p.requires_grad and p.numel() > 0)]
+            for p in frozen:
+                if p.numel() > 0:
+                    self.executor.broadcast(p.data, 0).wait()
+        compat.claim(self, new)
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
@@ -221,6 +426,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reducer.sync_enabled = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim's, at any point between steps: reductions still in flight are
+        finished first. With set_to_none=False the parameters that had a gradient keep a zero
+        one, which the next step() applies, as torch.optim does with a zeroed param.grad."""
+        if self.stage >= 2:
+            if set_to_none:
+                self._had_grad = [0] * len(self._had_grad)
+            elif self._reducer.passes_since_step and not self._reducer.pass_open:
+                mask = self._reducer.finish()  # waits: no collective of its own
+                if mask is not None:
+                    self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
         super().zero_grad(set_to_none=set_to_none)
         self._clip_coef, self._nonfinite = None, None
         self._reducer.zero_grad(set_to_none)
@@ -282,13 +497,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Updates this rank's shard and all-gathers the parameters. With a loss scaler, a step
-        whose gradients overflow on any rank is skipped on every rank (last_step_skipped)."""
+        whose gradients overflow on any rank is skipped on every rank (last_step_skipped).
+        As torch.optim does, a parameter without a gradient (none since zero_grad(), or step()
+        before any backward) is left alone, and step() twice applies the gradients twice."""
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(compat.GRAD_SCALER_MESSAGE)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            used = self._reducer.finish().tolist()
+            mask = self._reducer.finish()  # None: zero_grad() came after the last backward
+            used = [0] * len(self._step_count) if mask is None else mask.tolist()
+            if self.stage >= 2:
+                used = [a | b for a, b in zip(used, self._had_grad)]
+                self._had_grad = list(used)
             if self.loss_scaler is not None and self._nonfinite is None:
                 self._nonfinite = self._grad_stats(2.0)[1]
             skip = bool(self._nonfinite) and self.loss_scaler is not None
@@ -373,7 +598,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state, in torch's format plus a "zero_py" entry
-        saying which slice of each parameter it holds. Every rank saves its own."""
+        saying which slice of each parameter it holds. Every rank saves its own. Hooks
+        registered with register_state_dict_pre_hook / _post_hook run as in torch.optim."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        return self._run_post_hooks(self._shard_state_dict())
+
+    def _run_post_hooks(self, state_dict: dict) -> dict:
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _shard_state_dict(self) -> dict:
         state, slices = {}, {}
         for s in self._flat.slices:
             index = self._managed_index[s.param]
@@ -394,8 +632,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
         """The full optimizer state dict, in torch.optim's own format (loadable by
         optimizer_class), returned on group rank `to` and None elsewhere. Collective: every rank
-        must call it."""
-        gathered = gather_object(self.executor, self.state_dict(), to)
+        must call it. State-dict pre hooks run on every rank, post hooks on the full dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        gathered = gather_object(self.executor, self._shard_state_dict(), to)
         if gathered is None:
             return None
         shapes = {self._managed_index[i]: torch.Size(shape)
@@ -404,33 +644,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full = sd_util.merge_shards(gathered, shapes)
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
         full["loss_scaler"] = self._scaler_state()
-        return full
+        return self._run_post_hooks(full)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads either this rank's shard dict (from state_dict() of a run with the same world
         size and layout) or a full torch-format dict (from consolidate_state_dict(), or from a
-        plain torch.optim optimizer of the same class), at any world size."""
-        sd_util.check_groups(state_dict["param_groups"], self.param_groups)
-        shard = sd_util.is_shard_dict(state_dict)
-        if shard:
-            meta = state_dict["zero_py"]
-            mine = {self._managed_index[s.param]: (s.param_lo, s.param_hi)
-                    for s in self._flat.slices}
-            theirs = {int(k): tuple(v) for k, v in meta["slices"].items()}
-            if (meta["world_size"], meta["rank"]) != (self.executor.world_size,
-                                                       self.executor.rank) or theirs != mine:
-                raise ValueError(
-                    f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
-                    f"another layout than rank {self.executor.rank} of "
-                    f"{self.executor.world_size} here; save with consolidate_state_dict() and "
-                    "load the full dict to change world size or bucket settings")
-        self._set_hyperparameters(self._check_hyperparameters(state_dict["param_groups"]))
+        plain torch.optim optimizer of the same class), at any world size. Everything is checked
+        before anything changes: a dict that does not fit (missing entries, a tensor of another
+        shape, another optimizer class, a bad loss-scaler state) is an error naming what differs,
+        and the optimizer stays as it was. Load hooks run as in torch.optim."""
+        if not isinstance(state_dict, dict):
+            raise TypeError("load_state_dict takes the dict that state_dict() or "
+                            "consolidate_state_dict() returned (or a torch.optim optimizer's "
+                            f"state_dict()), got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups, shard, saved_state, scaler = self._check_loadable(state_dict)
+        self._set_hyperparameters(groups)
         if shard:
             self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
-        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        if scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
         self._step_count = [0] * len(self._step_count)
+        self._had_grad = [0] * len(self._had_grad)
         self._update.reset()
         self.sync_master_from_params()
         for s in self._flat.slices:
@@ -441,6 +680,62 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
                                               self._flat.param_numel[s.param])
             self._install_slice(s, st)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_loadable(self, state_dict: dict):
+        """Checks `state_dict` against this optimizer and returns what load_state_dict applies:
+        (param groups with the loaded hyperparameters, is it a shard dict, {param index:
+        state}, loss-scaler state or None). Changes nothing."""
+        sd_util.check_structure(state_dict)
+        sd_util.check_groups(state_dict["param_groups"], self.param_groups)
+        shard = sd_util.is_shard_dict(state_dict)
+        name = self.optimizer_class.__name__
+        if shard:
+            meta = state_dict["zero_py"]
+            if meta["optimizer"] != name:
+                raise ValueError(f"this state dict was saved by a ZeroOptimizer over "
+                                 f"{meta['optimizer']}, this one runs {name}: build the "
+                                 "optimizer with the class the state was saved with")
+            mine = {self._managed_index[s.param]: (s.param_lo, s.param_hi)
+                    for s in self._flat.slices}
+            theirs = {int(k): tuple(v) for k, v in meta["slices"].items()}
+            if (meta["world_size"], meta["rank"]) != (self.executor.world_size,
+                                                       self.executor.rank) or theirs != mine:
+                raise ValueError(
+                    f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
+                    f"another layout than rank {self.executor.rank} of "
+                    f"{self.executor.world_size} here; save with consolidate_state_dict() and "
+                    "load the full dict to change world size or bucket settings")
+        else:
+            sd_util.check_optimizer_class(state_dict["param_groups"], self.defaults, name)
+        groups = self._check_hyperparameters(state_dict["param_groups"])
+        saved_state = {}
+        numel = {self._managed_index[k]: n for k, n in enumerate(self._flat.param_numel)}
+        shapes = {self._managed_index[k]: tuple(shape)
+                  for k, shape in enumerate(self._flat.param_shapes)}
+        slices = {self._managed_index[s.param]: s for s in self._flat.slices}
+        keys = self._update.keys if self.uses_fused_kernel else None
+        for k, st in state_dict["state"].items():
+            index = sd_util.state_index(k, len(self._all_params))
+            if index not in numel:
+                continue  # a parameter this optimizer keeps frozen: torch would ignore it too
+            if shard:
+                s = slices.get(index)
+                if s is None:
+                    raise ValueError(f"the shard state dict holds state for parameter {index}, "
+                                     "of which this rank holds no slice: it is another rank's")
+                expected = (s.numel,)
+            else:
+                expected = shapes[index]
+            sd_util.check_param_state(index, st, expected, keys, name,
+                                      self._masters.piece(self._flat.param_bucket[
+                                          self._managed_of[index]]) is not None)
+            saved_state[index] = st
+        scaler = None
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            scaler = LossScaler.check_state(state_dict["loss_scaler"])
+        return groups, shard, saved_state, scaler
 
     def _check_hyperparameters(self, saved_groups: List[dict]) -> List[dict]:
         """The param groups with `saved_groups`' hyperparameters (params kept), checked to fit

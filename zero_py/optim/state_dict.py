@@ -8,7 +8,8 @@ parameter. Scalar state (a 0-dim tensor, a number) is the same on every rank.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,6 +63,126 @@ def slice_full_state(state: dict, lo: int, hi: int, numel: int) -> dict:
         else:
             out[key] = value
     return out
+
+
+_SHARD_META_KEYS = ("format", "world_size", "rank", "optimizer", "slices")
+
+
+def check_structure(state_dict: dict) -> None:
+    """The entries every loadable dict has, with the right types."""
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"zero_py: the optimizer state dict lacks {missing}: load the dict that "
+                         "state_dict() or consolidate_state_dict() returned (or a torch.optim "
+                         "optimizer's state_dict()), whole")
+    if not isinstance(state_dict["state"], dict):
+        raise ValueError("zero_py: the state dict's 'state' must be a dict {parameter index: "
+                         f"state}}, got {type(state_dict['state']).__name__}")
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise ValueError("zero_py: the state dict's 'param_groups' must be a list of dicts, each "
+                         "with a 'params' list")
+    if is_shard_dict(state_dict):
+        meta = state_dict["zero_py"]
+        lacking = [k for k in _SHARD_META_KEYS if not isinstance(meta, dict) or k not in meta]
+        if lacking:
+            raise ValueError(f"zero_py: the shard state dict's 'zero_py' entry lacks {lacking}; "
+                             "load the dict that state_dict() returned, whole")
+        if meta["format"] != FORMAT_VERSION:
+            raise ValueError(f"zero_py: shard state dict format {meta['format']!r}, this version "
+                             f"reads {FORMAT_VERSION}")
+
+
+def state_index(key, n_params: int) -> int:
+    """A 'state' key as a parameter index, checked against the optimizer's parameter count."""
+    try:
+        index = int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"zero_py: the state dict's 'state' key {key!r} is not a parameter "
+                         "index") from None
+    if not 0 <= index < n_params:
+        raise ValueError(f"zero_py: the state dict holds state for parameter {index}, this "
+                         f"optimizer has {n_params} parameters; the model differs")
+    return index
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_optimizer_class(saved_groups: List[dict], defaults: dict, name: str) -> None:
+    """A torch-format dict of another optimizer class: its param groups lack the numeric
+    hyperparameters this class has (SGD's have no betas, AdamW's no momentum). Flags and
+    keys that LR schedulers or users add are not compared."""
+    numeric = [k for k, v in defaults.items()
+               if _is_number(v) or (isinstance(v, tuple) and v and all(map(_is_number, v)))]
+    for k, g in enumerate(saved_groups):
+        lacking = [key for key in numeric if key not in g]
+        if lacking:
+            raise ValueError(f"zero_py: param group {k} of the state dict has no {lacking}, "
+                             f"which {name} has: it was saved by another optimizer class; build "
+                             "the optimizer with the class the state was saved with")
+
+
+def _scalar(value) -> Optional[float]:
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1:
+        return float(value.reshape(()))
+    return None
+
+
+def check_param_state(index: int, state, shape: Tuple[int, ...], keys: Optional[List[str]],
+                      name: str, has_master: bool) -> None:
+    """One parameter's loaded state: `shape` is what each per-element tensor must have (the
+    parameter's shape in a full dict, its slice's (n,) in a shard dict); `keys` are the
+    per-element tensors the fused kernels keep (None on the torch.optim path: then every tensor
+    with dimensions is per-element). A one-element or other broadcastable tensor is refused:
+    it would be spread over the parameter silently."""
+    if not isinstance(state, dict):
+        raise ValueError(f"zero_py: the state of parameter {index} must be a dict, got "
+                         f"{type(state).__name__}")
+    if not state:
+        return
+    if "step" in state:
+        step = _scalar(state["step"])
+        if step is None or not math.isfinite(step) or step < 0:
+            raise ValueError(f"zero_py: parameter {index}'s 'step' must be a number >= 0 (or a "
+                             f"one-element tensor), got {state['step']!r}")
+    per_element = set(keys) if keys is not None else None
+    if keys is not None:
+        lacking = [k for k in keys if k not in state]
+        if lacking:
+            raise ValueError(f"zero_py: the state of parameter {index} lacks {lacking}, which "
+                             f"{name} keeps: was it saved by another optimizer class or with other "
+                             "options (e.g. amsgrad, momentum)?")
+        foreign = [k for k, v in state.items() if k not in per_element and k not in
+                   ("step", "master_param") and isinstance(v, torch.Tensor) and v.dim() > 0]
+        if foreign:
+            raise ValueError(f"zero_py: the state of parameter {index} holds {foreign}, which "
+                             f"{name} does not keep: it was saved by another optimizer class or "
+                             "with other options")
+    for key, value in state.items():
+        if key == "step":
+            continue
+        if key == "master_param" and not has_master:
+            continue  # an fp32 parameter is its own master; the saved one is not needed
+        tensor_expected = key == "master_param" or (
+            key in per_element if per_element is not None else
+            isinstance(value, torch.Tensor) and value.dim() > 0)
+        if not tensor_expected:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"zero_py: parameter {index}'s {key!r} must be a tensor, got "
+                             f"{type(value).__name__}")
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"zero_py: parameter {index}'s {key!r} has shape "
+                             f"{tuple(value.shape)}, expected {tuple(shape)}: the state dict "
+                             "belongs to another model or layout")
+        if not value.is_floating_point():
+            raise ValueError(f"zero_py: parameter {index}'s {key!r} has dtype {value.dtype}, "
+                             "expected a floating-point tensor")
 
 
 def check_groups(saved: List[dict], current: List[dict]) -> None:

@@ -1,0 +1,108 @@
+"""Ranks that disagree are told so on every rank, before any collective that could abort or hang.
+
+Without the check, each of these scenarios aborted the process inside gloo (buffers of
+different sizes) or hung: an extra layer on one rank, a parameter in another dtype, another
+bucket_bytes, another stage-3 wrap policy, another stage, another buffer. Now every rank
+raises a ValueError naming the first parameter or setting that differs and its value on each
+rank. All scenarios run in one set of 2 processes on a process group with a 10 s timeout, so a
+missed mismatch fails fast instead of hanging; a final scenario trains on the same group to
+show the group is still usable after the refusals.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import distributed
+import models
+import zero_py
+from zero_py.examples.demo import Block
+
+
+class Extra(nn.Module):
+    """models.MLP with one more layer between fc2 and head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.extra = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+
+def _attempt(build, group):
+    """The ValueError's message, or None. Any other exception (a missed mismatch surfaces as
+    the group's 10 s timeout, a RuntimeError, or worse) fails the rank, hence the test."""
+    dist.barrier(group)
+    try:
+        build()
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def _scenarios(rank, world_size):
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10))
+    torch.manual_seed(0)
+    out = {}
+    out["extra_layer"] = _attempt(lambda: zero_py.initialize(
+        Extra() if rank == 1 else models.MLP(), stage=2, process_group=group, lr=1e-2), group)
+
+    def other_dtype():
+        m = models.MLP()
+        if rank == 1:
+            m.fc2.to(torch.bfloat16)
+        zero_py.ZeroOptimizer(m.parameters(), stage=1, process_group=group, lr=1e-2)
+    out["dtype"] = _attempt(other_dtype, group)
+    out["bucket_bytes"] = _attempt(lambda: zero_py.ZeroOptimizer(
+        models.MLP().parameters(), stage=2, process_group=group,
+        bucket_bytes=1024 * (rank + 1)), group)
+    out["wrap_policy"] = _attempt(lambda: zero_py.initialize(
+        models.TiedGPT(), stage=3, process_group=group,
+        wrap_policy={Block} if rank == 0 else None), group)
+    out["stage"] = _attempt(lambda: zero_py.initialize(
+        models.MLP(), stage=2 + rank, process_group=group), group)
+
+    def buffers():
+        m = models.MLP()
+        if rank == 1:
+            m.register_buffer("stat", torch.zeros(3))
+        zero_py.initialize(m, stage=2, process_group=group)
+    out["buffer"] = _attempt(buffers, group)
+    out["lr"] = _attempt(lambda: zero_py.ZeroOptimizer(
+        models.MLP().parameters(), stage=2, process_group=group, lr=1e-2 * (rank + 1)), group)
+
+    # the group still works: agreeing ranks train
+    m = models.MLP()
+    opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
+    models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+    opt.step()
+    out["trained"] = [p.detach().clone() for p in m.parameters()]
+    return out
+
+
+def test_disagreeing_ranks_raise_on_every_rank():
+    results = distributed.run(_scenarios, 2, timeout=120)
+    expected = {
+        "extra_layer": ["parameter 4", "head.weight (8, 32)", "extra.weight (32, 32)",
+                        "parameters per rank: rank 0: 6, rank 1: 8"],
+        "dtype": ["parameter 2", "torch.float32", "torch.bfloat16"],
+        "bucket_bytes": ["option bucket_bytes", "rank 0: 1024", "rank 1: 2048"],
+        "wrap_policy": ["unit=", "blocks.0", "(root)"],
+        "stage": ["stage", "rank 0: 2", "rank 1: 3"],
+        "buffer": ["buffer stat", "rank 0: absent"],
+        "lr": ["option lr", "rank 0: 0.01", "rank 1: 0.02"],
+    }
+    for name, words in expected.items():
+        per_rank = [r[name] for r in results]
+        for rank, got in enumerate(per_rank):
+            assert got["error"] is not None, f"{name}: rank {rank} raised nothing"
+            for word in words:
+                assert word in got["error"], f"{name}: {word!r} not in:\n{got['error']}"
+        # the same message on both ranks (but for the call's name: stage 2 and stage 3 differ)
+        texts = [got["error"][got["error"].index("the ranks disagree"):] for got in per_rank]
+        assert texts[0] == texts[1], name
+    for a, b in zip(*(r["trained"] for r in results)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

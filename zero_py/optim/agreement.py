@@ -1,0 +1,133 @@
+"""Ranks agree before they communicate: a fingerprint of what must match on every rank.
+
+Every collective zero_py issues assumes that the ranks laid out the same parameters with the
+same settings; when they did not (an extra layer on one rank, another dtype, other bucket
+sizes, another wrap policy), the first collective that follows exchanges buffers of different
+sizes and gloo aborts the process, or the ranks wait for collectives their peers never issue.
+So ZeroOptimizer (stages 1-2) and zero_py.initialize (stage 3) first call check(): each rank
+hashes an ordered list of (what, value) entries and the ranks all-gather the 32-byte digests,
+one small collective. Only when the digests differ is there a second exchange (the entries
+themselves, as JSON), after which every rank raises the same ValueError naming the first entry
+that differs and its value on each rank. Nothing is laid out or sent before the check passes.
+
+An entry's value is reduced to plain data (describe): numbers, strings, lists, dicts; dtypes,
+devices and classes by name; tensors by shape and dtype (and their values when small); other
+objects by their type, never by repr (which may hold a memory address that differs per rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_py.collectives.objects import gather_json
+
+DIGEST_BYTES = 32  # sha256
+_SMALL_TENSOR = 16  # tensors of at most this many elements are described by their values
+
+Entry = Tuple[str, Any]
+
+
+def describe(value: Any) -> Any:
+    """`value` as plain JSON data that is equal on two ranks exactly when the values agree."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)  # JSON has no nan/inf
+    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        out = {"tensor": list(value.shape), "dtype": str(value.dtype)}
+        if not value.is_meta and value.numel() <= _SMALL_TENSOR:
+            out["values"] = describe(value.detach().cpu().reshape(-1).tolist())
+        return out
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((describe(v) for v in value), key=json.dumps)
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    state = getattr(value, "state_dict", None)
+    if callable(state) and type(value).__module__.startswith("zero_py"):
+        return {"type": type(value).__qualname__, "state": describe(state())}
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and name is not None:
+        return f"{getattr(value, '__module__', '?')}.{name}"
+    return {"type": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
+def param_entry(index: int, name: Optional[str], p: torch.Tensor, **extra: Any) -> Entry:
+    """One parameter's entry: its name (when known), shape, dtype and requires_grad, plus
+    `extra` (its param group, its stage-3 unit)."""
+    shape = getattr(p, "_zero_py_shape", None)  # a stage-3 parameter between uses is 1-D
+    value = {"name": name, "shape": list(p.shape if shape is None else shape),
+             "dtype": str(p.dtype), "requires_grad": bool(p.requires_grad)}
+    value.update(extra)
+    return f"parameter {index}", value
+
+
+def _digest(items: List[list]) -> bytes:
+    blob = json.dumps(items, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).digest()
+
+
+def check(executor, entries: Sequence[Entry], what: str) -> None:
+    """Raises ValueError on every rank unless every rank of the executor's group passed the
+    same entries. Collective: one all-gather of DIGEST_BYTES per rank, plus one exchange of
+    the entries when they differ. `what` names the call in the message (e.g.
+    "zero_py.initialize")."""
+    if executor.world_size == 1:
+        return
+    items = [[key, describe(value)] for key, value in entries]
+    mine = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(executor.device)
+    everyone = torch.empty(executor.world_size * DIGEST_BYTES, dtype=torch.uint8,
+                           device=executor.device)
+    executor.all_gather(everyone, mine).wait()
+    rows = everyone.cpu().view(executor.world_size, DIGEST_BYTES)
+    if bool((rows == rows[0]).all()):
+        return
+    raise ValueError(mismatch_message(gather_json(executor, items, dst=None), what))
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "absent"
+    if isinstance(value, dict) and "shape" in value and "dtype" in value:
+        text = f"{value.get('name') or 'unnamed'} {tuple(value['shape'])} {value['dtype']}"
+        if not value.get("requires_grad", True):
+            text += " requires_grad=False"
+        rest = {k: v for k, v in value.items()
+                if k not in ("name", "shape", "dtype", "requires_grad")}
+        return text + "".join(f" {k}={json.dumps(v)}" for k, v in rest.items())
+    return json.dumps(value)
+
+
+_ABSENT = object()
+
+
+def mismatch_message(per_rank: List[List[list]], what: str) -> str:
+    """The error for entries that differ: the first entry (in order) whose key or value is not
+    the same on every rank, with each rank's value."""
+    longest = max(len(items) for items in per_rank)
+    for k in range(longest):
+        here = [tuple(items[k]) if k < len(items) else None for items in per_rank]
+        if all(h == here[0] for h in here):
+            continue
+        key = next(h[0] for h in here if h is not None)
+        values = [h[1] if h is not None and h[0] == key else _ABSENT for h in here]
+        lines = [f"{what}: the ranks disagree on {key}:"]
+        lines += [f"  rank {r}: {_show(v)}" for r, v in enumerate(values)]
+        counts = [sum(1 for e in items if e[0].startswith("parameter ")) for items in per_rank]
+        if len(set(counts)) > 1:
+            lines.append("  (parameters per rank: "
+                         + ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts)) + ")")
+        lines.append("every rank must build the same model and pass the same settings; nothing "
+                     "was changed or communicated beyond this check")
+        return "\n".join(lines)
+    return f"{what}: the ranks' fingerprints differ but their entries agree (a hash collision?)"

@@ -1,0 +1,174 @@
+"""torch idioms over a sharded optimizer: what works, and loud refusals for what cannot.
+
+- StateView: `optimizer.state`, read-only. state[p] is this rank's part of p's optimizer state:
+  each per-element tensor (exp_avg, exp_avg_sq, momentum_buffer, ...) is the rank's slice of
+  the flattened parameter, a 1-D view of the live state (optimizer.owned_range(p) says which
+  elements), plus "step" and, for bf16/fp16 parameters, the fp32 "master_param" slice. A
+  parameter with no elements on this rank, or before its first step, has an empty state, as a
+  torch.optim optimizer's state before its first step.
+- Ownership: a parameter belongs to one ZeroOptimizer (its .data is a view of that optimizer's
+  flat buffer, its gradient hooks feed that optimizer's reducer). A second optimizer over it is
+  refused; once the owner is garbage-collected its hooks are removed and the parameter is free.
+- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over parameters a ZeroOptimizer manages are
+  refused: under stage 1 param.grad holds this rank's unreduced gradient, under stages 2-3 it is
+  None (each rank keeps only its shard), so torch's clipping would clip by the wrong norm or, on
+  no gradient at all, return 0 and clip nothing. optimizer.clip_grad_norm_ is the replacement.
+  The guard wraps the two functions in torch.nn.utils when the first ZeroOptimizer is built; for
+  any other parameters they run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Iterator, List
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch.utils.hooks import RemovableHandle
+
+_OWNER = "_zero_py_optimizer"  # attribute on a managed parameter: weakref to its optimizer
+
+
+# -- ownership ------------------------------------------------------------------------------------
+
+def owner_of(p: torch.Tensor):
+    """The live ZeroOptimizer that manages p, or None."""
+    ref = getattr(p, _OWNER, None)
+    return ref() if ref is not None else None
+
+
+def check_unowned(params, name_of) -> None:
+    """Raises ValueError if a live ZeroOptimizer already manages one of `params`; changes
+    nothing."""
+    for p in params:
+        owner = owner_of(p)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name_of(p)} is already managed by another ZeroOptimizer (its values "
+                "live in that optimizer's flat buffer and its gradients feed that optimizer): "
+                "give each parameter to one optimizer, with param groups for different "
+                "settings; to replace an optimizer, build the new one over a fresh model (or "
+                "load a state dict), or delete the old one and run gc.collect() first")
+
+
+def claim(optimizer, params) -> None:
+    for p in params:
+        setattr(p, _OWNER, weakref.ref(optimizer))
+
+
+def capture_hooks(params, build):
+    """Runs build() and returns (its result, handles of the post-accumulate-grad hooks it
+    registered on `params`), so that they can be removed later (the reducer keeps none)."""
+    before = [set((p._post_accumulate_grad_hooks or {}).keys()) for p in params]
+    result = build()
+    handles: List[RemovableHandle] = []
+    for p, old in zip(params, before):
+        hooks = p._post_accumulate_grad_hooks or {}
+        for key in hooks.keys() - old:
+            handle = RemovableHandle(hooks)
+            handle.id = key
+            handles.append(handle)
+    return result, handles
+
+
+def release_on_collect(optimizer, handles: List[RemovableHandle]) -> weakref.finalize:
+    """Removes `handles` when `optimizer` is garbage-collected (a dead optimizer's reducer must
+    not keep taking the parameters' gradients)."""
+    return weakref.finalize(optimizer, _remove_all, list(handles))
+
+
+def _remove_all(handles: List[RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+
+
+# -- optimizer.state ------------------------------------------------------------------------------
+
+class StateView(Mapping):
+    """Read-only mapping parameter -> this rank's state of it (see the module docstring)."""
+
+    def __init__(self, optimizer):
+        self._opt = weakref.ref(optimizer)
+
+    def _index(self, p) -> int:
+        opt = self._opt()
+        i = opt._param_index.get(id(p)) if opt is not None and isinstance(p, torch.Tensor) \
+            else None
+        if i is None:
+            raise KeyError("not a parameter of this ZeroOptimizer")
+        return i
+
+    def __getitem__(self, p) -> Mapping:
+        i = self._index(p)
+        return MappingProxyType(self._opt()._param_state(i))
+
+    def __contains__(self, p) -> bool:
+        try:
+            return bool(self._opt()._param_state(self._index(p)))
+        except KeyError:
+            return False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        opt = self._opt()
+        if opt is None:
+            return iter(())
+        return iter([p for i, p in enumerate(opt._all_params) if opt._param_state(i)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer.state: this rank's state of {len(self)} parameters"
+
+
+# -- torch.nn.utils guards ------------------------------------------------------------------------
+
+_CLIP_MESSAGE = (
+    "torch.nn.utils.{fn} got parameters managed by a ZeroOptimizer (stage {stage}): {why}, "
+    "so torch's function would clip {effect}. Use optimizer.clip_grad_norm_(max_norm, "
+    "norm_type) instead, after backward and before step(): it clips every rank's gradients "
+    "together and returns the same total norm as torch's function under DDP")
+
+
+def _guard(fn_name: str, original):
+    @functools.wraps(original)
+    def guarded(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for p in params:
+            owner = owner_of(p)
+            if owner is not None:
+                stage = owner.stage
+                why = ("param.grad holds this rank's gradient before it is reduced across ranks"
+                       if stage == 1 else
+                       "each rank keeps only its shard of the gradients and param.grad is None")
+                effect = "by each rank's own norm" if stage == 1 else "nothing and return 0"
+                raise RuntimeError(_CLIP_MESSAGE.format(fn=fn_name, stage=stage, why=why,
+                                                        effect=effect))
+        return original(params, *args, **kwargs)
+    guarded._zero_py_guard = True
+    return guarded
+
+
+def install_clip_guards() -> None:
+    """Wraps torch.nn.utils.clip_grad_norm_ and clip_grad_value_ (once)."""
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        current = getattr(torch.nn.utils, name)
+        if getattr(current, "_zero_py_guard", False):
+            continue
+        guarded = _guard(name, current)
+        setattr(torch.nn.utils, name, guarded)
+        if getattr(torch.nn.utils.clip_grad, name, None) is current:
+            setattr(torch.nn.utils.clip_grad, name, guarded)
+
+
+GRAD_SCALER_MESSAGE = (
+    "torch.amp.GradScaler cannot drive a ZeroOptimizer: it looks for inf/nan in param.grad, "
+    "which holds no reduced gradient here (stage 2-3: None; stage 1: this rank's own). Use "
+    "zero_py's loss scaler, the same policy as GradScaler: ZeroOptimizer(..., "
+    "loss_scaler=zero_py.LossScaler()) (or initialize(..., loss_scaler=...)), then "
+    "optimizer.scale_loss(loss).backward(); optimizer.step(): a step whose gradients overflow "
+    "on any rank is skipped on every rank")
