@@ -2,8 +2,8 @@
  * Adagrad, Lion, in one pass per element with the parameter written back in its own dtype.
  *
  * One call updates any number of segments (contiguous runs sharing a param group and a step
- * count), multithreaded, with the SIMD body picked at run time (AVX-512, AVX2+FMA, scalar;
- * ZP_CPU_ISA caps it).
+ * count), multithreaded, with the SIMD body, prefetch, split and stores picked at run time per
+ * CPU vendor (tuning.h; ZP_CPU_ISA and the other ZP_CPU_* knobs force them).
  *
  * Per element, in one pass:
  *   g = grad (bf16/fp16/fp32, widened to fp32) * grad_scale   [unscale, clip, 1/world fused]
