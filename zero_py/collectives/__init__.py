@@ -26,11 +26,13 @@ import torch.distributed as dist
 from zero_py.collectives.nccl import NcclExecutor, unavailable_reason
 from zero_py.collectives.objects import gather_object
 from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.timeout import group_timeout, group_timeout_s
 from zero_py.collectives.torch_dist import TorchDistExecutor
-from zero_py.collectives.work import AllOf, Work
+from zero_py.collectives.work import AllOf, CollectiveError, Work, issue, named
 
-__all__ = ["AllOf", "BufferPool", "NcclExecutor", "TorchDistExecutor", "Work", "channel",
-           "gather_object", "make_executor"]
+__all__ = ["AllOf", "BufferPool", "CollectiveError", "NcclExecutor", "TorchDistExecutor", "Work",
+           "channel", "gather_object", "group_timeout", "group_timeout_s", "issue",
+           "make_executor", "named"]
 
 _REQUIRED = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size", "rank")
 
@@ -82,7 +84,10 @@ def channel(executor):
         return NcclExecutor(executor.group, executor.device, executor.timeout)
     if isinstance(executor, TorchDistExecutor):
         ranks = [executor.global_rank(r) for r in range(executor.world_size)]
+        # the user's timeout, not new_group's default (30 min): a dead peer must not hold the
+        # gathers longer than it holds the user's own collectives
         group = dist.new_group(ranks, backend=dist.get_backend(executor.group),
+                               timeout=group_timeout(executor.group),
                                use_local_synchronization=True)
         # stage 3 gathers on this channel: through shared memory where the ranks share a host
         return TorchDistExecutor(group, executor.device, shared_memory=True)

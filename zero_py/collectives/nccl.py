@@ -8,7 +8,10 @@ collective runs on one dedicated stream, ordered after the caller's current stre
 wait() makes the caller's current stream wait for it (the host does not), so reductions overlap
 with backward and gathers with the next forward. A watchdog thread in C aborts the
 communicator when NCCL reports an error or a collective outlives `timeout` seconds (a dead
-peer): waits then raise RuntimeError with the reason instead of hanging.
+peer; by default the process group's own timeout, the one given to init_process_group): the
+next wait, synchronize or collective on the host then raises a CollectiveError naming the
+operation and the reason instead of hanging. (Untested on a GPU so far: written to the same
+contract as the CPU path, whose tests run.)
 
 CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
 through the device: copied in, reduced, and copied back when wait() is called.
@@ -23,12 +26,13 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from zero_py.collectives.work import Work
+from zero_py.collectives.timeout import group_timeout_s
+from zero_py.collectives.work import CollectiveError, Work
 from zero_py.kernels import cuda
 
-DEFAULT_TIMEOUT_S = 600.0
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3  # zp_coll
+_COLL_NAMES = ("all-reduce", "reduce-scatter", "all-gather", "broadcast")
 # ncclDataType_t values (csrc/comm/nccl_lib.h)
 _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                 torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
@@ -123,10 +127,11 @@ class _StreamHandle:
 class NcclExecutor:
     """Runs the schedule's collectives on `process_group`'s ranks with zero_py's own NCCL
     communicator on `device` (default: the current CUDA device). One GPU per rank, as NCCL
-    requires. timeout: seconds a collective may take before the communicator is aborted."""
+    requires. timeout: seconds a collective may take before the communicator is aborted
+    (default: the process group's timeout)."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, timeout: float = DEFAULT_TIMEOUT_S):
+                 device: Optional[torch.device] = None, timeout: Optional[float] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
@@ -135,9 +140,11 @@ class NcclExecutor:
         if why is not None:
             raise RuntimeError(f"the NCCL executor is unavailable: {why}; use "
                                "executor='torch' for the torch.distributed executor")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        if timeout is None:
+            timeout = group_timeout_s(self.group)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         if device is None:
@@ -206,18 +213,24 @@ class NcclExecutor:
 
     def _issue(self, coll: int, send: torch.Tensor, recv: torch.Tensor, count: int, op: int = 0,
                root: int = 0) -> Work:
+        what = (f"{_COLL_NAMES[coll]} of {count} {str(send.dtype).replace('torch.', '')} "
+                "elements (NCCL)")
         if count == 0:
-            return Work()
+            return Work(what=what)
         after = torch.cuda.current_stream(self.device)
-        work = self._comm.collective(coll, send.data_ptr(), recv.data_ptr(), count,
-                                     nccl_dtype(send.dtype), op, root, self.stream.cuda_stream,
-                                     after.cuda_stream)
+        # a communicator that the watchdog aborted (a dead peer, the timeout) raises here
+        try:
+            work = self._comm.collective(coll, send.data_ptr(), recv.data_ptr(), count,
+                                         nccl_dtype(send.dtype), op, root,
+                                         self.stream.cuda_stream, after.cuda_stream)
+        except RuntimeError as exc:
+            raise CollectiveError(what, exc) from exc
         # the caching allocator must not hand these blocks out again before the collective ran,
         # even if the caller drops the handle without waiting
         send.record_stream(self.stream)
         if recv.data_ptr() != send.data_ptr():
             recv.record_stream(self.stream)
-        return Work(_StreamHandle(work, self.device), keep=(send, recv))
+        return Work(_StreamHandle(work, self.device), keep=(send, recv), what=what)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks."""
@@ -267,4 +280,4 @@ class NcclExecutor:
         def back():
             work.synchronize()
             host.copy_(dev)
-        return Work(None, back)
+        return Work(None, back, what=work.what)

@@ -11,8 +11,10 @@ chunk per rank, and two int64 flags per rank and slot. Collective number s uses 
 
 Flags are published with release order and waited for with acquire order in the C core
 (csrc/common/shared_flags.c), so the chunk copied before a flag is what a reader copies after
-seeing it, on any CPU; a wait gives up after `timeout` seconds with an error that names the rank
-that did not arrive. Before collective s reuses a slot, this rank finishes its own collective
+seeing it, on any CPU; a wait gives up after `timeout` seconds (the process group's timeout, or
+ZP_SHM_TIMEOUT_S) with an error that names the rank that did not arrive, or as soon as that
+rank's process is gone (each rank writes its pid into the file's header; a waiter looks at its
+late peers twice a second), so a rank killed mid-step is noticed at once. Before collective s reuses a slot, this rank finishes its own collective
 s - K if the caller has not waited for it yet (its peers issued it already, as every rank
 issues the same sequence), so no rank waits on itself. The file is unlinked as soon as every
 rank mapped it, so nothing is left behind when processes die.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from typing import List, Optional, Tuple
 
@@ -36,9 +39,22 @@ from zero_py._native import _C
 from zero_py.collectives.work import Work
 
 SLOTS = 2
-DEFAULT_TIMEOUT_S = 600.0
+_CHECK_PEERS_S = 0.5  # how often a long wait looks whether its late peers still live
 _ALIGN = 64  # bytes: every slot and chunk starts on a cache line
 _FLAG = 8
+
+
+def _process_gone(pid: int) -> bool:
+    """True when process `pid` of this host has exited (a zombie counts as exited)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def _host_key() -> int:
@@ -74,7 +90,7 @@ class HostAllGather:
         self.world_size = executor.world_size
         self.global_rank = executor.global_rank
         env = os.environ.get("ZP_SHM_TIMEOUT_S")
-        self.timeout = float(timeout if timeout is not None else env or DEFAULT_TIMEOUT_S)
+        self.timeout = float(timeout if timeout is not None else env or executor.timeout_s)
         self.chunk_cap = 0  # bytes of one chunk a slot holds
         self.buf: Optional[torch.Tensor] = None
         self.seq = 0
@@ -99,7 +115,8 @@ class HostAllGather:
         dist.broadcast(name, src=self.global_rank(0), group=self.group)
         path = f"/dev/shm/zero_py-{int(name[0]):x}-{int(name[1])}"
         flags = 2 * SLOTS * self.world_size * _FLAG
-        self._data_at = -(-flags // _ALIGN) * _ALIGN
+        header = flags + self.world_size * _FLAG  # the flags, then every rank's pid
+        self._data_at = -(-header // _ALIGN) * _ALIGN
         nbytes = self._data_at + SLOTS * self.world_size * chunk_cap
         ok = torch.ones(1, dtype=torch.int64)
         if self.rank == 0:
@@ -119,15 +136,14 @@ class HostAllGather:
             self.buf, self.chunk_cap = None, 0
             return
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self._pids = buf[flags:flags + self.world_size * _FLAG].view(torch.int64)
+        self._pids[self.rank] = os.getpid()
         dist.barrier(group=self.group)  # every rank mapped it: the name can go
         if self.rank == 0:
             os.unlink(path)
         self.buf, self.chunk_cap, self.seq = buf, chunk_cap, 0
         self._flags = buf[:flags].view(torch.int64).view(2, SLOTS, self.world_size)
         self._slots = buf[self._data_at:].view(SLOTS, self.world_size, chunk_cap)
-
-    def _flag_addr(self, which: int, k: int) -> int:
-        return self._flags[which, k].data_ptr()  # the row of every rank's flag
 
     # -- the collective ---------------------------------------------------------------------
 
@@ -137,7 +153,11 @@ class HostAllGather:
         /dev/shm has no room for the file: the caller sends messages instead, from then on."""
         nbytes = input.numel() * input.element_size()
         if nbytes > self.chunk_cap and not self.disabled:
-            self._map(-(-nbytes // _ALIGN) * _ALIGN)
+            try:
+                self._map(-(-nbytes // _ALIGN) * _ALIGN)
+            except RuntimeError as exc:
+                raise RuntimeError(f"setting up the shared-memory all-gather failed: {exc}") \
+                    from exc
         if self.disabled:
             return None
         while self._in_flight and self._in_flight[0][0] <= self.seq + 1 - SLOTS:
@@ -145,15 +165,16 @@ class HostAllGather:
         self.seq += 1
         s, k, me, ws = self.seq, self.seq % SLOTS, self.rank, self.world_size
         # every rank has read what slot k held before (collective s - SLOTS)
-        _C.flags_wait(self._flag_addr(1, k), ws, 1, s - SLOTS, self.timeout)
+        self._wait_flags(self._flags[1, k], s - SLOTS, self._pids)
         src = input.reshape(-1).view(torch.uint8)
         self._slots[k, me, :nbytes].copy_(src)
         _C.flag_publish(self._flags[0, k, me].data_ptr(), s)
-        slots, flags = self._slots, self._flags  # this mapping, even if a later call remaps
+        slots, flags, pids = self._slots, self._flags, self._pids  # this mapping, even if a
+        # later call remaps
 
         def finish() -> None:
             self._in_flight.remove((s, work))  # first: a timeout below must not leave it listed
-            _C.flags_wait(flags[0, k].data_ptr(), ws, 1, s, self.timeout)
+            self._wait_flags(flags[0, k], s, pids)
             out = output.reshape(-1).view(torch.uint8).view(ws, nbytes)
             for q in range(ws):
                 if q == me:
@@ -163,6 +184,30 @@ class HostAllGather:
                     out[q].copy_(slots[k, q, :nbytes])
             _C.flag_publish(flags[1, k, me].data_ptr(), s)
 
-        work = Work(None, finish, keep=(input, output))
+        work = Work(None, finish, keep=(input, output),
+                    what=f"all-gather of {output.numel()} elements (shared memory)")
         self._in_flight.append((s, work))
         return work
+
+    def _wait_flags(self, row: torch.Tensor, value: int, pids: torch.Tensor) -> None:
+        """Waits until every rank's flag in `row` is >= value: at most `timeout`
+        seconds, and no longer than it takes to see that a late rank's process is gone."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                _C.flags_wait(row.data_ptr(), self.world_size, 1, value, max(min(left, _CHECK_PEERS_S),
+                                                                  1e-3))
+                return
+            except RuntimeError as exc:
+                late = [q for q, v in enumerate(row.tolist()) if v < value]
+                gone = [q for q in late if _process_gone(int(pids[q]))]
+                if gone:
+                    raise RuntimeError(
+                        f"rank {gone[0]} (pid {int(pids[gone[0]])}) of the shared-memory "
+                        f"all-gather exited before publishing its chunk") from exc
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"rank {late[0] if late else '?'} did not publish its chunk within "
+                        f"{self.timeout:g} s (the process group's timeout, or "
+                        "ZP_SHM_TIMEOUT_S)") from exc

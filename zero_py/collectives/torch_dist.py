@@ -16,6 +16,11 @@ reuse and counted by scratch_peak_bytes), and adds them in rank order, so the re
 depend on arrival order. Other backends get reduce_scatter_tensor and all_gather_into_tensor;
 where a backend has no reduce-scatter, the reduction is an all-reduce of the input and a copy of
 this rank's chunk.
+
+Every call returns a Work named after the operation ("reduce-scatter of 4096 float32 elements");
+callers that know the bucket or unit rename it. A collective that fails (a peer died, or the
+group's timeout passed: `timeout_s`, what the user gave init_process_group or new_group) raises a
+CollectiveError naming it, at the call or at wait().
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch.distributed as dist
 from zero_py.collectives import shm
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.shm import HostAllGather
-from zero_py.collectives.work import AllOf, Work
+from zero_py.collectives.timeout import group_timeout_s
+from zero_py.collectives.work import AllOf, Work, issue
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,6 +81,7 @@ class TorchDistExecutor:
         # (collectives/shm.py; stage 3's gather channel asks for it)
         self.shared_memory = bool(shared_memory)
         self._shm = None  # HostAllGather, False where it cannot run, None before deciding
+        self.timeout_s = group_timeout_s(self.group)  # the user's, for the shared-memory waits
 
     @property
     def scratch_peak_bytes(self) -> int:
@@ -97,9 +104,17 @@ class TorchDistExecutor:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
+    @staticmethod
+    def _size(t: torch.Tensor) -> str:
+        return f"{t.numel()} {str(t.dtype).replace('torch.', '')} elements"
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
         its contents are undefined afterwards (the all-reduce fallback sums into it)."""
+        return issue(f"reduce-scatter of {self._size(input)}", self._reduce_scatter, output,
+                     input)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         work = self._direct(self._p2p_reduce_scatter, output, input)
         if work is not None:
             return work
@@ -118,6 +133,9 @@ class TorchDistExecutor:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        return issue(f"all-gather of {self._size(output)}", self._all_gather, output, input)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         if self._p2p and self.world_size > 1 and output.device.type == "cpu":
             shm = self._host_all_gather()
             work = shm.all_gather(output, input) if shm is not None else None
@@ -212,7 +230,8 @@ class TorchDistExecutor:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         if self.world_size == 1:
             return Work(None)
-        return Work(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+        return issue(f"all-reduce of {self._size(tensor)}", dist.all_reduce, tensor, op,
+                     self.group, True)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self.all_reduce(tensor, dist.ReduceOp.MAX)
@@ -220,5 +239,5 @@ class TorchDistExecutor:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
         if self.world_size == 1:
             return Work(None)
-        return Work(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
-                                      async_op=True))
+        return issue(f"broadcast of {self._size(tensor)} from rank {src}", dist.broadcast,
+                     tensor, self.global_rank(src), self.group, True)

@@ -20,6 +20,14 @@ bucket, one compact tensor per reduction dtype) accumulates over passes until ze
 Which parameters got a gradient is tracked per rank and combined with a MAX all-reduce, so a
 parameter that no rank used is skipped by the optimizer exactly as torch.optim skips a None
 gradient under DDP.
+
+Ranks must run the same number of reduced backward passes per step (stages 2 and 3: each pass
+is a sequence of collectives, and an extra one on one rank would pair with other collectives on
+the others). Every pass and every step therefore begins with a small all-reduce of each rank's
+(what, step, pass) (_Count): the first collective of a pass or step, so it always meets its
+peers' own, and a mismatch raises on every rank naming each rank's count, before the
+mismatched collectives are waited for. Stage 3 waits for it at once (its backward gathers are
+collective: a rank must not start them alone); stage 2 at its first blocking wait.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
-from zero_py.collectives.work import Work
+from zero_py.collectives.work import CollectiveError, Work, issue
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
 
@@ -47,6 +55,38 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+# what a rank announces at the start of a pass or a step (_Count)
+_PASS, _STEP, _PASS_WITHOUT_BACKWARD = 1, 2, 3
+_KIND_NAMES = {_PASS: "backward pass", _STEP: "step()",
+               _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step"}
+
+
+class _Count:
+    """Every rank's (what, step, pass) in one SUM all-reduce (each rank fills its own row)."""
+
+    def __init__(self, executor, kind: int, step: int, passes: int):
+        self.kind, self.step, self.passes = kind, step, passes
+        ws = executor.world_size
+        self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
+        self.rows[executor.rank] = torch.tensor([kind, step, passes], dtype=torch.int64)
+        self.work = issue(f"all-reduce of the ranks' backward-pass counts at the start of a "
+                          f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
+        self.rank = executor.rank
+
+    def check(self) -> None:
+        self.work.wait()
+        rows = self.rows.tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        said = "; ".join(
+            f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} reduced backward pass"
+            f"{'es' if p != 1 else ''} in step {st}" for q, (k, st, p) in enumerate(rows))
+        raise RuntimeError(
+            "zero_py: the ranks ran different numbers of backward passes before this step "
+            f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
+            "backward passes per step (outside no_sync()); a rank with no data can run "
+            "backward on a zero loss of the model's output (e.g. model(x[:0]).sum() * 0)")
 
 
 class GradReducer:
@@ -79,6 +119,12 @@ class GradReducer:
         self._callback_queued = False  # the end-of-backward callback is queued
         self._finished = False  # finish() ran since the last pass: its result stands
         self.passes_since_step = 0
+        self.steps = 0  # after_step() calls: the step the passes belong to
+        # the pass and step counts are compared across ranks (_Count); stage 3 waits for the
+        # comparison as a pass starts, since its backward gathers are collective
+        self.check_counts = stage >= 2
+        self.check_at_once = False
+        self._count: Optional[_Count] = None
         if stage == 2:
             for i, p in enumerate(flat.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -131,7 +177,12 @@ class GradReducer:
         for fn in self._listeners:
             fn()
 
-    def _begin_pass(self) -> None:
+    def _begin_pass(self, kind: int = _PASS) -> None:
+        if self.check_counts:
+            self._check_count()  # the previous pass's, if not checked yet
+            self._count = _Count(self.executor, kind, self.steps, self.passes_since_step + 1)
+            if self.check_at_once:
+                self._check_count()
         self._pass_open = True
         self._finished = False
         self.schedule.reset()
@@ -141,6 +192,7 @@ class GradReducer:
         """Releases every remaining bucket in order, first copying in the gradients no hook
         reported (no_sync leftovers; all of them in stage 1). Copying bucket by bucket keeps at
         most a few bucket buffers alive, as during backward."""
+        self._check_count()
         with torch.no_grad():
             for b in self.schedule.flush():
                 for i in self.flat.bucket_params[b]:
@@ -149,7 +201,8 @@ class GradReducer:
                 self._launch(b)
             self.grad_shard_valid = True
             used = self._local_used.clone()
-            self._used_pending = self.executor.all_reduce_max(used)
+            self._used_pending = issue("all-reduce of which parameters got a gradient at the "
+                                       "end of backward", self.executor.all_reduce_max, used)
             self._global_used = used
         self._pass_open = False
         self.passes_since_step += 1
@@ -160,7 +213,8 @@ class GradReducer:
         if self.stage == 1:
             self.grad_shard_valid = False  # param.grad holds the full sum: overwrite
             self._local_used.zero_()
-        self._begin_pass()
+        # stage 3: its peers' backward gathered units with it; no backward here cannot match
+        self._begin_pass(_PASS_WITHOUT_BACKWARD if self.check_at_once else _PASS)
         self._end_pass()
 
     @property
@@ -223,18 +277,23 @@ class GradReducer:
                 lo = self.flat.param_offset[i]
                 buf[lo:lo + self.flat.param_numel[i]].zero_()
         piece = self.grads.piece(b)
+        describe = getattr(self.flat, "describe_bucket", None)
+        what = (f"reduce-scatter of the gradients of "
+                f"{describe(b) if describe is not None else f'bucket {b}'}")
         if not self.grad_shard_valid:
-            work = self.executor.reduce_scatter(piece, buf)
+            work = issue(what, self.executor.reduce_scatter, piece, buf)
         else:
             tmp = torch.empty_like(piece)
-            work = self.executor.reduce_scatter(tmp, buf)
-            work = Work(work, lambda piece=piece, tmp=tmp: piece.add_(tmp))
+            work = issue(what, self.executor.reduce_scatter, tmp, buf)
+            work = Work(work, lambda piece=piece, tmp=tmp: piece.add_(tmp), what=what)
         self._in_flight.append((work, buf))
         self._retire(block_over=self.max_in_flight)
 
     def _retire(self, block_over: int) -> None:
         """Finishes completed reductions in order, and waits while more than `block_over` are
         in flight."""
+        if len(self._in_flight) > block_over:
+            self._check_count()  # a count mismatch is the clearer error than a lost reduction
         while self._in_flight and (len(self._in_flight) > block_over
                                    or self._in_flight[0][0].is_completed()):
             work, buf = self._in_flight.pop(0)
@@ -250,6 +309,10 @@ class GradReducer:
             return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
             self.reduce_now()
+        if self.check_counts:
+            self._check_count()
+            self._count = _Count(self.executor, _STEP, self.steps, self.passes_since_step)
+            self._check_count()
         self._retire(block_over=0)
         if self._used_pending is not None:
             self._used_pending.wait()
@@ -257,8 +320,15 @@ class GradReducer:
         self._finished = True
         return self._global_used
 
+    def _check_count(self) -> None:
+        """Raises on every rank if the ranks' last pass or step announcements differ."""
+        count, self._count = self._count, None
+        if count is not None:
+            count.check()
+
     def after_step(self) -> None:
         self.passes_since_step = 0
+        self.steps += 1
         self._finished = False
 
     def zero_grad(self, set_to_none: bool) -> None:

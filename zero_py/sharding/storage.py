@@ -14,9 +14,9 @@ autograd saved during forward, which point at that storage, see the values again
 PieceStore: one piece per bucket packed into one tensor per dtype (gradient shards, fp32
 masters, the stage-3 shards).
 
-Both storages answer publish(executor, buckets) (make updated pieces every rank's parameters)
-and param_bytes(frozen) (the parameter terms of memory_report), so the optimizer never needs to
-know which stage it serves.
+Both storages answer publish(executor, buckets) (make updated pieces every rank's parameters),
+param_bytes(frozen) (the parameter terms of memory_report) and describe_bucket(b) (what a
+failed collective names), so the optimizer never needs to know which stage it serves.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from zero_py.collectives.work import Work
+from zero_py.collectives.work import Work, issue
 from zero_py.sharding.layout import FlatLayout
 
 NO_BUCKET_LIMIT = 2**62  # stage 3 buckets are whole (unit, group, dtype) sets
@@ -73,12 +73,19 @@ class FlatParams(FlatLayout):
         view = self.param_view(i)
         return view[s.param_lo:s.param_hi] if s is not None else view[:0]
 
+    def describe_bucket(self, b: int) -> str:
+        """Bucket b in words, for errors: its index and its parameters' (in the order given)."""
+        ps = self.bucket_params[b]
+        span = f"parameter {ps[0]}" if len(ps) == 1 else f"parameters {min(ps)}-{max(ps)}"
+        return f"bucket {b} ({span})"
+
     # -- collectives over the whole layout -----------------------------------------------------
 
     def all_gather(self, executor, buckets: Sequence[int]) -> None:
         """Every rank's updated pieces of `buckets` into every rank's flat buffers."""
-        pending = [executor.all_gather(self.bucket_region(b), self.bucket_piece(b))
-                   for b in buckets]
+        pending = [issue(f"all-gather of the updated parameters of {self.describe_bucket(b)} "
+                         "in step()", executor.all_gather, self.bucket_region(b),
+                         self.bucket_piece(b)) for b in buckets]
         for work in pending:
             work.wait()
 
@@ -102,7 +109,8 @@ class FlatParams(FlatLayout):
 
     def broadcast(self, executor, src: int = 0) -> None:
         """Make every rank's parameters equal to rank `src`'s."""
-        pending = [executor.broadcast(buf, src) for buf in self.buffers]
+        pending = [issue(f"broadcast of rank {src}'s parameters ({buf.dtype}) at construction",
+                         executor.broadcast, buf, src) for buf in self.buffers]
         for work in pending:
             work.wait()
 
@@ -201,6 +209,19 @@ class ShardedParams(FlatLayout):
         self._buffers: List[Optional[torch.Tensor]] = [None] * self.n_buckets
         self._full: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self._exposed = [False] * self.n_buckets  # params are their full views now
+        self.unit_names: Optional[List[str]] = None  # set by the engine, for errors
+
+    def describe_bucket(self, b: int) -> str:
+        """Bucket b in words, for errors: its unit (by module name once the engine named the
+        units) and its index."""
+        u = self.bucket_unit[b]
+        if u == self.persistent_unit:
+            unit = "the persistent unit (parameters kept whole)"
+        elif self.unit_names is not None and u < len(self.unit_names):
+            unit = f"unit {u} {self.unit_names[u] or '(the root module)'!r}"
+        else:
+            unit = f"unit {u}"
+        return f"{unit}, bucket {b}"
 
     # -- build ---------------------------------------------------------------------------------
 
@@ -221,7 +242,8 @@ class ShardedParams(FlatLayout):
                     buf[lo:hi].zero_()
                 for i, value in values.items():
                     self._full[i].copy_(value.reshape(self.param_shapes[i]))
-                self.executor.broadcast(buf, 0).wait()
+                issue(f"broadcast of rank 0's values of {self.describe_bucket(b)} at "
+                      "construction", self.executor.broadcast, buf, 0).wait()
                 self.load_pieces_from(b, buf)
         self._exposed[b] = True
         self._expose(b)
@@ -242,7 +264,8 @@ class ShardedParams(FlatLayout):
             self.meter.add(buf.numel() * buf.element_size())
             self._exposed[b] = True
             self._expose(b)
-        return self.executor.all_gather(buf, self.shards.piece(b))
+        return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
+                     self.shards.piece(b))
 
     def free(self, b: int) -> None:
         """Releases bucket b's full values: its parameters are their shard slices again."""

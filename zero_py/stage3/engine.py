@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
+from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import GatherMeter, ShardedParams
 
@@ -120,7 +121,10 @@ class Stage3Engine:
         self.prefetch = _C.Prefetch(unit_bytes, keep, int(budget))
         self._unit_bytes, self._budget = unit_bytes, int(budget)
         self.prefetch.set_order(list(range(n)))
+        for storage in self.storages:  # failed gathers name the unit's module
+            storage.unit_names = [name for name, _ in units]
         reducer.on_backward_end(self._end_backward)
+        reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
                 self._make_pre_forward(u), with_kwargs=True))
@@ -269,7 +273,9 @@ class Stage3Engine:
             if seen:
                 positions[torch.tensor(seen, dtype=torch.int64)] = torch.arange(
                     n, n - len(seen), -1, dtype=torch.int64).to(positions.device)
-            self._order_pending = (self.executor.all_reduce_max(positions), positions)
+            work = issue("all-reduce of the units' order at the end of backward",
+                         self.executor.all_reduce_max, positions)
+            self._order_pending = (work, positions)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -280,8 +286,13 @@ class Stage3Engine:
             else:
                 self._free(u)
 
+    _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
+                    _C.PF_BACKWARD: "the backward"}
+
     def _gather(self, u: int) -> None:
-        self._pending[u] = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
+        phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
+        works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
+        self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
 
     def _wait(self, u: int) -> None:
         for work in self._pending.pop(u, ()):
