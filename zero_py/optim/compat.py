@@ -41,12 +41,12 @@ def owner_of(p: torch.Tensor):
     return ref() if ref is not None else None
 
 
-def check_unowned(params, name_of) -> None:
-    """Raises ValueError if a live ZeroOptimizer already manages one of `params`; changes
-    nothing."""
+def check_unowned(params, name_of, mine=None) -> None:
+    """Raises ValueError if a live ZeroOptimizer (other than `mine`) already manages one of
+    `params`; changes nothing."""
     for p in params:
         owner = owner_of(p)
-        if owner is not None:
+        if owner is not None and owner is not mine:
             raise ValueError(
                 f"parameter {name_of(p)} is already managed by another ZeroOptimizer (its values "
                 "live in that optimizer's flat buffer and its gradients feed that optimizer): "

@@ -309,7 +309,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             "{'params': layer.parameters(), 'lr': 1e-4}")
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params], self._name)
+        compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params], self._name,
+                             mine=self)
         # torch's checks and defaults on a scratch copy: nothing changes if they fail
         scratch = torch.optim.Optimizer.__new__(torch.optim.Optimizer)
         scratch.defaults, scratch.state = self.defaults, {}

@@ -1,0 +1,328 @@
+"""Bad input, table by table: each case is a clear error that says what to change, raised before
+anything changes (the optimizer's state, the parameters, the loss scaler and the model stay as
+they were, and training goes on). One rank in this process: the checks are local.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_py
+
+
+def _trained(stage=2, **kw):
+    """A Linear(4, 4) and its optimizer after one step (state exists)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=stage, lr=1e-2, **kw)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _snapshot(model, opt):
+    sd = opt.state_dict()
+    return ([p.detach().clone() for p in model.parameters()],
+            {k: {n: v.clone() for n, v in st.items()} for k, st in sd["state"].items()},
+            [dict(g, params=list(g["params"])) for g in sd["param_groups"]],
+            sd["loss_scaler"])
+
+
+def _assert_unchanged(before, model, opt):
+    params, state, groups, scaler = before
+    after = _snapshot(model, opt)
+    for a, b in zip(params, after[0]):
+        assert torch.equal(a, b)
+    assert state.keys() == after[1].keys()
+    for k in state:
+        for n in state[k]:
+            assert torch.equal(state[k][n], after[1][k][n]), (k, n)
+    assert groups == after[2]
+    assert scaler == after[3]
+
+
+def _full_dict(cls=torch.optim.AdamW, **kw):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    ref = cls(model.parameters(), lr=1e-2, **kw)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    ref.step()
+    return ref.state_dict()
+
+
+def _shard(mutate):
+    def make(opt):
+        sd = opt.state_dict()
+        mutate(sd)
+        return sd
+    return make
+
+
+def _full(mutate, cls=torch.optim.AdamW, **kw):
+    def make(opt):
+        sd = _full_dict(cls, **kw)
+        mutate(sd)
+        return sd
+    return make
+
+
+def _set(path, value):
+    def mutate(sd):
+        d = sd
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return mutate
+
+
+def _drop(path):
+    def mutate(sd):
+        d = sd
+        for key in path[:-1]:
+            d = d[key]
+        del d[path[-1]]
+    return mutate
+
+
+# (case, the dict to load, exception, what the message must say)
+LOAD_CASES = [
+    ("not a dict", lambda opt: [opt.state_dict()], TypeError, "takes the dict"),
+    ("no param_groups", _shard(_drop(["param_groups"])), ValueError, r"lacks \['param_groups'\]"),
+    ("no state", _shard(_drop(["state"])), ValueError, r"lacks \['state'\]"),
+    ("state not a dict", _shard(_set(["state"], [1, 2])), ValueError, "'state' must be a dict"),
+    ("groups not dicts", _shard(_set(["param_groups"], [[0, 1]])), ValueError,
+     "list of dicts"),
+    ("another group count", _shard(lambda sd: sd["param_groups"].append(
+        dict(sd["param_groups"][0]))), ValueError, "2 param groups"),
+    ("another param count", _shard(lambda sd: sd["param_groups"][0]["params"].append(7)),
+     ValueError, "model differs"),
+    ("shard: one-element exp_avg", _shard(_set(["state", 0, "exp_avg"], torch.ones(1))),
+     ValueError, r"'exp_avg' has shape \(1,\), expected \(16,\)"),
+    ("shard: 0-dim exp_avg", _shard(_set(["state", 0, "exp_avg"], torch.tensor(1.0))),
+     ValueError, r"'exp_avg' has shape \(\), expected \(16,\)"),
+    ("shard: wrong length", _shard(_set(["state", 1, "exp_avg_sq"], torch.ones(5))),
+     ValueError, r"'exp_avg_sq' has shape \(5,\), expected \(4,\)"),
+    ("shard: missing exp_avg", _shard(_drop(["state", 0, "exp_avg"])), ValueError,
+     r"lacks \['exp_avg'\]"),
+    ("shard: integer state", _shard(_set(["state", 0, "exp_avg"],
+                                         torch.ones(16, dtype=torch.long))),
+     ValueError, "floating-point"),
+    ("shard: NaN step", _shard(_set(["state", 0, "step"], torch.tensor(float("nan")))),
+     ValueError, "'step' must be a number >= 0"),
+    ("shard: negative step", _shard(_set(["state", 0, "step"], -3)), ValueError,
+     "'step' must be a number >= 0"),
+    ("shard: state of no parameter", _shard(_set(["state", 9], {})), ValueError,
+     "parameter 9, this optimizer has 2"),
+    ("shard: another optimizer class", _shard(_set(["zero_py", "optimizer"], "SGD")),
+     ValueError, "over SGD, this one runs AdamW"),
+    ("shard: meta lacks slices", _shard(_drop(["zero_py", "slices"])), ValueError,
+     r"lacks \['slices'\]"),
+    ("shard: another world size", _shard(_set(["zero_py", "world_size"], 2)), ValueError,
+     "consolidate_state_dict"),
+    ("full: one-element exp_avg", _full(_set(["state", 0, "exp_avg"], torch.ones(1))),
+     ValueError, r"shape \(1,\), expected \(4, 4\)"),
+    ("full: broadcastable (1, 4)", _full(_set(["state", 0, "exp_avg"], torch.ones(1, 4))),
+     ValueError, r"shape \(1, 4\), expected \(4, 4\)"),
+    ("full: flattened", _full(_set(["state", 0, "exp_avg_sq"], torch.ones(16))), ValueError,
+     r"shape \(16,\), expected \(4, 4\)"),
+    ("full: SGD's dict", _full(lambda sd: None, torch.optim.SGD, momentum=0.9), ValueError,
+     "another optimizer class"),
+    ("full: extra state of another class", _full(_set(["state", 0, "momentum_buffer"],
+                                                       torch.ones(4, 4))), ValueError,
+     r"holds \['momentum_buffer'\]"),
+    ("full: exp_avg missing", _full(_drop(["state", 1, "exp_avg"])), ValueError,
+     r"lacks \['exp_avg'\]"),
+    ("scaler: NaN scale", _shard(_set(["loss_scaler", "scale"], float("nan"))), ValueError,
+     "'scale' must be a positive finite number"),
+    ("scaler: negative scale", _shard(_set(["loss_scaler", "scale"], -1.0)), ValueError,
+     "'scale' must be a positive finite number"),
+    ("scaler: no scale", _shard(_drop(["loss_scaler", "scale"])), ValueError,
+     r"lacks \['scale'\]"),
+    ("scaler: growth_factor 1", _shard(_set(["loss_scaler", "growth_factor"], 1.0)),
+     ValueError, "'growth_factor' must be > 1"),
+    ("scaler: tracker past interval", _shard(_set(["loss_scaler", "growth_tracker"], 10**6)),
+     ValueError, "'growth_tracker' must be in"),
+    ("scaler: dynamic not a bool", _shard(_set(["loss_scaler", "dynamic"], "yes")),
+     ValueError, "'dynamic' must be a bool"),
+]
+
+
+@pytest.mark.parametrize("case,make,exc,match", LOAD_CASES, ids=[c[0] for c in LOAD_CASES])
+def test_bad_state_dict_is_refused_and_changes_nothing(single_rank_group, case, make, exc,
+                                                       match):
+    model, opt = _trained(loss_scaler=zero_py.LossScaler(init_scale=2.0**8))
+    bad = make(opt)
+    before = _snapshot(model, opt)
+    lr_before = opt.param_groups[0]["lr"]
+    with pytest.raises(exc, match=match):
+        opt.load_state_dict(bad)
+    _assert_unchanged(before, model, opt)
+    assert opt.param_groups[0]["lr"] == lr_before
+    assert opt.loss_scale == 2.0**8
+    # and the optimizer still trains: its own dict loads, a step runs
+    opt.load_state_dict(opt.state_dict())
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("state,match", [
+    ({"scale": float("inf")}, "'scale' must be a positive finite number"),
+    ({"scale": 0.0}, "'scale' must be a positive finite number"),
+    ({"min_scale": float("nan")}, "'min_scale' must be a positive finite number"),
+    ({"backoff_factor": 1.0}, "'backoff_factor' must be in"),
+    ({"growth_interval": 0}, "'growth_interval' must be >= 1"),
+    ({"growth_interval": 2.5}, "'growth_interval' must be a number"),
+    ({"scale": "big"}, "'scale' must be a number"),
+])
+def test_loss_scaler_state_is_checked_before_it_is_taken(state, match):
+    scaler = zero_py.LossScaler(init_scale=64.0, growth_interval=5)
+    good = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict({**good, **state})
+    assert scaler.state_dict() == good
+    with pytest.raises(ValueError, match="must be a dict"):
+        scaler.load_state_dict(None)
+
+
+def _two_optimizers(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    return model, first, lambda: zero_py.ZeroOptimizer(model.parameters())
+
+
+def _optimizer_then_initialize(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    return model, first, lambda: zero_py.initialize(model, stage=3)
+
+
+def _initialize_twice(_):
+    model = nn.Linear(4, 4)
+    _, first = zero_py.initialize(model, stage=2)
+    return model, first, lambda: zero_py.initialize(model, stage=2)
+
+
+def _group_of_a_managed_parameter(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight])
+    return model, first, lambda: first.add_param_group({"params": [model.weight]})
+
+
+def _group_not_a_dict(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    return model, first, lambda: first.add_param_group([nn.Parameter(torch.ones(3))])
+
+
+def _group_with_other_state(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight])
+    return model, first, lambda: first.add_param_group({"params": [model.bias],
+                                                         "amsgrad": True})
+
+
+def _group_with_pending_gradients(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight])
+    model(torch.randn(2, 4)).sum().backward()
+    return model, first, lambda: first.add_param_group({"params": [model.bias]})
+
+
+def _group_in_another_dtype_device(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight])
+    return model, first, lambda: first.add_param_group(
+        {"params": [nn.Parameter(torch.ones(3, dtype=torch.float64))]})
+
+
+def _assign_state(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    return model, first, lambda: setattr(first, "state", {})
+
+
+def _torch_clip(stage):
+    def build(_):
+        model = nn.Linear(4, 4)
+        first = zero_py.ZeroOptimizer(model.parameters(), stage=stage)
+        model(torch.randn(2, 4)).sum().backward()
+        return model, first, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return build
+
+
+def _torch_clip_value(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    return model, first, lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+
+
+def _grad_scaler(_):
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    return model, first, lambda: scaler.step(first)
+
+
+def _bad_broadcast_buffers(_):
+    model = nn.Linear(4, 4)
+    return model, None, lambda: zero_py.initialize(model, stage=2, broadcast_buffers="yes")
+
+
+# (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
+CALL_CASES = [
+    ("two optimizers over one parameter", _two_optimizers, ValueError,
+     "already managed by another ZeroOptimizer"),
+    ("initialize over an optimizer's parameters", _optimizer_then_initialize, ValueError,
+     "already managed by another ZeroOptimizer"),
+    ("initialize twice", _initialize_twice, ValueError, "initialize once per model"),
+    ("add_param_group: a managed parameter", _group_of_a_managed_parameter, ValueError,
+     "more than one parameter group"),
+    ("add_param_group: not a dict", _group_not_a_dict, TypeError, "takes a dict"),
+    ("add_param_group: other state", _group_with_other_state, ValueError,
+     "another update path or other state"),
+    ("add_param_group: gradients pending", _group_with_pending_gradients, RuntimeError,
+     "between optimizer.step"),
+    ("add_param_group: float64", _group_in_another_dtype_device, ValueError,
+     "dtype torch.float64"),
+    ("assign optimizer.state", _assign_state, AttributeError, "read-only view"),
+    ("torch clip_grad_norm_ stage 1", _torch_clip(1), RuntimeError,
+     "optimizer.clip_grad_norm_"),
+    ("torch clip_grad_norm_ stage 2", _torch_clip(2), RuntimeError,
+     "clip nothing and return 0"),
+    ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
+    ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
+    ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),
+]
+
+
+@pytest.mark.parametrize("case,setup,exc,match", CALL_CASES, ids=[c[0] for c in CALL_CASES])
+def test_bad_call_is_refused_and_changes_nothing(single_rank_group, case, setup, exc, match):
+    torch.manual_seed(0)
+    model, first, call = setup(None)
+    data = [p.data.data_ptr() for p in model.parameters()]
+    values = [p.detach().clone() for p in model.parameters()]
+    hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    with pytest.raises(exc, match=match):
+        call()
+    assert [p.data.data_ptr() for p in model.parameters()] == data
+    assert all(torch.equal(a, p) for a, p in zip(values, model.parameters()))
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == hooks
+    if first is not None:  # the optimizer that was there trains on, as if nothing happened
+        first.zero_grad()
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        first.step()
+        assert not all(torch.equal(a, p) for a, p in zip(values, model.parameters()))
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):
+    managed, plain = nn.Linear(4, 4), nn.Linear(4, 4)
+    zero_py.ZeroOptimizer(managed.parameters())
+    plain(torch.randn(2, 4)).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+    assert norm > 1e-3
+    total = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).norm()
+    assert total == pytest.approx(1e-3, rel=1e-3)
