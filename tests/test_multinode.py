@@ -1,0 +1,61 @@
+"""Multi-node launches, on one machine: two `torchrun --nnodes 2 --node-rank {0,1}` processes
+meeting on a loopback rendezvous (2 nodes x 2 ranks), as two real nodes would. They run the
+parity check of stages 1-3 against DDP (tests/multinode_worker.py) and the demo."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(args, timeout=240):
+    """Both launches of one 2 x 2 job; returns their (returncode, output)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+           "2", "--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd + ["--node-rank", str(n)] + args, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for n in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append((p.wait(timeout=timeout), p.stdout.read()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def test_two_nodes_match_ddp_for_every_stage(tmp_path):
+    out = str(tmp_path / "result.json")
+    runs = _two_nodes([os.path.join(HERE, "multinode_worker.py"), out])
+    for code, text in runs:
+        assert code == 0, text[-3000:]
+    with open(out) as f:
+        result = json.load(f)
+    assert (result["world"], result["nodes"], result["local_world"]) == (4, 2, 2)
+    for stage in (1, 2, 3):
+        assert result[f"stage{stage}"] < 1e-5, result
+
+
+def test_demo_runs_on_two_nodes():
+    runs = _two_nodes(["-m", "zero_py.examples.demo", "--steps", "3", "--batch-size", "4"])
+    for code, text in runs:
+        assert code == 0, text[-3000:]
+    assert "loss" in (runs[0][1] + runs[1][1]).lower()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
