@@ -30,24 +30,16 @@ torch.optim.AdamW on 1M elements and prints the largest difference.
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 
 from zero_py import kernels
+from zero_py.tools.env import cpu_model
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BYTES_PER_ELEMENT = {"zero_py": 28, "torch fused": 28, "torch foreach": 28, "copy": 8, "triad": 12}
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def zero_py_step(p, g, m, v, step):
