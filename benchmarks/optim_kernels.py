@@ -29,7 +29,10 @@ it (OMP_WAIT_POLICY=passive removes it), hence the default sizes of 10M and up:
                         in C with the kernels' threads, split, ISA and prefetch): read the
                         gradient, read and write back master and states, write the bf16
                         parameter. No step can be faster on this machine: "% of bound" is the
-                        bound's median time over the row's
+                        bound's median time over the row's (above 100%: noise, or a luckier
+                        cache state)
+    zero_py <VARS>      with --variants: zero_py with ZP_CPU_* set around each call, to compare
+                        the kernels' paths in the same run
     copy                dst.copy_(src)                             8 bytes/element (read, write)
     triad               torch.add(src, other, alpha=0.5, out=dst)  12 bytes/element (2 reads, write)
 
@@ -64,9 +67,10 @@ memory not read first (copy, triad, the bf16 parameter) cost the CPU an extra re
 cache line that these byte counts leave out, so an in-place update can exceed 100% of triad.
 
 torch and DeepSpeed run on os.cpu_count() OpenMP threads; zero_py picks its own count
-(ZP_NUM_THREADS, else the CPUs it may run on), and its bodies and prefetch distance per CPU
-vendor (printed first; ZP_CPU_ISA=avx512|avx2|scalar and ZP_CPU_PREFETCH=<bytes, 0 for none>
-force them, for zero_py and its bound alike). DS_ACCELERATOR is set to cpu unless set. Before
+(ZP_NUM_THREADS, else the CPUs it may run on), and its bodies, prefetch, split and stores per
+CPU vendor (printed first; ZP_CPU_ISA=avx512|avx2|scalar, ZP_CPU_PREFETCH=<bytes>[:l1],
+ZP_CPU_SPLIT=blocks|static and ZP_CPU_STREAM=<bytes> force them, for zero_py and its bound
+alike: csrc/kernels/cpu/tuning.h). DS_ACCELERATOR is set to cpu unless set. Before
 timing, the script checks one step of zero_py and of DeepSpeed against torch on 1M elements, from
 the same non-zero states, and prints the largest differences.
 """
