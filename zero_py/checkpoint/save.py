@@ -32,6 +32,7 @@ from zero_py.checkpoint.holdings import holdings, persistent_buffers
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
+from zero_py.collectives.timeout import group_timeout
 
 
 def _rank_payload(model, opt, extra) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
@@ -212,7 +213,10 @@ def _async_executor(opt):
         from zero_py.collectives.torch_dist import TorchDistExecutor
 
         ranks = [opt.executor.global_rank(r) for r in range(opt.executor.world_size)]
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        # the user's timeout of the optimizer's group: a peer that dies mid-save is noticed
+        # as soon as in training
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                               timeout=group_timeout(getattr(opt.executor, "group", None)))
         ex = _async_groups[opt] = TorchDistExecutor(group, torch.device("cpu"))
     return ex
 
