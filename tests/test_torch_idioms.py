@@ -1,0 +1,232 @@
+"""torch idioms against DDP + torch.optim at 2 ranks: calls in any order (zero_grad between
+backward and step, step twice, step before any backward, zero_grad(set_to_none=False)),
+add_param_group after construction (a fine-tuning script unfreezing a layer), optimizer.state
+as this rank's slices, the state-dict hooks, and module buffers (BatchNorm running statistics)
+broadcast at construction and, with broadcast_buffers=True, before forwards as DDP does.
+
+Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
+(fp32: the two differ only in the order of float operations).
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distributed
+import models
+import zero_py
+
+RTOL = 1e-5
+
+
+def _rel(zmodel: nn.Module, ref: nn.Module) -> float:
+    return max(models.max_rel_diff(a, b) for a, b in zip(zmodel.parameters(),
+                                                        ref.parameters()))
+
+
+def _zero(model, stage, **kw):
+    if stage == 3:
+        return zero_py.initialize(model, stage=3, lr=1e-2, weight_decay=0.1, **kw)
+    return zero_py.initialize(model, stage=stage, lr=1e-2, weight_decay=0.1, bucket_bytes=1024,
+                              **kw)
+
+
+# what each rank does per step: "b" backward, "s" step, "z" zero_grad(), "k" zero_grad(False)
+ORDERS = ["s", "bsz", "bzs", "s", "bssz", "bsk", "bks", "bsz", "bz", "bs"]
+
+
+def call_orders(rank, stage):
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel, zopt = _zero(copy.deepcopy(ref), stage)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    worst, moved = 0.0, []
+    for order in ORDERS:
+        batch = models.mlp_batch(gen)
+        before = [p.detach().clone() for p in ref.parameters()]
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            for op in order:
+                if op == "b":
+                    models.mlp_loss(model, batch).backward()
+                elif op == "s":
+                    opt.step()
+                else:
+                    opt.zero_grad(set_to_none=op == "z")
+        moved.append(any(not torch.equal(a, b) for a, b in zip(before, ref.parameters())))
+        with zero_py.gathered(zmodel):  # stage 3: full values inside the block
+            worst = max(worst, _rel(zmodel, ref))
+    return {"rel": worst, "moved": moved}
+
+
+def add_param_group(rank, stage):
+    """Fine-tuning: the head is frozen at first, unfrozen after 3 steps with a group of its own
+    (rank 1's values made different first, as a layer built on each rank would be).
+    The reference trains the head's gradients from the start (DDP registers only parameters
+    that require gradients when it is built) but gives them to torch.optim only then."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel = copy.deepcopy(ref)
+    zmodel.head.requires_grad_(False)
+    base = [p for n, p in ref.named_parameters() if not n.startswith("head")]
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(base, lr=1e-2, weight_decay=0.1)
+    zopt = zero_py.ZeroOptimizer([p for p in zmodel.parameters() if p.requires_grad],
+                                 stage=stage, lr=1e-2, weight_decay=0.1, bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for k in range(7):
+        if k == 3:
+            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": 5e-3})
+            zmodel.head.requires_grad_(True)
+            if rank == 1:  # a new layer built per rank: add_param_group starts from rank 0's
+                with torch.no_grad():
+                    zmodel.head.weight.add_(1.0)
+            zopt.add_param_group({"params": list(zmodel.head.parameters()), "lr": 5e-3})
+        batch = models.mlp_batch(gen)
+        models.mlp_loss(ddp, batch).backward()
+        ref_opt.step()
+        ddp.zero_grad()
+        models.mlp_loss(zmodel, batch).backward()
+        zopt.step()
+        zopt.zero_grad()
+        worst = max(worst, _rel(zmodel, ref))
+    return {"rel": worst, "groups": len(zopt.param_groups),
+            "lr": [g["lr"] for g in zopt.param_groups]}
+
+
+def state_view_and_hooks(rank, stage):
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    zopt = zero_py.ZeroOptimizer(zmodel.parameters(), stage=stage, lr=1e-2, bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        batch = models.mlp_batch(gen)
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    worst, held, covered = 0.0, 0, 0
+    for p, q in zip(zmodel.parameters(), ref.parameters()):
+        span = zopt.owned_range(p)
+        mine = zopt.state[p]
+        if span is None:
+            assert len(mine) == 0 and p not in zopt.state
+            continue
+        lo, hi = span
+        covered += hi - lo
+        held += 1
+        assert float(mine["step"]) == float(ref_opt.state[q]["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert mine[key].shape == (hi - lo,)
+            worst = max(worst, models.max_rel_diff(
+                mine[key], ref_opt.state[q][key].reshape(-1)[lo:hi]))
+    calls = []
+    zopt.register_state_dict_pre_hook(lambda opt: calls.append("pre"))
+    zopt.register_state_dict_post_hook(lambda opt, sd: {**sd, "note": "post"})
+    zopt.register_load_state_dict_pre_hook(lambda opt, sd: calls.append(("load-pre",
+                                                                          sd.get("note"))))
+    zopt.register_load_state_dict_post_hook(lambda opt: calls.append("load-post"))
+    sd = zopt.state_dict()
+    zopt.load_state_dict(sd)
+    full = zopt.consolidate_state_dict(to=0)
+    return {"rel": worst, "held": held, "covered": covered, "len": len(zopt.state),
+            "note": sd.get("note"), "full_note": None if full is None else full.get("note"),
+            "calls": calls}
+
+
+class BatchNormMLP(nn.Module):
+    """fc1 has no bias: BatchNorm removes it, leaving it a gradient of rounding noise that
+    AdamW would blow up into steps of size lr in arbitrary directions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32, bias=False)
+        self.bn = nn.BatchNorm1d(32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.fc1(x))))
+
+
+def buffers(rank, stage, every_forward):
+    torch.manual_seed(0)
+    ref = BatchNormMLP()
+    if rank == 1:  # buffers that differ per rank: rank 0's must win
+        with torch.no_grad():
+            ref.bn.running_mean.add_(3.0)
+            ref.bn.running_var.mul_(2.0)
+    zmodel, zopt = _zero(copy.deepcopy(ref), stage, broadcast_buffers=every_forward)
+    synced = [b.detach().clone() for b in zmodel.buffers()]
+    if not every_forward:  # DDP(broadcast_buffers=False) never syncs them: start it from ours
+        with torch.no_grad():
+            for a, b in zip(ref.buffers(), synced):
+                a.copy_(b)
+    ddp = DDP(ref, broadcast_buffers=every_forward)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        batch = models.mlp_batch(gen)
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            model.train()
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                out = model(batch[0])
+            if model is ddp:
+                ref_out = out
+        worst = max(worst, models.max_rel_diff(out, ref_out))
+        for a, b in zip(zmodel.buffers(), ref.buffers()):
+            worst = max(worst, models.max_rel_diff(a.float(), b.float()))
+    return {"rel": worst, "synced": synced}
+
+
+def _all(rank, world_size):
+    out = {}
+    for stage in (1, 2, 3):
+        out[("orders", stage)] = call_orders(rank, stage)
+        out[("buffers", stage, True)] = buffers(rank, stage, True)
+    out[("buffers", 2, False)] = buffers(rank, 2, False)
+    for stage in (1, 2):
+        out[("add_group", stage)] = add_param_group(rank, stage)
+        out[("state", stage)] = state_view_and_hooks(rank, stage)
+    return out
+
+
+def test_torch_idioms_match_ddp():
+    results = distributed.run(_all, 2, timeout=240)
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            where = f"{key} rank {rank}"
+            if "rel" in r:
+                assert r["rel"] <= RTOL, f"{where}: differs from DDP by {r['rel']:.2e}"
+        for stage in (1, 2, 3):
+            # the reference moved on exactly the steps torch.optim updates: not after a
+            # zero_grad() that followed backward, nor on a step before any backward
+            assert res[("orders", stage)]["moved"] == [False, True, False, False, True, True,
+                                                        True, True, False, True]
+        for stage in (1, 2):
+            assert res[("add_group", stage)]["groups"] == 2
+            assert res[("add_group", stage)]["lr"] == [1e-2, 5e-3]
+            st = res[("state", stage)]
+            assert st["held"] == st["len"] > 0
+            assert st["note"] == "post"
+            assert st["full_note"] == ("post" if rank == 0 else None)
+            assert st["calls"] == ["pre", ("load-pre", "post"), "load-post", "pre"]
+    # every rank holds its own slices, and together the ranks hold every element once
+    for stage in (1, 2):
+        total = sum(p.numel() for p in models.MLP().parameters())
+        assert sum(r[("state", stage)]["covered"] for r in results) == total
+    # buffers: rank 0's at construction (rank 1 had others), for every stage
+    for key in [k for k in results[0] if k[0] == "buffers"]:
+        for a, b in zip(results[0][key]["synced"], results[1][key]["synced"]):
+            assert torch.equal(a, b), key
