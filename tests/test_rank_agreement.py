@@ -74,6 +74,23 @@ def _scenarios(rank, world_size):
     out["lr"] = _attempt(lambda: zero_py.ZeroOptimizer(
         models.MLP().parameters(), stage=2, process_group=group, lr=1e-2 * (rank + 1)), group)
 
+    # loads: every rank loads or none (a dict refused on one rank, shard dicts of other steps)
+    m = models.MLP()
+    opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
+    saved = []
+    for _ in range(2):
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        opt.step()
+        opt.zero_grad()
+        saved.append(opt.state_dict())
+    first = next(iter(saved[1]["state"]))  # a parameter this rank holds a slice of
+    broken = {**saved[1], "state": {**saved[1]["state"], first: {**saved[1]["state"][first],
+                                                                 "exp_avg": torch.ones(1)}}}
+    out["load_refused_on_one_rank"] = _attempt(
+        lambda: opt.load_state_dict(broken if rank == 1 else saved[1]), group)
+    out["load_other_steps"] = _attempt(lambda: opt.load_state_dict(saved[rank]), group)
+    out["load_agreeing"] = _attempt(lambda: opt.load_state_dict(saved[0]), group)
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -94,6 +111,10 @@ def test_disagreeing_ranks_raise_on_every_rank():
         "stage": ["stage", "rank 0: 2", "rank 1: 3"],
         "buffer": ["buffer stat", "rank 0: absent"],
         "lr": ["option lr", "rank 0: 0.01", "rank 1: 0.02"],
+        "load_refused_on_one_rank": ["the loaded state dict", "rank 0: \"accepted\"",
+                                     "rank 1: \"refused: zero_py: parameter",
+                                     "'exp_avg' has shape (1,)"],
+        "load_other_steps": ["updates applied before the save", "rank 0: 1", "rank 1: 2"],
     }
     for name, words in expected.items():
         per_rank = [r[name] for r in results]
@@ -104,5 +125,6 @@ def test_disagreeing_ranks_raise_on_every_rank():
         # the same message on both ranks (but for the call's name: stage 2 and stage 3 differ)
         texts = [got["error"][got["error"].index("the ranks disagree"):] for got in per_rank]
         assert texts[0] == texts[1], name
+    assert all(r["load_agreeing"]["error"] is None for r in results)
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

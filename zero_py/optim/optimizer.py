@@ -33,6 +33,11 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
 
+def _rounding_seed_base_of(rank: int) -> int:
+    """Rank `rank`'s stochastic-rounding seed before its first step (the seed counts steps)."""
+    return 0x5EED + 7919 * rank
+
+
 def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
                 groups: Sequence[dict], params: Sequence[Tuple[str, Any]]) -> List[tuple]:
     """What every rank must agree on before it lays out or sends anything (agreement.check):
@@ -590,7 +595,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _rounding_seed_base(self) -> int:
         """The stochastic-rounding seed of this rank before its first step (it counts steps)."""
-        return 0x5EED + 7919 * self.executor.rank
+        return _rounding_seed_base_of(self.executor.rank)
 
     def _groups_for_dict(self) -> List[dict]:
         index = {id(p): k for k, p in enumerate(self._all_params)}
@@ -653,7 +658,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         plain torch.optim optimizer of the same class), at any world size. Everything is checked
         before anything changes: a dict that does not fit (missing entries, a tensor of another
         shape, another optimizer class, a bad loss-scaler state) is an error naming what differs,
-        and the optimizer stays as it was. Load hooks run as in torch.optim."""
+        and the optimizer stays as it was. Collective: every rank loads, and the ranks check that
+        they agree (a dict refused on one rank, or shard dicts saved at different steps, raise
+        on every rank). Load hooks run as in torch.optim."""
         if not isinstance(state_dict, dict):
             raise TypeError("load_state_dict takes the dict that state_dict() or "
                             "consolidate_state_dict() returned (or a torch.optim optimizer's "
@@ -663,7 +670,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups, shard, saved_state, scaler = self._check_loadable(state_dict)
+        try:
+            groups, shard, saved_state, scaler = self._check_loadable(state_dict)
+            problem = None
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        # every rank loads, or none: a rank whose dict is refused, or that resumes from another
+        # step than its peers, makes every rank raise (one small collective)
+        agreement.check(self.executor, [
+            ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
+            *(() if problem else self._load_entries(state_dict, shard))],
+            "ZeroOptimizer.load_state_dict")
+        if problem is not None:
+            raise problem
         self._set_hyperparameters(groups)
         if shard:
             self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
@@ -683,6 +702,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._install_slice(s, st)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _load_entries(self, state_dict: dict, shard: bool) -> List[tuple]:
+        """What must match across ranks in a loaded dict: its kind, the hyperparameters, the
+        loss-scaler state and, for shard dicts (one file per rank), the number of updates the
+        saving rank had applied (its rounding seed counts them)."""
+        entries = [("the loaded dict's kind", "shard" if shard else "full"),
+                   ("the loaded param groups", [{k: v for k, v in g.items() if k != "params"}
+                                                for g in state_dict["param_groups"]]),
+                   ("the loaded loss scaler", state_dict.get("loss_scaler")
+                    if self.loss_scaler is not None else None)]
+        if shard:
+            meta = state_dict["zero_py"]
+            base = _rounding_seed_base_of(int(meta["rank"]))
+            seed = meta.get("rounding_seed")
+            entries.append(("updates applied before the save",
+                            None if seed is None else int(seed) - base))
+        return entries
 
     def _check_loadable(self, state_dict: dict):
         """Checks `state_dict` against this optimizer and returns what load_state_dict applies:
