@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: all deps build test ctest fuzz wheel-check lint pytest demo bench clean gpu-check
+.PHONY: all deps build test ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -79,6 +79,17 @@ fuzz:
 	  $$s apt-get install -y clang || { $$s apt-get update && $$s apt-get install -y clang; }; }
 	@$(MAKE) --no-print-directory FUZZ_CC=$(FUZZ_CC) $(addprefix build/fuzz/fuzz_,$(FUZZ_HARNESSES))
 	tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_HARNESSES)
+
+# Leak soak, outside `make test` (about two minutes): 1000 steps of stages 2 and 3 at 2 ranks
+# with evaluation forwards, clipping and checkpoint saves and loads; fails when RSS, file
+# descriptors, threads or /dev/shm files keep growing (benchmarks/soak.py). SOAK_STEPS=N.
+SOAK_STEPS ?= 1000
+
+soak: build
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/soak.py \
+	  --stage 2 --steps $(SOAK_STEPS)
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/soak.py \
+	  --stage 3 --steps $(SOAK_STEPS)
 
 # The wheel as users get it: built from the sdist (so MANIFEST.in is tested too) and installed
 # into a fresh venv under build/ that sees this machine's packages (torch) but not the source
