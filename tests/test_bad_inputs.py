@@ -271,6 +271,22 @@ def _bad_broadcast_buffers(_):
     return model, None, lambda: zero_py.initialize(model, stage=2, broadcast_buffers="yes")
 
 
+def _stage3(bad_kwargs, float64=False):
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if float64:
+            model[1].double()
+        return model, None, lambda: zero_py.initialize(model, stage=3, **bad_kwargs)
+    return build
+
+
+def _stage3_add_param_group(_):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].requires_grad_(False)
+    model, first = zero_py.initialize(model, stage=3, params=list(model[0].parameters()))
+    return model, first, lambda: first.add_param_group({"params": list(model[1].parameters())})
+
+
 # (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
 CALL_CASES = [
     ("two optimizers over one parameter", _two_optimizers, ValueError,
@@ -295,6 +311,15 @@ CALL_CASES = [
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
     ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),
+    ("stage 3: bad lr", _stage3({"lr": -1.0}), ValueError, "Invalid learning rate"),
+    ("stage 3: bad bucket_bytes", _stage3({"bucket_bytes": 0}), ValueError, "bucket_bytes"),
+    ("stage 3: unknown option", _stage3({"no_such_option": 1}), TypeError, "no_such_option"),
+    ("stage 3: stochastic rounding", _stage3({"optimizer_class": torch.optim.RMSprop,
+                                              "stochastic_rounding": True}), ValueError,
+     "stochastic_rounding needs a fused optimizer"),
+    ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
+    ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
+     "param group of their own from the start"),
 ]
 
 

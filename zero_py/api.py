@@ -23,6 +23,7 @@ import torch.nn as nn
 from zero_py.collectives import channel, make_executor
 from zero_py.optim import agreement, compat
 from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer, fingerprint
+from zero_py.optim.update import fused_kind
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
@@ -170,8 +171,28 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    # everything that can be refused is checked before the model is touched
+    defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
+    groups = None if meta else _param_groups(model.parameters() if params is None else params)
+    if kwargs.get("stochastic_rounding") and fused_kind(optimizer_class, [
+            {**defaults, **{k: v for k, v in g.items() if k != "params"}}
+            for g in groups or [{}]]) is None:
+        raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                         f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+    candidates = model.parameters() if groups is None else (p for g in groups
+                                                            for p in g["params"])
+    if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
+        raise ValueError("zero_py.initialize got no trainable parameter: every parameter has "
+                         "requires_grad=False or no elements")
+    for i, p in enumerate(model.parameters()):
+        if p.numel() == 0:
+            continue
+        if p.is_meta:
+            ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
+        else:
+            ZeroOptimizer._check_param(p, i)
     dp = make_executor(process_group, device, executor)
-    _agree_stage3(model, dp, optimizer_class, params, units, unit_of, kwargs, {
+    _agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
         "reshard_after_forward": bool(reshard_after_forward),
         "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
         "meta": meta, "init_fn": init_fn})
@@ -183,7 +204,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         # the replacements belong to the units of the parameters they replace
         unit_of = {id(p): unit_of[id(before[n])]
                    for n, p in model.named_parameters(remove_duplicate=False)}
-    groups = _param_groups(model.parameters() if params is None else params)
+    if groups is None:  # a meta model's parameters were replaced: take them now
+        groups = _param_groups(model.parameters())
     trainable, groups_of = [], []
     seen: Set[int] = set()
     for gi, g in enumerate(groups):
@@ -196,15 +218,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     align = kwargs.get("align_bytes", DEFAULT_ALIGN_BYTES)
     meter = GatherMeter()
     n_units = len(units)
-    storage = frozen_storage = None
-    if not trainable:
-        raise ValueError("zero_py.initialize got no trainable parameter: every parameter has "
-                         "requires_grad=False or no elements")
-    for i, p in enumerate(trainable + frozen):
-        ZeroOptimizer._check_param(p, i)
-    if trainable:
-        storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
-                                   persistence_threshold, uninitialized)
+    frozen_storage = None
+    storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
+                               persistence_threshold, uninitialized)
     if frozen:
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
                                           align, meter, persistence_threshold, uninitialized)
@@ -233,15 +249,16 @@ def _buffer_entries(model: nn.Module) -> List[Tuple[str, Any]]:
             for name, b in model.named_buffers()]
 
 
-def _agree_stage3(model: nn.Module, executor, optimizer_class, params, units, unit_of,
-                  kwargs: dict, stage3_options: dict) -> None:
+def _agree_stage3(model: nn.Module, executor, optimizer_class, groups: Optional[List[dict]],
+                  units, unit_of, kwargs: dict, stage3_options: dict) -> None:
     """Stage 3's agreement (optim/agreement.py), before the first gather or broadcast: the
     settings, every parameter with its unit (the wrap policy's result), the buffers."""
     defaults = inspect.signature(ZeroOptimizer.__init__).parameters
     options = {k: kwargs.get(k, defaults[k].default) for k in _ZERO_OPTIONS}
     options.update({k: v for k, v in kwargs.items() if k not in options})
     options.update(stage3_options)
-    groups = _param_groups(model.parameters() if params is None else params)
+    if groups is None:  # a meta model: one group of every parameter
+        groups = _param_groups(model.parameters())
     group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
     unit_name = [name or "(root)" for name, _ in units]
     entries = [agreement.param_entry(i, name, p, unit=unit_name[unit_of[id(p)]],

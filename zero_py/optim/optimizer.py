@@ -116,28 +116,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if stage not in (1, 2) and storage is None:
             raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
                              "model, optimizer = zero_py.initialize(model, ..., stage=3)")
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
-                            f"torch.optim.AdamW, got {optimizer_class!r}")
-        if issubclass(optimizer_class, ZeroOptimizer):
-            raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if (not isinstance(align_bytes, int) or align_bytes < 4
-                or align_bytes & (align_bytes - 1)):
-            raise ValueError(f"align_bytes must be a power of two >= 4, got {align_bytes!r}")
-        if grad_reduce_dtype not in (None, *_PARAM_DTYPES):
-            raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16, got {grad_reduce_dtype!r}")
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
-        # The optimizer class validates its own keyword arguments and supplies the defaults.
-        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+        probe = self.check_arguments(optimizer_class, bucket_bytes=bucket_bytes,
+                                     align_bytes=align_bytes, grad_reduce_dtype=grad_reduce_dtype,
+                                     loss_scaler=loss_scaler, **optimizer_kwargs)
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
         self._state_view = compat.StateView(self)
         self._constructing = True
-        super().__init__(params, dict(probe.defaults))  # add_param_group checks ownership
+        super().__init__(params, probe)  # add_param_group checks ownership
         self._constructing = False
         self.optimizer_class = optimizer_class
         self.stage = stage
@@ -204,6 +189,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         compat.claim(self, managed)
         self._release = compat.release_on_collect(self, self._hook_handles)
         compat.install_clip_guards()
+
+    @staticmethod
+    def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        align_bytes: int = DEFAULT_ALIGN_BYTES,
+                        grad_reduce_dtype: Optional[torch.dtype] = None,
+                        loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
+                        **optimizer_kwargs) -> dict:
+        """Checks the constructor's arguments (zero_py.initialize does it before it shards a
+        stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
+                            f"torch.optim.AdamW, got {optimizer_class!r}")
+        if issubclass(optimizer_class, ZeroOptimizer):
+            raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if (not isinstance(align_bytes, int) or align_bytes < 4
+                or align_bytes & (align_bytes - 1)):
+            raise ValueError(f"align_bytes must be a power of two >= 4, got {align_bytes!r}")
+        if grad_reduce_dtype not in (None, *_PARAM_DTYPES):
+            raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                             f"torch.float16, got {grad_reduce_dtype!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
+        # The optimizer class validates its own keyword arguments and supplies the defaults.
+        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+        return dict(probe.defaults)
 
     def _build(self, storage, step_count: List[int]) -> None:
         """The gradient path, the fp32 masters and the update over `storage` (construction, and
