@@ -17,6 +17,8 @@ COMMANDS: List[str] = [
     "zero_py.tools.estimate",
     "zero_py.tools.env",
     "zero_py.checkpoint.cli",
+    "zero_py.tools.plot",
+    "zero_py.tools.bench",
 ]
 
 

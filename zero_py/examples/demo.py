@@ -3,20 +3,24 @@
 Run on two CPU processes (gloo):
 
     torchrun --nproc-per-node 2 -m zero_py.examples.demo [--steps 600] [--stage 2] [--batch-size 32]
+                                                         [--json demo.json]
 
 or on one (``python -m zero_py.examples.demo``; it then makes its own one-rank process group).
 
 The model is not wrapped: every rank builds the same ``TinyGPT``, ``ZeroOptimizer`` broadcasts
 rank 0's parameters, reduces gradients to their owners after ``loss.backward()`` and all-gathers
 the updated parameters in ``step()``. Each rank draws its own random batches. Rank 0 shows a
-progress bar, the train and validation loss, a generated sample, and a table of every rank's
-memory under zero_py beside what DDP with ``torch.optim.AdamW`` would hold.
+progress bar (tqdm), the train and validation loss, a generated sample, and a table of every
+rank's memory under zero_py beside what DDP with ``torch.optim.AdamW`` would hold. ``--json``
+writes every rank's memory and the time of its forward, backward and optimizer step, as records
+``python -m zero_py plot --json`` draws (zero_py/tools/plot.py).
 
 ``TinyGPT``, ``load_corpus`` and ``get_batch`` are also used by the tests and benchmarks;
 importing this module does no work.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -153,28 +157,6 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
-class ProgressBar:
-    """One rewritten line on a terminal; a line every tenth of the run otherwise (logs)."""
-
-    def __init__(self, total, width=30):
-        self.total, self.width = total, width
-        self.tty = sys.stdout.isatty()
-        self.start = time.perf_counter()
-
-    def update(self, done, text):
-        if not self.tty and done != self.total and done % max(1, self.total // 10):
-            return
-        filled = self.width * done // self.total
-        rate = done / (time.perf_counter() - self.start)
-        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done:>{len(str(self.total))}}"
-                f"/{self.total} {text} {rate:5.2f} steps/s")
-        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def close(self):
-        if self.tty:
-            print()
-
-
 @torch.no_grad()
 def evaluate(model, tokens, batch_size, block_size, n_batches, generator):
     """Mean loss over n_batches random batches on every rank, averaged across ranks."""
@@ -209,6 +191,22 @@ def memory_table(reports, stage):
                               "counted in params)")
 
 
+def write_records(path, reports, stage, model, bucket_bytes):
+    """Every rank's (memory_report(), step times) as the records of zero_py/tools/plot.py."""
+    world = len(reports)
+    model_args = {"vocab_size": model.tok_emb.num_embeddings, "n_layer": len(model.blocks),
+                  "n_head": model.blocks[0].attn.n_head, "d_model": model.tok_emb.embedding_dim,
+                  "block_size": model.block_size}
+    records = [{"world": world, "stage": stage, "rank": rank, "times": times,
+                "model": model_args, "bucket_bytes": bucket_bytes, "source": "demo",
+                "model_states": r["params"] + r["grads"] + r["optimizer_states"],
+                "ddp_model_states": r["ddp_params"] + r["ddp_grads"] + r["ddp_optimizer_states"]}
+               for rank, (r, times) in enumerate(reports)]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -219,6 +217,9 @@ def main():
     parser.add_argument("--bucket-kib", type=int, default=256,
                         help="gradient bucket size (the library's 25 MiB default exceeds "
                         "this whole model)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write each rank's memory and step-time breakdown here (rank 0), "
+                        "for python -m zero_py plot --json PATH")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -240,22 +241,36 @@ def main():
         f"{args.bucket_kib} KiB buckets, fused C AdamW: {optimizer.uses_fused_kernel}")
     val_before = evaluate(model, val, args.batch_size, block_size, 10, generator)
 
-    bar = ProgressBar(args.steps) if rank == 0 else None
+    from tqdm import tqdm  # imported here: the model and helpers above need only torch
+
+    # a rewritten line on a terminal; in a log, a line every tenth of the run
+    tty = sys.stdout.isatty()
+    bar = tqdm(total=args.steps, disable=rank != 0, file=sys.stdout, unit="step",
+               dynamic_ncols=True, mininterval=0.1 if tty else 0,
+               miniters=None if tty else max(1, args.steps // 10))
     losses = []
+    spent = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr)
+        t0 = time.perf_counter()
         _, loss = model(*get_batch(train, args.batch_size, block_size, generator))
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
+        t3 = time.perf_counter()
+        if step > 1:  # the first step allocates the optimizer states
+            spent["forward"] += t1 - t0
+            spent["backward"] += t2 - t1
+            spent["step"] += t3 - t2
         losses.append(loss.item())
-        if bar:
-            bar.update(step, f"loss {losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update()
     elapsed = time.perf_counter() - start
-    if bar:
-        bar.close()
+    bar.close()
 
     val_after = evaluate(model, val, args.batch_size, block_size, 20, generator)
     tail = losses[-min(20, len(losses)):]
@@ -265,10 +280,14 @@ def main():
         f"{args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.2f} steps/s)")
 
     # torch's *_object collectives need NumPy, which a torch install does not bring
-    reports = gather_object(optimizer.executor, optimizer.memory_report(), dst=0)
+    times = {k: v / max(1, args.steps - 1) for k, v in spent.items()}
+    reports = gather_object(optimizer.executor, (optimizer.memory_report(), times), dst=0)
     if rank == 0:
         print(f"\nMemory per rank, zero_py stage {args.stage} vs DDP + torch.optim.AdamW:")
-        print(memory_table(reports, args.stage))
+        print(memory_table([r for r, _ in reports], args.stage))
+        if args.json:
+            write_records(args.json, reports, args.stage, model, args.bucket_kib * 1024)
+            print(f"\nwrote the memory and step-time records to {args.json}")
         prompt = torch.tensor([[vocab.index(b"\n")]])
         sample = model.generate(prompt, 300, generator=torch.Generator().manual_seed(args.seed))
         text = bytes(vocab[i] for i in sample[0].tolist()).decode("utf-8", errors="replace")
