@@ -34,6 +34,13 @@ deps:
 	  $(PYTHON) -m pip install "transformers>=4.40" "torch==$$v" && \
 	  $(PYTHON) -c "import sys, torch; v = torch.__version__; \
 	  sys.exit(0 if v == '$$v' else 'installing transformers changed torch $$v to ' + v)"; }
+	@# tqdm (the demo's progress bar) and matplotlib (python -m zero_py plot, its tests): neither
+	@# depends on torch; torch is pinned to the installed build all the same, and checked after
+	@$(PYTHON) -c "import tqdm, matplotlib" 2>/dev/null || { \
+	  v=$$($(PYTHON) -c "import torch; print(torch.__version__)") && \
+	  $(PYTHON) -m pip install "tqdm>=4.60" "matplotlib>=3.5" "torch==$$v" && \
+	  $(PYTHON) -c "import sys, torch; v = torch.__version__; \
+	  sys.exit(0 if v == '$$v' else 'installing tqdm/matplotlib changed torch $$v to ' + v)"; }
 
 # Editable install, without dependencies (torch is handled above) and without build
 # isolation (the build needs only setuptools, which is already here).
@@ -117,8 +124,15 @@ pytest: build
 
 test: ctest wheel-check lint pytest
 
+# The demo, then its plots: per-rank memory against world size per stage (estimated, and
+# measured by short runs at 1, 2 and 4 ranks beside the demo's own) and the step-time breakdown
+DEMO_OUT ?= build/demo
+
 demo: build
-	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m zero_py.examples.demo
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m zero_py.examples.demo \
+	  --json $(DEMO_OUT)/demo.json
+	$(PYTHON) -m zero_py plot --json $(DEMO_OUT)/demo.json --out $(DEMO_OUT)
+	@echo "plots: $(CURDIR)/$(DEMO_OUT)/memory.png and $(CURDIR)/$(DEMO_OUT)/step_time.png"
 
 bench: build
 	$(PYTHON) benchmarks/adamw_kernel.py

@@ -117,3 +117,32 @@ def test_env_reports_this_machine():
         assert data["NCCL executor"] == f"no: {why}"
     table = run_cli("env").stdout
     assert "CPU kernels" in table and "NCCL executor" in table
+
+
+def test_help_lists_plot_and_bench():
+    out = run_cli("--help").stdout
+    for name in ("estimate", "env", "consolidate", "inspect", "plot", "bench"):
+        assert name in out, f"`python -m zero_py --help` does not list {name}"
+    assert "--nproc" in run_cli("bench", "--help").stdout
+
+
+def test_bench_prints_the_table(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run_cli("bench", "--nproc", "2", "--stages", "2,ddp", "--steps", "2",
+                  "--json", str(path)).stdout
+    records = json.loads(path.read_text())
+    assert sorted((r["stage"], r["rank"]) for r in records if r["stage"] != "ddp") == [
+        (2, 0), (2, 1)]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| zero_py") or
+            line.startswith("| DDP")}
+    assert set(rows) == {"zero_py stage 2", "DDP + torch.optim.AdamW"}
+    stage2 = next(r for r in records if r["stage"] == 2 and r["rank"] == 0)
+    cells = rows["zero_py stage 2"]
+    assert cells[0] == "2"  # ranks
+    assert float(cells[4]) == pytest.approx(1e3 * sum(stage2["times"].values()), abs=0.01)
+    assert float(cells[6]) == pytest.approx(stage2["model_states"] / 2**20, abs=0.01)
+    assert stage2["model_states"] < stage2["ddp_model_states"]  # stage 2 shards grads, states
+    assert rows["DDP + torch.optim.AdamW"][5] == "1.00x"
+    proc = run_cli("bench", "--stages", "4", check=False)
+    assert proc.returncode == 2 and "stages are 1, 2, 3 or ddp" in proc.stderr
