@@ -3,6 +3,8 @@ anything changes (the optimizer's state, the parameters, the loss scaler and the
 they were, and training goes on). One rank in this process: the checks are local.
 """
 
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -351,3 +353,28 @@ def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):
     assert norm > 1e-3
     total = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).norm()
     assert total == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_collected_optimizer_frees_its_parameters(single_rank_group):
+    """Once an optimizer is gone its gradient hooks go too (those add_param_group made
+    included), so a new optimizer over the same parameters trains as torch.optim does."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(model.state_dict())
+    first = zero_py.ZeroOptimizer([model.weight])
+    first.add_param_group({"params": [model.bias]})
+    assert [len(p._post_accumulate_grad_hooks) for p in model.parameters()] == [1, 1]
+    del first
+    gc.collect()
+    assert [len(p._post_accumulate_grad_hooks) for p in model.parameters()] == [0, 0]
+    second = zero_py.ZeroOptimizer(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        for m, opt in ((model, second), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -76,9 +76,10 @@ def capture_hooks(params, build):
 
 
 def release_on_collect(optimizer, handles: List[RemovableHandle]) -> weakref.finalize:
-    """Removes `handles` when `optimizer` is garbage-collected (a dead optimizer's reducer must
-    not keep taking the parameters' gradients)."""
-    return weakref.finalize(optimizer, _remove_all, list(handles))
+    """Removes the hooks in `handles` (the list itself: the optimizer may replace its
+    contents) when `optimizer` is garbage-collected (a dead optimizer's reducer must not keep
+    taking the parameters' gradients)."""
+    return weakref.finalize(optimizer, _remove_all, handles)
 
 
 def _remove_all(handles: List[RemovableHandle]) -> None:

@@ -381,7 +381,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._all_params += group["params"]
             self._managed_index += [start + k for k, p in enumerate(group["params"])
                                     if p.requires_grad and p.numel() > 0]
+            had_grad = self._had_grad
             self._build(storage, self._step_count + [0] * len(new))
+            self._had_grad[:len(had_grad)] = had_grad
             self.sync_master_from_params()
             self._allocate_states([s for s in storage.slices if saved.get(s.param)])
             for s in storage.slices:
