@@ -14,7 +14,7 @@ ZP_CORE_SRC := csrc/common/*.c csrc/layout/*.c csrc/schedule/*.c csrc/kernels/co
 
 # zero_py._C: the core and its CPython binding.
 ZP_C_MODULE_SRC := $(ZP_CORE_SRC) csrc/python/module.c csrc/python/prefetch_py.c \
-                   csrc/python/io_py.c
+                   csrc/python/io_py.c csrc/python/quantize_py.c
 
 # zero_py._cuda, its C part (the C compiler): status and threads, the table contract, the NCCL
 # executor and the binding. Not the CPU kernel family: the kernels are the .cu files below.

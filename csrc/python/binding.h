@@ -134,4 +134,8 @@ int zp_prefetch_py_register(PyObject *module);
  * or -1 with an exception set. */
 int zp_io_py_register(PyObject *module);
 
+/* Adds zero_py._C.quantize and dequantize (quantize_py.c). Returns 0, or -1 with an exception
+ * set. */
+int zp_quantize_py_register(PyObject *module);
+
 #endif /* ZP_BINDING_H */

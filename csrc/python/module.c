@@ -479,7 +479,9 @@ static int zp_exec(PyObject *module) {
   Py_DECREF(type);
   if (rc == 0)
     rc = zp_prefetch_py_register(module);
-  return rc == 0 ? zp_io_py_register(module) : rc;
+  if (rc == 0)
+    rc = zp_io_py_register(module);
+  return rc == 0 ? zp_quantize_py_register(module) : rc;
 }
 
 static PyModuleDef_Slot zp_slots[] = {{Py_mod_exec, zp_exec}, {0, NULL}};

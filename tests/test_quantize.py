@@ -1,0 +1,130 @@
+"""Block quantization (zero_py.kernels.quantize, csrc/kernels/cpu/quantize.c) against a slow
+reference written from the definition in torch ops: every instruction set and thread count,
+int8 and int4, fp32 and bf16, partial last blocks, zero and non-finite blocks, accumulation."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zero_py.kernels.quantize import dequantize, quantize, quantized_bytes
+
+
+def reference_quantize(x: torch.Tensor, block: int, bits: int):
+    qmax = 127.0 if bits == 8 else 7.0
+    x = x.float().reshape(-1)
+    qs, scales = [], []
+    for lo in range(0, x.numel(), block):
+        b = x[lo:lo + block]
+        absmax = b.abs().max()
+        if not torch.isfinite(b).all():
+            qs.append(torch.zeros_like(b, dtype=torch.int32))
+            scales.append(float("nan"))
+        elif absmax == 0:
+            qs.append(torch.zeros_like(b, dtype=torch.int32))
+            scales.append(0.0)
+        else:
+            inv = torch.tensor(qmax, dtype=torch.float32) / absmax
+            qs.append(torch.round(b * inv).clamp(-qmax, qmax).to(torch.int32))
+            scales.append(float(absmax / torch.tensor(qmax, dtype=torch.float32)))
+    q = torch.cat(qs) if qs else torch.zeros(0, dtype=torch.int32)
+    scales = torch.tensor(scales, dtype=torch.float32)
+    if bits == 8:
+        return q.to(torch.int8), scales
+    if q.numel() % 2:
+        q = torch.cat([q, torch.zeros(1, dtype=torch.int32)])
+    packed = (q[0::2] & 0xF) | ((q[1::2] & 0xF) << 4)
+    return packed.to(torch.uint8), scales
+
+
+def reference_dequantize(q, scales, n, block, bits):
+    if bits == 8:
+        v = q.to(torch.float32)
+    else:
+        b = q.to(torch.int32)
+        v = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n]
+        v = torch.where(v >= 8, v - 16, v).to(torch.float32)
+    s = scales.repeat_interleave(block)[:n]
+    return v * s
+
+
+def _data(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n).roll(seed)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(1000, 64), (4096, 256), (777, 32), (1, 2), (130_001, 4096)])
+def test_matches_the_reference(bits, dtype, n, block):
+    x = _data(n, dtype, n % 7)
+    x[: min(block, n)] = 0.0  # a zero block
+    q, s = quantize(x, block, bits)
+    rq, rs = reference_quantize(x, block, bits)
+    assert torch.equal(q, rq)
+    assert torch.equal(s, rs)
+    y = dequantize(q, s, n, block, bits)
+    assert torch.equal(y, reference_dequantize(q, s, n, block, bits))
+    # the error is within half a quantization step of each block (and fp32 rounding)
+    step = s.repeat_interleave(block)[:n]
+    assert bool(((y - x.float()).abs() <= step * (0.5 + 1e-5) + 1e-6).all())
+    yb = dequantize(q, s, n, block, bits, dtype=torch.bfloat16)
+    assert torch.equal(yb, reference_dequantize(q, s, n, block, bits).to(torch.bfloat16))
+    acc = torch.randn(n)
+    want = acc + y
+    dequantize(q, s, n, block, bits, out=acc, accumulate=True)
+    assert torch.equal(acc, want)
+    assert quantized_bytes(n, block, bits) == q.numel() + 4 * s.numel()
+
+
+def test_non_finite_blocks_stay_visible():
+    x = torch.randn(300)
+    x[10], x[150] = float("inf"), float("nan")
+    q, s = quantize(x, 100, 8)
+    assert torch.isnan(s[:2]).all() and torch.isfinite(s[2])
+    y = dequantize(q, s, 300, 100, 8)
+    assert torch.isnan(y[:200]).all() and torch.isfinite(y[200:]).all()
+
+
+def test_errors():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quantize(x, 10, 3)
+    with pytest.raises(ValueError, match="even"):
+        quantize(x, 11, 4)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        quantize(x.half(), 10, 8)
+    q, s = quantize(x, 10, 8)
+    with pytest.raises(ValueError, match="accumulate"):
+        dequantize(q, s, 100, 10, 8, accumulate=True)
+    with pytest.raises(ValueError, match="scales must be"):
+        dequantize(q, s[:3], 100, 10, 8)
+
+
+def test_every_instruction_set_and_thread_count_gives_the_same_bits():
+    """ZP_CPU_ISA picks the bodies at import: each runs in its own process."""
+    code = """
+import sys, torch
+from zero_py.kernels.quantize import quantize, dequantize
+g = torch.Generator().manual_seed(5)
+x = torch.randn(300_001, generator=g) * 10
+out = []
+for bits in (8, 4):
+    for t in (1, 2, 3):
+        q, s = quantize(x, 256, bits, n_threads=t)
+        y = dequantize(q, s, x.numel(), 256, bits, n_threads=t)
+        out.append(torch.cat([q.view(torch.uint8).float(), s, y]))
+torch.save(torch.cat(out), sys.argv[1])
+"""
+    results = {}
+    for isa in ("scalar", "avx2", "avx512"):
+        path = f"/tmp/zp_q_{isa}_{os.getpid()}.pt"
+        env = {**os.environ, "ZP_CPU_ISA": isa}
+        subprocess.run([sys.executable, "-c", code, path], check=True, env=env, timeout=120)
+        results[isa] = torch.load(path)
+        os.unlink(path)
+    for isa in ("avx2", "avx512"):
+        assert torch.equal(torch.nan_to_num(results[isa]), torch.nan_to_num(results["scalar"]))
