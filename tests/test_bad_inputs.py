@@ -3,7 +3,9 @@ anything changes (the optimizer's state, the parameters, the loss scaler and the
 they were, and training goes on). One rank in this process: the checks are local.
 """
 
+import copy
 import gc
+import io
 
 import pytest
 import torch
@@ -378,3 +380,17 @@ def test_a_collected_optimizer_frees_its_parameters(single_rank_group):
             opt.zero_grad()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_managed_model_can_be_saved_whole_and_copied(single_rank_group):
+    """Ownership is kept beside the parameters, not on them: torch.save(model) pickles, and a
+    deep copy is a new model that a new optimizer may take."""
+    model = nn.Linear(4, 4)
+    opt = zero_py.ZeroOptimizer(model.parameters())
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    copy_ = copy.deepcopy(model)
+    zero_py.ZeroOptimizer(copy_.parameters())
+    with pytest.raises(ValueError, match="already managed"):
+        zero_py.ZeroOptimizer(model.parameters())
+    assert opt.state is not None

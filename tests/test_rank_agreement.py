@@ -2,7 +2,8 @@
 
 Without the check, each of these scenarios aborted the process inside gloo (buffers of
 different sizes) or hung: an extra layer on one rank, a parameter in another dtype, another
-bucket_bytes, another stage-3 wrap policy, another stage, another buffer. Now every rank
+bucket_bytes, another stage-3 wrap policy, another stage, another buffer, an argument refused
+on one rank only, a state dict refused on one rank or saved at another step. Now every rank
 raises a ValueError naming the first parameter or setting that differs and its value on each
 rank. All scenarios run in one set of 2 processes on a process group with a 10 s timeout, so a
 missed mismatch fails fast instead of hanging; a final scenario trains on the same group to
@@ -74,6 +75,18 @@ def _scenarios(rank, world_size):
     out["lr"] = _attempt(lambda: zero_py.ZeroOptimizer(
         models.MLP().parameters(), stage=2, process_group=group, lr=1e-2 * (rank + 1)), group)
 
+    # an argument refused on one rank only: every rank raises, none waits for the others
+    out["refused_on_one_rank"] = _attempt(lambda: zero_py.ZeroOptimizer(
+        models.MLP().parameters(), stage=2, process_group=group, lr=-1.0 if rank else 1e-2),
+        group)
+
+    def float64_stage3():
+        m = models.MLP()
+        if rank == 1:
+            m.fc2.double()
+        zero_py.initialize(m, stage=3, process_group=group)
+    out["refused_on_one_rank_stage3"] = _attempt(float64_stage3, group)
+
     # loads: every rank loads or none (a dict refused on one rank, shard dicts of other steps)
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -115,6 +128,10 @@ def test_disagreeing_ranks_raise_on_every_rank():
                                      "rank 1: \"refused: zero_py: parameter",
                                      "'exp_avg' has shape (1,)"],
         "load_other_steps": ["updates applied before the save", "rank 0: 1", "rank 1: 2"],
+        "refused_on_one_rank": ["the ranks disagree on arguments", "rank 0: \"accepted\"",
+                                "rank 1: \"refused: Invalid learning rate: -1.0"],
+        "refused_on_one_rank_stage3": ["zero_py.initialize: the ranks disagree on arguments",
+                                       "rank 0: \"accepted\"", "dtype torch.float64"],
     }
     for name, words in expected.items():
         per_rank = [r[name] for r in results]

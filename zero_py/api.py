@@ -171,31 +171,46 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    # everything that can be refused is checked before the model is touched
-    defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
-    groups = None if meta else _param_groups(model.parameters() if params is None else params)
-    if kwargs.get("stochastic_rounding") and fused_kind(optimizer_class, [
-            {**defaults, **{k: v for k, v in g.items() if k != "params"}}
-            for g in groups or [{}]]) is None:
-        raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                         f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-    candidates = model.parameters() if groups is None else (p for g in groups
-                                                            for p in g["params"])
-    if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
-        raise ValueError("zero_py.initialize got no trainable parameter: every parameter has "
-                         "requires_grad=False or no elements")
-    for i, p in enumerate(model.parameters()):
-        if p.numel() == 0:
-            continue
-        if p.is_meta:
-            ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
-        else:
-            ZeroOptimizer._check_param(p, i)
-    dp = make_executor(process_group, device, executor)
+    # everything that can be refused is checked before the model is touched; a refusal is
+    # raised after the ranks' agreement, which carries it (a rank refused alone makes every
+    # rank raise)
+    problem: Optional[Exception] = None
+    groups = None
+    try:
+        defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
+        groups = None if meta else _param_groups(model.parameters() if params is None
+                                                 else params)
+        if kwargs.get("stochastic_rounding") and fused_kind(optimizer_class, [
+                {**defaults, **{k: v for k, v in g.items() if k != "params"}}
+                for g in groups or [{}]]) is None:
+            raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                             f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+        candidates = model.parameters() if groups is None else (p for g in groups
+                                                                for p in g["params"])
+        if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
+            raise ValueError("zero_py.initialize got no trainable parameter: every parameter "
+                             "has requires_grad=False or no elements")
+        for i, p in enumerate(model.parameters()):
+            if p.numel() == 0:
+                continue
+            if p.is_meta:
+                ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
+            else:
+                ZeroOptimizer._check_param(p, i)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    try:
+        dp = make_executor(process_group, device, executor)
+    except (RuntimeError, TypeError, ValueError):
+        if problem is not None:
+            raise problem from None
+        raise
     _agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
         "reshard_after_forward": bool(reshard_after_forward),
         "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
-        "meta": meta, "init_fn": init_fn})
+        "meta": meta, "init_fn": init_fn}, problem)
+    if problem is not None:
+        raise problem
     gather = channel(dp)  # gathers never interleave with the reductions
     uninitialized: Set[int] = set()
     if meta:
@@ -250,9 +265,14 @@ def _buffer_entries(model: nn.Module) -> List[Tuple[str, Any]]:
 
 
 def _agree_stage3(model: nn.Module, executor, optimizer_class, groups: Optional[List[dict]],
-                  units, unit_of, kwargs: dict, stage3_options: dict) -> None:
-    """Stage 3's agreement (optim/agreement.py), before the first gather or broadcast: the
-    settings, every parameter with its unit (the wrap policy's result), the buffers."""
+                  units, unit_of, kwargs: dict, stage3_options: dict,
+                  problem: Optional[Exception]) -> None:
+    """Stage 3's agreement (optim/agreement.py), before the first gather or broadcast: whether
+    the arguments were accepted, the settings, every parameter with its unit (the wrap
+    policy's result), the buffers."""
+    if problem is not None:
+        agreement.check(executor, [("arguments", f"refused: {problem}")], "zero_py.initialize")
+        return
     defaults = inspect.signature(ZeroOptimizer.__init__).parameters
     options = {k: kwargs.get(k, defaults[k].default) for k in _ZERO_OPTIONS}
     options.update({k: v for k, v in kwargs.items() if k not in options})
@@ -266,8 +286,8 @@ def _agree_stage3(model: nn.Module, executor, optimizer_class, groups: Optional[
                for i, (name, p) in enumerate(model.named_parameters())]
     entries += _buffer_entries(model)
     entries.append(("units", [[n, type(m).__name__] for n, m in units]))
-    agreement.check(executor, fingerprint(3, executor, optimizer_class, options, groups,
-                                          entries), "zero_py.initialize")
+    agreement.check(executor, [("arguments", "accepted")] + fingerprint(
+        3, executor, optimizer_class, options, groups, entries), "zero_py.initialize")
 
 
 def _broadcast_buffers(model: nn.Module, executor) -> None:

@@ -23,22 +23,28 @@ import functools
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.utils.hooks import RemovableHandle
 
-_OWNER = "_zero_py_optimizer"  # attribute on a managed parameter: weakref to its optimizer
+# id(parameter) -> (weakref to it, weakref to its ZeroOptimizer). A registry, not an attribute
+# on the parameter: an attribute would travel with torch.save(model) (a weakref cannot be
+# pickled) and with copy.deepcopy(model) (the copy would look owned). An entry leaves when its
+# parameter dies, before that id can be reused.
+_OWNERS: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
 
-# -- ownership ------------------------------------------------------------------------------------
+# -- ownership ----------------------------------------------------------------------------------
 
 def owner_of(p: torch.Tensor):
     """The live ZeroOptimizer that manages p, or None."""
-    ref = getattr(p, _OWNER, None)
-    return ref() if ref is not None else None
+    entry = _OWNERS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 
 
 def check_unowned(params, name_of, mine=None) -> None:
@@ -57,7 +63,9 @@ def check_unowned(params, name_of, mine=None) -> None:
 
 def claim(optimizer, params) -> None:
     for p in params:
-        setattr(p, _OWNER, weakref.ref(optimizer))
+        key = id(p)
+        _OWNERS[key] = (weakref.ref(p, lambda _, key=key: _OWNERS.pop(key, None)),
+                        weakref.ref(optimizer))
 
 
 def capture_hooks(params, build):

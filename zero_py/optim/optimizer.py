@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zero_py import kernels
 from zero_py.collectives import gather_object, make_executor
-from zero_py.optim import agreement, compat
+from zero_py.optim import agreement, compat, regroup
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
@@ -31,6 +31,20 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_ALIGN_BYTES = 64
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
+
+
+def _first_tensor(params: list) -> Optional[torch.Tensor]:
+    """The first parameter of a params list as torch.optim takes it (tensors, (name, tensor)
+    pairs, or param-group dicts of either), or None; a group's generator is not consumed."""
+    for item in params:
+        group = item.get("params", ()) if isinstance(item, dict) else [item]
+        if not isinstance(group, (list, tuple, torch.Tensor)):
+            continue
+        for q in [group] if isinstance(group, torch.Tensor) else group:
+            q = q[1] if isinstance(q, tuple) else q
+            if isinstance(q, torch.Tensor):
+                return q
+    return None
 
 
 def _rounding_seed_base_of(rank: int) -> int:
@@ -113,37 +127,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", storage=None, _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
-        if stage not in (1, 2) and storage is None:
-            raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 use "
-                             "model, optimizer = zero_py.initialize(model, ..., stage=3)")
-        probe = self.check_arguments(optimizer_class, bucket_bytes=bucket_bytes,
-                                     align_bytes=align_bytes, grad_reduce_dtype=grad_reduce_dtype,
-                                     loss_scaler=loss_scaler, **optimizer_kwargs)
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
         self._state_view = compat.StateView(self)
-        self._constructing = True
-        super().__init__(params, probe)  # add_param_group checks ownership
-        self._constructing = False
+        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        # A refusal here is local; it is raised after the ranks' agreement, which carries it,
+        # so that a rank refused alone makes every rank raise instead of leaving them waiting.
+        problem: Optional[Exception] = None
+        try:
+            if stage not in (1, 2) and storage is None:
+                raise ValueError(f"ZeroOptimizer takes stage 1 or 2, got {stage!r}; for stage 3 "
+                                 "use model, optimizer = zero_py.initialize(model, ..., stage=3)")
+            probe = self.check_arguments(optimizer_class, bucket_bytes=bucket_bytes,
+                                         align_bytes=align_bytes,
+                                         grad_reduce_dtype=grad_reduce_dtype,
+                                         loss_scaler=loss_scaler, **optimizer_kwargs)
+            self._constructing = True
+            super().__init__(params, probe)  # add_param_group checks ownership
+            self._constructing = False
+            kind = fused_kind(optimizer_class, self.param_groups)
+            if kind is None and stochastic_rounding:
+                raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                                 f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+        except (TypeError, ValueError) as exc:
+            problem = exc
         self.optimizer_class = optimizer_class
         self.stage = stage
-        kind = fused_kind(optimizer_class, self.param_groups)
-        if kind is None and stochastic_rounding:
-            raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                             f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-        first = next((p for g in self.param_groups for p in g["params"]), None)
-        self.executor = make_executor(process_group, first.device if first is not None
-                                      else torch.device("cpu"), executor)
-        self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        first = (next((p for g in self.param_groups for p in g["params"]), None)
+                 if problem is None else _first_tensor(params))
+        try:
+            self.executor = make_executor(process_group, first.device if first is not None
+                                          else torch.device("cpu"), executor)
+        except (RuntimeError, TypeError, ValueError):
+            if problem is not None:
+                raise problem from None
+            raise
         if storage is None:  # stage 3: zero_py.initialize checked before sharding
-            options = {"bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
-                       "grad_reduce_dtype": grad_reduce_dtype, "loss_scaler": loss_scaler,
-                       "stochastic_rounding": bool(stochastic_rounding), **optimizer_kwargs}
-            group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
-            agreement.check(self.executor, fingerprint(
-                stage, self.executor, optimizer_class, options, self.param_groups,
-                [agreement.param_entry(i, self._names.get(id(p)), p, group=group_of[id(p)])
-                 for i, p in enumerate(self._all_params)]) + list(_agreement),
-                "zero_py.ZeroOptimizer")
+            entries = [("arguments", f"refused: {problem}" if problem else "accepted")]
+            if problem is None:
+                options = {"bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
+                           "grad_reduce_dtype": grad_reduce_dtype, "loss_scaler": loss_scaler,
+                           "stochastic_rounding": bool(stochastic_rounding), **optimizer_kwargs}
+                group_of = {id(p): k for k, g in enumerate(self.param_groups)
+                            for p in g["params"]}
+                all_params = [p for g in self.param_groups for p in g["params"]]
+                entries += fingerprint(
+                    stage, self.executor, optimizer_class, options, self.param_groups,
+                    [agreement.param_entry(i, self._names.get(id(p)), p, group=group_of[id(p)])
+                     for i, p in enumerate(all_params)]) + list(_agreement)
+            agreement.check(self.executor, entries, "zero_py.ZeroOptimizer")
+        if problem is not None:
+            raise problem
+        self._all_params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         owned = None if storage is None else {id(p) for p in storage.params}
 
         managed, groups_of, self._managed_index = [], [], []
@@ -308,101 +342,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for name, q in zip(param_group.get("param_names", ()), param_group["params"]):
                 self._names.setdefault(id(q), name)
             return
-        self._add_group_after_construction(param_group)
-
-    def _add_group_after_construction(self, param_group: dict) -> None:
-        if self._flat.params_sharded:
-            raise RuntimeError(
-                "zero_py stage 3 lays the parameters out at zero_py.initialize, so "
-                "add_param_group cannot add one later: pass the parameters to unfreeze in a "
-                "param group of their own from the start (initialize(..., params=[{'params': "
-                "base}, {'params': later, 'lr': 0.0}]) with requires_grad=True), then raise "
-                "that group's lr when they should train")
-        if self._reducer.pass_open or self._reducer.passes_since_step:
-            raise RuntimeError("add_param_group rebuilds the flat layout: call it between "
-                               "optimizer.step() and the next backward, not with gradients "
-                               "pending")
-        if not isinstance(param_group, dict) or "params" not in param_group:
-            raise TypeError("add_param_group takes a dict with a 'params' entry, e.g. "
-                            "{'params': layer.parameters(), 'lr': 1e-4}")
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params], self._name,
-                             mine=self)
-        # torch's checks and defaults on a scratch copy: nothing changes if they fail
-        scratch = torch.optim.Optimizer.__new__(torch.optim.Optimizer)
-        scratch.defaults, scratch.state = self.defaults, {}
-        scratch.param_groups = [{k: v for k, v in g.items() if k in ("params", "param_names")}
-                                for g in self.param_groups]
-        torch.optim.Optimizer.add_param_group(scratch, {**param_group, "params": params})
-        group = scratch.param_groups[-1]
-        new = [p for p in group["params"] if p.requires_grad and p.numel() > 0]
-        for i, p in enumerate(new):
-            self._check_param(p, len(self._all_params) + i)
-        if any(p.device != self._flat.device for p in new):
-            raise ValueError(f"the new parameters must be on {self._flat.device}, the device of "
-                             "the others")
-        kind = fused_kind(self.optimizer_class, self.param_groups + [group])
-        if kind != self._kind or (kind is not None and state_keys(
-                kind, self.param_groups + [group]) != self._update.keys):
-            raise ValueError("the new group's options need another update path or other state "
-                             "than this optimizer keeps (e.g. amsgrad, momentum, a tensor lr): "
-                             "give every group the same kind of options at construction")
-        gi = len(self.param_groups)
-        start = len(self._all_params)
-        agreement.check(self.executor, [("add_param_group", {
-            k: v for k, v in group.items() if k != "params"})] + [
-            agreement.param_entry(start + i, self._names.get(id(p)), p)
-            for i, p in enumerate(group["params"])], "ZeroOptimizer.add_param_group")
-        with torch.no_grad():
-            saved = {s.param: self._slice_state(s) for s in self._flat.slices}
-            counts = list(self._step_count)
-            old = self._flat
-            managed = list(old.params) + new
-            groups_of = [old.bucket_group[old.param_bucket[i]] for i in range(len(old.params))]
-            groups_of += [gi] * len(new)
-            storage = FlatParams(managed, groups_of, self.executor.world_size,
-                                 self.executor.rank, self._align_bytes, self._bucket_bytes)
-            for s in storage.slices:
-                if s.param < len(old.params):
-                    was = old.slice_of_param.get(s.param)
-                    if was is None or (was.param_lo, was.param_hi) != (s.param_lo, s.param_hi):
-                        raise RuntimeError("zero_py: the rebuilt layout moved a parameter's "
-                                           "slice; this is a bug, please report it")
-            fresh = [b for b in range(storage.n_buckets)
-                     if any(i >= len(old.params) for i in storage.bucket_params[b])]
-            pending = [self.executor.broadcast(storage.bucket_region(b), 0) for b in fresh]
-            for work in pending:
-                work.wait()
-            for h in self._hook_handles:
-                h.remove()
-            self._hook_handles.clear()
-            self.param_groups.append(group)
-            self._all_params += group["params"]
-            self._managed_index += [start + k for k, p in enumerate(group["params"])
-                                    if p.requires_grad and p.numel() > 0]
-            had_grad = self._had_grad
-            self._build(storage, self._step_count + [0] * len(new))
-            self._had_grad[:len(had_grad)] = had_grad
-            self.sync_master_from_params()
-            self._allocate_states([s for s in storage.slices if saved.get(s.param)])
-            for s in storage.slices:
-                st = saved.get(s.param)
-                if st:
-                    views = self._state_views(s)
-                    if views is None:
-                        self._install_slice(s, st)
-                        continue
-                    for key, view in views.items():
-                        view.copy_(st[key])
-            self._step_count[:len(counts)] = counts
-            for name, q in zip(group.get("param_names", ()), group["params"]):
-                self._names.setdefault(id(q), name)
-            frozen = [p for p in group["params"] if not (p.requires_grad and p.numel() > 0)]
-            for p in frozen:
-                if p.numel() > 0:
-                    self.executor.broadcast(p.data, 0).wait()
-        compat.claim(self, new)
+        regroup.add_param_group(self, param_group)
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
@@ -686,7 +626,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         try:
-            groups, shard, saved_state, scaler = self._check_loadable(state_dict)
+            groups, shard, saved_state, scaler = sd_util.check_loadable(self, state_dict)
             problem = None
         except (TypeError, ValueError) as exc:
             problem = exc
@@ -734,60 +674,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             entries.append(("updates applied before the save",
                             None if seed is None else int(seed) - base))
         return entries
-
-    def _check_loadable(self, state_dict: dict):
-        """Checks `state_dict` against this optimizer and returns what load_state_dict applies:
-        (param groups with the loaded hyperparameters, is it a shard dict, {param index:
-        state}, loss-scaler state or None). Changes nothing."""
-        sd_util.check_structure(state_dict)
-        sd_util.check_groups(state_dict["param_groups"], self.param_groups)
-        shard = sd_util.is_shard_dict(state_dict)
-        name = self.optimizer_class.__name__
-        if shard:
-            meta = state_dict["zero_py"]
-            if meta["optimizer"] != name:
-                raise ValueError(f"this state dict was saved by a ZeroOptimizer over "
-                                 f"{meta['optimizer']}, this one runs {name}: build the "
-                                 "optimizer with the class the state was saved with")
-            mine = {self._managed_index[s.param]: (s.param_lo, s.param_hi)
-                    for s in self._flat.slices}
-            theirs = {int(k): tuple(v) for k, v in meta["slices"].items()}
-            if (meta["world_size"], meta["rank"]) != (self.executor.world_size,
-                                                       self.executor.rank) or theirs != mine:
-                raise ValueError(
-                    f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
-                    f"another layout than rank {self.executor.rank} of "
-                    f"{self.executor.world_size} here; save with consolidate_state_dict() and "
-                    "load the full dict to change world size or bucket settings")
-        else:
-            sd_util.check_optimizer_class(state_dict["param_groups"], self.defaults, name)
-        groups = self._check_hyperparameters(state_dict["param_groups"])
-        saved_state = {}
-        numel = {self._managed_index[k]: n for k, n in enumerate(self._flat.param_numel)}
-        shapes = {self._managed_index[k]: tuple(shape)
-                  for k, shape in enumerate(self._flat.param_shapes)}
-        slices = {self._managed_index[s.param]: s for s in self._flat.slices}
-        keys = self._update.keys if self.uses_fused_kernel else None
-        for k, st in state_dict["state"].items():
-            index = sd_util.state_index(k, len(self._all_params))
-            if index not in numel:
-                continue  # a parameter this optimizer keeps frozen: torch would ignore it too
-            if shard:
-                s = slices.get(index)
-                if s is None:
-                    raise ValueError(f"the shard state dict holds state for parameter {index}, "
-                                     "of which this rank holds no slice: it is another rank's")
-                expected = (s.numel,)
-            else:
-                expected = shapes[index]
-            sd_util.check_param_state(index, st, expected, keys, name,
-                                      self._masters.piece(self._flat.param_bucket[
-                                          self._managed_of[index]]) is not None)
-            saved_state[index] = st
-        scaler = None
-        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
-            scaler = LossScaler.check_state(state_dict["loss_scaler"])
-        return groups, shard, saved_state, scaler
 
     def _check_hyperparameters(self, saved_groups: List[dict]) -> List[dict]:
         """The param groups with `saved_groups`' hyperparameters (params kept), checked to fit

@@ -4,6 +4,10 @@ A shard dict is torch's format (state keyed by parameter index, param_groups wit
 whose per-element state tensors hold only the rank's slice of each parameter, flattened, plus a
 "zero_py" entry that says which slice: meta["slices"][index] = (lo, hi) over the flattened
 parameter. Scalar state (a 0-dim tensor, a number) is the same on every rank.
+
+check_loadable() checks a dict against an optimizer before load_state_dict takes any of it:
+the entries, the param groups, the class that saved it, and every state tensor's shape (a
+one-element or otherwise broadcastable tensor is refused, never spread over a parameter).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from zero_py.optim.loss_scaler import LossScaler
 
 FORMAT_VERSION = 1
 
@@ -193,3 +199,58 @@ def check_groups(saved: List[dict], current: List[dict]) -> None:
         if len(s["params"]) != len(c["params"]):
             raise ValueError(f"zero_py: param group {k} has {len(s['params'])} parameters in the "
                              f"state dict and {len(c['params'])} here; the model differs")
+
+
+def check_loadable(opt, state_dict: dict):
+    """Checks `state_dict` against ZeroOptimizer `opt` and returns what load_state_dict applies:
+    (param groups with the loaded hyperparameters, is it a shard dict, {param index:
+    state}, loss-scaler state or None). Changes nothing."""
+    check_structure(state_dict)
+    check_groups(state_dict["param_groups"], opt.param_groups)
+    shard = is_shard_dict(state_dict)
+    name = opt.optimizer_class.__name__
+    if shard:
+        meta = state_dict["zero_py"]
+        if meta["optimizer"] != name:
+            raise ValueError(f"this state dict was saved by a ZeroOptimizer over "
+                             f"{meta['optimizer']}, this one runs {name}: build the "
+                             "optimizer with the class the state was saved with")
+        mine = {opt._managed_index[s.param]: (s.param_lo, s.param_hi)
+                for s in opt._flat.slices}
+        theirs = {int(k): tuple(v) for k, v in meta["slices"].items()}
+        if (meta["world_size"], meta["rank"]) != (opt.executor.world_size,
+                                                   opt.executor.rank) or theirs != mine:
+            raise ValueError(
+                f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
+                f"another layout than rank {opt.executor.rank} of "
+                f"{opt.executor.world_size} here; save with consolidate_state_dict() and "
+                "load the full dict to change world size or bucket settings")
+    else:
+        check_optimizer_class(state_dict["param_groups"], opt.defaults, name)
+    groups = opt._check_hyperparameters(state_dict["param_groups"])
+    saved_state = {}
+    numel = {opt._managed_index[k]: n for k, n in enumerate(opt._flat.param_numel)}
+    shapes = {opt._managed_index[k]: tuple(shape)
+              for k, shape in enumerate(opt._flat.param_shapes)}
+    slices = {opt._managed_index[s.param]: s for s in opt._flat.slices}
+    keys = opt._update.keys if opt.uses_fused_kernel else None
+    for k, st in state_dict["state"].items():
+        index = state_index(k, len(opt._all_params))
+        if index not in numel:
+            continue  # a parameter this optimizer keeps frozen: torch would ignore it too
+        if shard:
+            s = slices.get(index)
+            if s is None:
+                raise ValueError(f"the shard state dict holds state for parameter {index}, "
+                                 "of which this rank holds no slice: it is another rank's")
+            expected = (s.numel,)
+        else:
+            expected = shapes[index]
+        check_param_state(index, st, expected, keys, name,
+                                  opt._masters.piece(opt._flat.param_bucket[
+                                      opt._managed_of[index]]) is not None)
+        saved_state[index] = st
+    scaler = None
+    if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
+        scaler = LossScaler.check_state(state_dict["loss_scaler"])
+    return groups, shard, saved_state, scaler
