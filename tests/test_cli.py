@@ -128,7 +128,7 @@ def test_help_lists_plot_and_bench():
 
 def test_bench_prints_the_table(tmp_path):
     path = tmp_path / "bench.json"
-    out = run_cli("bench", "--nproc", "2", "--stages", "2,ddp", "--steps", "2",
+    out = run_cli("bench", "--nproc", "2", "--stages", "2,ddp", "--steps", "1",
                   "--json", str(path)).stdout
     records = json.loads(path.read_text())
     assert sorted((r["stage"], r["rank"]) for r in records if r["stage"] != "ddp") == [

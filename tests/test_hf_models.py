@@ -148,37 +148,51 @@ class Block(nn.Module):
         return x + self.out(torch.relu(self.fc(x)))
 
 
+# (stage, what is compiled): the model, or each unit's forward (the stage-3 hooks stay eager)
+COMPILED = [(1, "model"), (2, "model"), (3, "units"), (3, "model")]
+
+
 def _compiled(rank, world_size):
-    """Each stage twice from the same values on the same batches: eager, and compiled."""
+    """Each stage eager, then compiled, from the same values on the same batches."""
+
+    def train(stage, compiled):
+        torch.manual_seed(SEED)
+        zm, opt = zero_py.initialize(nn.Sequential(Block(), Block()), torch.optim.AdamW,
+                                     stage=stage, lr=1e-2,
+                                     **({"wrap_policy": {Block}} if stage == 3 else {}))
+        step_model = torch.compile(zm) if compiled == "model" else zm
+        if compiled == "units":
+            for block in zm:
+                block.forward = torch.compile(block.forward)
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(STEPS):
+            loss = step_model(torch.randn(16, 32, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, zero_py.full_state_dict(zm)
+
+    eager = {stage: train(stage, None) for stage in (1, 2, 3)}
     out = {}
-    for stage in (1, 2, 3):
-        runs = []
-        for compiled in (False, True):
-            torch.manual_seed(SEED)
-            model = nn.Sequential(Block(), Block())
-            kwargs = {"wrap_policy": {Block}} if stage == 3 else {}
-            zm, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2, **kwargs)
-            step_model = zm
-            if compiled and stage < 3:
-                step_model = torch.compile(zm)
-            elif compiled:  # the units' forwards; the stage-3 hooks around them stay eager
-                for block in zm:
-                    block.forward = torch.compile(block.forward)
-            gen = torch.Generator().manual_seed(rank)
-            losses = []
-            for _ in range(STEPS):
-                loss = step_model(torch.randn(16, 32, generator=gen)).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            runs.append((losses, zero_py.full_state_dict(zm)))
-        (eager, eager_sd), (comp, comp_sd) = runs
-        out[stage] = {"loss_rel": max(abs(a - b) / abs(a) for a, b in zip(eager, comp))}
+    for stage, what in COMPILED:
+        try:
+            losses, sd = train(stage, what)
+        except Exception as exc:  # noqa: BLE001 - recorded: the test says what the user sees
+            out[stage, what] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            continue
+        ref_losses, ref_sd = eager[stage]
+        r = {"loss_rel": max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))}
         if rank == 0:
-            out[stage]["weight_diff"] = max((eager_sd[k] - comp_sd[k]).abs().max().item()
-                                            for k in eager_sd)
+            r["weight_diff"] = max((ref_sd[k] - sd[k]).abs().max().item() for k in ref_sd)
+        out[stage, what] = r
     return out
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return distributed.run(_compiled, 2)
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +245,26 @@ def test_stage3_generate_different_lengths_with_synced_gpus(hf, name):
     assert len(set(lengths)) == len(lengths), lengths  # the ranks really differed
 
 
-def test_torch_compile_matches_eager():
-    results = distributed.run(_compiled, 2)
-    for rank, res in enumerate(results):
-        for stage in (1, 2, 3):
-            assert res[stage]["loss_rel"] < 1e-5, (rank, stage, res[stage])
-    for stage in (1, 2, 3):
-        assert results[0][stage]["weight_diff"] < 1e-5, (stage, results[0][stage])
+@pytest.mark.parametrize("stage,what", COMPILED[:3])
+def test_torch_compile_matches_eager(compiled, stage, what):
+    for rank, res in enumerate(compiled):
+        r = res[stage, what]
+        assert "error" not in r, (rank, r)
+        assert r["loss_rel"] < 1e-5, (rank, r)
+    assert compiled[0][stage, what]["weight_diff"] < 1e-5, compiled[0][stage, what]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.compile(model) under stage 3: dynamo traces into the stage-3 hooks, whose parameter "
+    "swaps (full view <-> 1-D shard slice) the compiled graphs do not guard; inductor then fails "
+    "with 'AssertionError: wrong number of dimensions2 for op: input' (docs/tools.md). Wrapping "
+    "the engine's module hooks in torch._dynamo.disable makes it work (tried); when that lands, "
+    "this passes: drop the mark"))
+def test_torch_compile_whole_model_stage3(compiled):
+    for rank, res in enumerate(compiled):
+        r = res[3, "model"]
+        assert "error" not in r, (rank, r["error"])
+        assert r["loss_rel"] < 1e-5, (rank, r)
 
 
 def test_example_script_stage3_exports(tmp_path):
