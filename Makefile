@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: all deps build test ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: all deps build test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -120,6 +120,10 @@ lint: deps
 	$(PYTHON) -m ruff check zero_py tests benchmarks setup.py
 
 pytest: build
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+# Every Python test, the slow ones too (measured memory, many processes; tens of minutes).
+test-long: build
 	$(PYTHON) -m pytest -q tests
 
 test: ctest wheel-check lint pytest
