@@ -14,7 +14,7 @@ of absent gradients work exactly as in torch.
 from __future__ import annotations
 
 from array import array
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -81,35 +81,53 @@ class FusedUpdate(_Update):
         self.keys = state_keys(kind, param_groups)
         self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
 
-    def _ensure_states(self, filled: Sequence[Tuple[int, int]] = ()) -> List[torch.Tensor]:
-        """The state tensors, allocated at first use with their initial value (0, or Adagrad's
-        initial_accumulator_value) everywhere but the shard-space ranges `filled`, which the
-        caller overwrites at once (a checkpoint load): their pages are written only once."""
+    def _ensure_states(self) -> List[torch.Tensor]:
         if self.states is None:
-            flat = self.flat
-            self.states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=flat.device)
-                           for _ in self.keys]
-            holes = sorted(filled)
-            k = 0
-            for b in range(flat.n_buckets):
-                r = flat.shard_range(b)
-                init = (self.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
-                        if self.kind == kernels.OPT_ADAGRAD else 0.0)
-                at = r.start
-                while k < len(holes) and holes[k][1] <= r.start:
-                    k += 1
-                j = k
-                while j < len(holes) and holes[j][0] < r.stop:
-                    lo, hi = max(holes[j][0], r.start), min(holes[j][1], r.stop)
-                    if lo > at:
-                        for t in self.states:
-                            t[at:lo].fill_(init)
-                    at = max(at, hi)
-                    j += 1
-                if at < r.stop:
-                    for t in self.states:
-                        t[at:r.stop].fill_(init)
+            self.states = self.fresh_states(())
         return self.states
+
+    def fresh_states(self, filled: Sequence[ShardSlice]) -> List[torch.Tensor]:
+        """New state tensors (not installed: see adopt_states) with their initial value (0, or
+        Adagrad's initial_accumulator_value) everywhere but the slices `filled`, which the
+        caller overwrites at once (a checkpoint load): their pages are written only once."""
+        flat = self.flat
+        states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=flat.device)
+                  for _ in self.keys]
+        holes = sorted((flat.bucket_shard_offset[s.bucket] + s.piece_lo,
+                        flat.bucket_shard_offset[s.bucket] + s.piece_hi) for s in filled)
+        k = 0
+        for b in range(flat.n_buckets):
+            r = flat.shard_range(b)
+            init = (self.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
+                    if self.kind == kernels.OPT_ADAGRAD else 0.0)
+            at = r.start
+            while k < len(holes) and holes[k][1] <= r.start:
+                k += 1
+            j = k
+            while j < len(holes) and holes[j][0] < r.stop:
+                lo, hi = max(holes[j][0], r.start), min(holes[j][1], r.stop)
+                if lo > at:
+                    for t in states:
+                        t[at:lo].fill_(init)
+                at = max(at, hi)
+                j += 1
+            if at < r.stop:
+                for t in states:
+                    t[at:r.stop].fill_(init)
+        return states
+
+    def allocate(self, filled: Sequence[ShardSlice]) -> None:
+        """Installs fresh state tensors for a caller that fills the slices `filled` at once."""
+        self.states = self.fresh_states(filled)
+
+    def adopt_states(self, states: List[torch.Tensor]) -> None:
+        """Installs state tensors made by fresh_states (and filled)."""
+        self.states = states
+
+    def views_in(self, states: List[torch.Tensor], s: ShardSlice) -> Dict[str, torch.Tensor]:
+        """Slice s's part of each tensor of `states` (the live ones or fresh ones), by key."""
+        lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
+        return {k: t[lo:lo + s.numel] for k, t in zip(self.keys, states)}
 
     def _runs(self, b: int, used: Sequence[int], step_count: Sequence[int]):
         """Bucket b's piece as (piece_lo, piece_hi, step) runs: maximal stretches of parameter
@@ -201,19 +219,8 @@ class FusedUpdate(_Update):
             t[lo:lo + s.numel].copy_(state[k].reshape(-1))
 
     def state_views(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
-        """Live views of slice s's state tensors (allocated at first use: see allocate), to
-        fill in place."""
-        states = self._ensure_states()
-        lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
-        return {k: t[lo:lo + s.numel] for k, t in zip(self.keys, states)}
-
-    def allocate(self, filled: Sequence[ShardSlice]) -> None:
-        """Allocates fresh state tensors for a load that fills the slices `filled` (only the
-        rest is initialized here)."""
-        self.states = None
-        self._ensure_states([(self.flat.bucket_shard_offset[s.bucket] + s.piece_lo,
-                              self.flat.bucket_shard_offset[s.bucket] + s.piece_hi)
-                             for s in filled])
+        """Live views of slice s's state tensors (allocated at first use), to fill in place."""
+        return self.views_in(self._ensure_states(), s)
 
     def reset(self) -> None:
         self.states = None
