@@ -104,7 +104,11 @@ def state_view_and_hooks(rank, stage):
     zmodel = copy.deepcopy(ref)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    zopt = zero_py.ZeroOptimizer(zmodel.parameters(), stage=stage, lr=1e-2, bucket_bytes=1024)
+    if stage == 3:
+        zmodel, zopt = zero_py.initialize(zmodel, stage=3, lr=1e-2)
+    else:
+        zopt = zero_py.ZeroOptimizer(zmodel.parameters(), stage=stage, lr=1e-2,
+                                     bucket_bytes=1024)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         batch = models.mlp_batch(gen)
@@ -198,6 +202,7 @@ def _all(rank, world_size):
     out[("buffers", 2, False)] = buffers(rank, 2, False)
     for stage in (1, 2):
         out[("add_group", stage)] = add_param_group(rank, stage)
+    for stage in (1, 2, 3):
         out[("state", stage)] = state_view_and_hooks(rank, stage)
     return out
 
@@ -217,13 +222,14 @@ def test_torch_idioms_match_ddp():
         for stage in (1, 2):
             assert res[("add_group", stage)]["groups"] == 2
             assert res[("add_group", stage)]["lr"] == [1e-2, 5e-3]
+        for stage in (1, 2, 3):
             st = res[("state", stage)]
             assert st["held"] == st["len"] > 0
             assert st["note"] == "post"
             assert st["full_note"] == ("post" if rank == 0 else None)
             assert st["calls"] == ["pre", ("load-pre", "post"), "load-post", "pre"]
     # every rank holds its own slices, and together the ranks hold every element once
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         total = sum(p.numel() for p in models.MLP().parameters())
         assert sum(r[("state", stage)]["covered"] for r in results) == total
     # buffers: rank 0's at construction (rank 1 had others), for every stage
