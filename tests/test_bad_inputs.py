@@ -189,6 +189,11 @@ def test_loss_scaler_state_is_checked_before_it_is_taken(state, match):
         scaler.load_state_dict(None)
 
 
+def test_loss_scaler_arguments_are_checked():
+    with pytest.raises(TypeError, match="dynamic must be True or False"):
+        zero_py.LossScaler(dynamic="yes")
+
+
 def _two_optimizers(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer(model.parameters())
@@ -324,6 +329,8 @@ CALL_CASES = [
     ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
     ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
      "param group of their own from the start"),
+    ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),
+     ValueError, "not parameters of the model"),
 ]
 
 

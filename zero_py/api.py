@@ -185,6 +185,12 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                 for g in groups or [{}]]) is None:
             raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
                              f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+        strangers = [p for g in groups or () for p in g["params"] if id(p) not in unit_of]
+        if strangers:
+            raise ValueError(f"params holds {len(strangers)} tensor(s) that are not parameters "
+                             "of the model (e.g. of shape "
+                             f"{tuple(strangers[0].shape)}); stage 3 shards the model's own "
+                             "parameters: give param groups over model.parameters()")
         candidates = model.parameters() if groups is None else (p for g in groups
                                                                 for p in g["params"])
         if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):

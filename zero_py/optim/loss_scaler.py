@@ -28,6 +28,8 @@ class LossScaler:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         if not 0.0 < min_scale <= init_scale:
             raise ValueError(f"min_scale must be in (0, init_scale], got {min_scale}")
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"dynamic must be True or False, got {dynamic!r}")
         self.scale = float(init_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
