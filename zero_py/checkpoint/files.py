@@ -23,7 +23,7 @@ import shutil
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,10 +141,13 @@ def read_header(path: str) -> dict:
     return header
 
 
-def file_crc32c(path: str) -> int:
+def file_crc32c(path: str, on_chunk: Optional[Callable[[int, memoryview], None]] = None) -> int:
     """CRC-32C of a whole file. Two buffers: a thread reads the next chunk while this one sums
-    the last (both release the GIL), so the check costs about max(read, sum), not their sum."""
+    the last (both release the GIL), so the check costs about max(read, sum), not their sum.
+    on_chunk(offset, bytes) sees every chunk as it passes (a load takes what it needs from the
+    same read)."""
     crc = 0
+    offset = 0
     bufs = (bytearray(_READ_CHUNK), bytearray(_READ_CHUNK))
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
         pending = pool.submit(f.readinto, bufs[0])
@@ -154,7 +157,11 @@ def file_crc32c(path: str) -> int:
             if not n:
                 return crc
             pending = pool.submit(f.readinto, bufs[1 - k])
-            crc = _C.crc32c(memoryview(bufs[k])[:n], crc)
+            chunk = memoryview(bufs[k])[:n]
+            crc = _C.crc32c(chunk, crc)
+            if on_chunk is not None:
+                on_chunk(offset, chunk)
+            offset += n
             k = 1 - k
 
 

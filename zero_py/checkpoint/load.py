@@ -4,16 +4,19 @@ Every rank first checks, without changing anything: the manifest against the fil
 sizes, headers, the save every file belongs to, and the CRC-32C of a share of the files: file
 k is read by rank k mod world size), and the checkpoint against the model and optimizer (names,
 shapes, optimizer class and state, param groups, loss scaler, buffers). The ranks agree on the
-outcome, so a bad checkpoint raises the same error on every rank. Only then does each rank read
-what it owns (holdings.py): its slices of the parameters (under stages 1-2 an all-gather then
-makes them every rank's, as after a step) and of the fp32 masters and optimizer states.
-Parameters outside the optimizer's storage (frozen under stages 1-2) are read whole by every
-rank.
+outcome, so a bad checkpoint raises the same error on every rank. What each rank owns
+(holdings.py: its slices of the parameters, fp32 masters and optimizer states; a parameter
+outside the optimizer's storage, frozen under stages 1-2, whole) is read into staging tensors
+and fresh state tensors, from the same pass that checks the checksums where the rank checks
+the file that holds it (at an unchanged world size and layout: all of it), else from the other
+files once every rank's checks passed; only then is it installed (no I/O: a failure up to there
+changes nothing). Under stages 1-2 an all-gather then gives every rank every parameter, as
+after a step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -102,56 +105,93 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held], strict: bool) -> L
     return new_groups
 
 
-def _install(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict]) -> None:
-    man = ck.manifest
-    opt._set_hyperparameters(groups)
+class _Plan:
+    """Where every byte this rank reads goes before the load commits: staging tensors for the
+    parameters, fp32 masters and the torch.optim path's states, fresh (not yet installed) state
+    tensors for the fused path; and the file segments that fill them."""
+
+    def __init__(self) -> None:
+        self.params: List[Tuple[Held, torch.Tensor]] = []
+        self.masters: List[Tuple[Any, torch.Tensor]] = []        # (slice, fp32 values)
+        self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fresh state, staged)
+        self.slices: List[Tuple[Held, Dict[str, Any]]] = []      # torch.optim path's states
+        self.fresh: Optional[List[torch.Tensor]] = None
+        self.segments: list = []
+
+    def stage(self, ck: Checkpoint, kind: str, name: str, lo: int, hi: int,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        t, segs = ck.stage(kind, name, lo, hi, out)
+        self.segments.extend(segs)
+        return t
+
+
+def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
+    """What this rank reads (its own ranges) and where it goes; reads nothing yet."""
+    plan = _Plan()
     for name, h in held.items():
         entry = ck.params[name]
         same = entry["dtype"] == plain.dtype_name(h.dtype)
         kind = "param" if same or not entry.get("master") else "master"
-        ck.read_into(kind, name, h.load_lo, h.load_hi, h.load_into)
-    opt._update.reset()
-    opt._allocate_states([h.slice for name, h in held.items() if h.slice is not None
-                          and ck.params[name].get("step") and "state" in ck.params[name]
-                          and ck.params[name]["state"]["keys"]])
-    opt._step_count = [0] * len(opt._step_count)
-    opt.sync_master_from_params()
+        plan.params.append((h, plan.stage(ck, kind, name, h.load_lo, h.load_hi)))
+    with_state = {name for name, h in held.items() if h.slice is not None
+                  and ck.params[name].get("step") and ck.params[name].get("state")}
+    if opt.uses_fused_kernel:
+        plan.fresh = opt._update.fresh_states([held[n].slice for n in with_state])
     for name, h in held.items():
-        if h.index is None:
-            continue
-        entry = ck.params[name]
-        opt._step_count[h.index] = int(entry.get("step", 0))
         s = h.slice
         if s is None:
             continue
-        st = entry.get("state") if entry.get("step") else None
-        master_kind = "master" if entry.get("master") else "param"
-        views = opt._state_views(s)
-        if views is not None:  # the fused path: straight into the live tensors
-            for key in st["keys"] if st is not None else ():
-                ck.read_into(f"state/{key}", name, s.param_lo, s.param_hi, views[key])
-            if "master_param" in views and entry["trainable"]:
-                ck.read_into(master_kind, name, s.param_lo, s.param_hi, views["master_param"])
-            continue
-        state: Dict[str, Any] = {"step": opt._step_count[h.index]}
-        if st is not None:
-            for key in st["keys"]:
-                state[key] = ck.read(f"state/{key}", name, s.param_lo, s.param_hi, torch.float32)
-            state.update({k: plain.decode(v) for k, v in st["scalars"].items()})
-            if st.get("step_tensor"):
-                state["step"] = torch.tensor(float(state["step"]),
-                                             dtype=plain.dtype_of(st["step_tensor"]))
+        entry = ck.params[name]
         if opt._masters.piece(s.bucket) is not None and entry["trainable"]:
             # the fp32 value: the saved master, or the saved parameter when it had none (fp32)
-            state["master_param"] = ck.read(master_kind, name, s.param_lo, s.param_hi,
-                                            torch.float32)
-        if st is not None:
-            opt._install_slice(s, state)
-        elif "master_param" in state:
-            master = opt._masters.piece(s.bucket)
-            master[s.piece_lo:s.piece_hi].copy_(state["master_param"])
+            kind = "master" if entry.get("master") else "param"
+            plan.masters.append((s, plan.stage(ck, kind, name, s.param_lo, s.param_hi)))
+        if name not in with_state:
+            continue
+        st = entry["state"]
+        if plan.fresh is not None:
+            views = opt._update.views_in(plan.fresh, s)
+            for key in st["keys"]:
+                t = plan.stage(ck, f"state/{key}", name, s.param_lo, s.param_hi, views[key])
+                if t is not views[key]:
+                    plan.copies.append((views[key], t))
+            continue
+        state: Dict[str, Any] = {key: plan.stage(ck, f"state/{key}", name, s.param_lo,
+                                                 s.param_hi) for key in st["keys"]}
+        state.update({k: plain.decode(v) for k, v in st["scalars"].items()})
+        state["step"] = int(entry["step"])
+        if st.get("step_tensor"):
+            state["step"] = torch.tensor(float(entry["step"]),
+                                         dtype=plain.dtype_of(st["step_tensor"]))
+        plan.slices.append((h, state))
+    return plan
+
+
+def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict],
+            plan: _Plan) -> None:
+    """Installs what the plan staged: no I/O but the buffers (rank 0's file, small)."""
+    man = ck.manifest
+    buffers = {name: ck.buffer(name) for name in persistent_buffers(model)}
+    opt._set_hyperparameters(groups)
+    for h, t in plan.params:
+        h.load_into.copy_(t)
+    opt._update.reset()
+    opt._step_count = [0] * len(opt._step_count)
+    for name, h in held.items():
+        if h.index is not None:
+            opt._step_count[h.index] = int(ck.params[name].get("step", 0))
+    opt.sync_master_from_params()
+    for s, t in plan.masters:
+        opt._masters.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(t)
+    if plan.fresh is not None:
+        for dst, t in plan.copies:
+            dst.copy_(t)
+        opt._update.adopt_states(plan.fresh)
+    for h, state in plan.slices:
+        opt._install_slice(h.slice, {k: (v.float() if isinstance(v, torch.Tensor) and v.dim()
+                                          else v) for k, v in state.items()})
     for name, buf in persistent_buffers(model).items():
-        buf.copy_(ck.buffer(name))
+        buf.copy_(buffers[name])
     if opt.loss_scaler is not None and man["loss_scaler"] is not None:
         opt.loss_scaler.load_state_dict(plain.decode(man["loss_scaler"]))
     opt._sr_seed = opt._rounding_seed_base() + int(man["optimizer"]["rounding_steps"])
@@ -171,29 +211,34 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
     wait_pending(opt)  # an asynchronous save of this optimizer finishes first
-    error, ck, held, groups = None, None, None, None
+    error, ck, held, groups, plan, extra = None, None, None, None, None, None
     try:
         ck = Checkpoint.open(path)
-        if verify:
-            files = sorted(ck.manifest["files"])
-            ck.verify(files[ex.rank::ex.world_size])
         held = holdings(model, opt)
         groups = _check(ck, model, opt, held, strict)
+        with torch.no_grad():
+            plan = _plan(ck, opt, held)
+            if verify:  # this rank's share of the files, and what it needs of them on the way
+                files = sorted(ck.manifest["files"])
+                ck.verify(files[ex.rank::ex.world_size], plan.segments)
     except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
-    agree(ex, error, "load_checkpoint")
-    error = None
-    try:
-        with torch.no_grad():
-            _install(ck, model, opt, held, groups)
-        src = ex.rank if ex.rank < ck.manifest["world_size"] else 0
-        extra = ck.extra(src)
-    except (CheckpointError, OSError, ValueError) as exc:
-        error = (f"reading {ck.path} failed after its checks passed ({exc}); the model and "
-                 "optimizer are partly loaded: load again")
-    finally:
+    if error is not None and ck is not None:
         ck.close()
     agree(ex, error, "load_checkpoint")
+    try:  # still nothing changed: the rest of what this rank needs, from the other files
+        ck.fill(plan.segments)
+        extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = f"reading {ck.path} failed: {exc}"
+    if error is not None:
+        ck.close()
+    agree(ex, error, "load_checkpoint")
+    try:
+        with torch.no_grad():
+            _commit(ck, model, opt, held, groups, plan)
+    finally:
+        ck.close()
     with torch.no_grad():
         flat = opt._flat
         # stages 1-2: every rank's slices to every rank; stage 3: refresh the units held whole

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -126,15 +127,72 @@ class Checkpoint:
                                       f"{meta.get('step')}, the manifest rank {info['rank']} "
                                       f"step {man['step']}")
 
-    def verify(self, names: Optional[List[str]] = None) -> None:
-        """Reads the files `names` (default: all) whole and checks their CRC-32C."""
+    def verify(self, names: Optional[List[str]] = None,
+               segments: Sequence["Segment"] = ()) -> None:
+        """Reads the files `names` (default: all) whole and checks their CRC-32C. The
+        `segments` (from stage()) of those files are filled from the same read; their bytes
+        count only once the call returns (every file's checksum held)."""
+        by_file: Dict[str, List[Segment]] = {}
+        for seg in segments:
+            by_file.setdefault(seg.file, []).append(seg)
         for name in self.manifest["files"] if names is None else names:
             info = self.manifest["files"][name]
             fpath = os.path.join(self.path, name)
-            crc = f"{file_crc32c(fpath):08x}"
+            segs = sorted(by_file.get(name, ()), key=lambda x: x.fb)
+            crc = f"{file_crc32c(fpath, _capture(segs) if segs else None):08x}"
             if crc != info["crc32c"]:
                 raise CheckpointError(f"{fpath} is damaged: its CRC-32C is {crc}, the manifest "
                                       f"says {info['crc32c']}")
+
+    def stage(self, kind: str, name: str, lo: int, hi: int,
+              out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List["Segment"]]:
+        """A tensor for elements [lo, hi) of parameter `name`'s `kind`, in the dtype they are
+        stored in, and the segments of the files that fill it (verify() or fill() does). `out`
+        (1-D, contiguous, CPU) is used when it has that dtype; else a new tensor is made, which
+        the caller copies (casting) where it belongs."""
+        key = f"{kind}/{name}"
+        pieces = [(r, plo, phi) for r, plo, phi in self.params[name]["pieces"]
+                  if max(lo, plo) < min(hi, phi)]
+        dtype = None
+        for r, plo, phi in pieces:
+            dtype = self._raw(r).dtype_of(key, phi - plo)
+        if dtype is None:
+            dtype = out.dtype if out is not None else torch.float32
+        if out is not None and out.dtype == dtype and out.device.type == "cpu" \
+                and out.is_contiguous():
+            t = out
+        else:
+            t = torch.empty(hi - lo, dtype=dtype)
+        view = memoryview(t.view(torch.uint8).numpy()) if hi > lo else memoryview(b"")
+        size = dtype.itemsize
+        segments, done = [], 0
+        for r, plo, phi in pieces:
+            a, z = max(lo, plo), min(hi, phi)
+            raw = self._raw(r)
+            begin = raw.data_start + raw.header[key]["data_offsets"][0]
+            segments.append(Segment(rank_file(r), begin + (a - plo) * size,
+                                    begin + (z - plo) * size,
+                                    view[(a - lo) * size:(z - lo) * size]))
+            done += z - a
+        if done != hi - lo:
+            raise CheckpointError(f"{self.path}: the files hold {done} of elements [{lo}, {hi}) "
+                                  f"of {key}")
+        return t, segments
+
+    def fill(self, segments: Sequence["Segment"]) -> None:
+        """Reads the segments verify() did not fill, each from its file."""
+        for seg in segments:
+            if seg.got == seg.fe - seg.fb:
+                continue
+            fd = self._raws[seg.file].fd
+            at = seg.got
+            while at < seg.fe - seg.fb:
+                n = os.preadv(fd, [seg.dst[at:]], seg.fb + at)
+                if n <= 0:
+                    raise CheckpointError(f"{os.path.join(self.path, seg.file)} ended early: "
+                                          "it is truncated")
+                at += n
+            seg.got = at
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -192,6 +250,38 @@ class Checkpoint:
         self._raws.clear()
 
 
+@dataclass
+class Segment:
+    """Bytes [fb, fe) of one file, bound for `dst` (a bytes view of a tensor's memory)."""
+
+    file: str
+    fb: int
+    fe: int
+    dst: memoryview
+    got: int = 0  # bytes filled so far
+
+
+def _capture(segs: List[Segment]) -> Callable[[int, memoryview], None]:
+    """on_chunk for file_crc32c: copies each chunk's part of the (sorted) segments."""
+    state = {"k": 0}
+
+    def on_chunk(offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        k = state["k"]
+        while k < len(segs) and segs[k].fe <= offset:
+            k += 1
+        state["k"] = k
+        while k < len(segs) and segs[k].fb < end:
+            seg = segs[k]
+            a, z = max(seg.fb, offset), min(seg.fe, end)
+            if a < z:
+                seg.dst[a - seg.fb:z - seg.fb] = chunk[a - offset:z - offset]
+                seg.got += z - a
+            k += 1
+
+    return on_chunk
+
+
 class _RawFile:
     """Element ranges of the tensors of one safetensors file, read with pread into the
     destination's memory. Not mapped: pages of a mapped file count in the reader's resident
@@ -204,6 +294,20 @@ class _RawFile:
             n = int.from_bytes(f.read(8), "little")
         self.data_start = 8 + n
         self.fd = os.open(path, os.O_RDONLY)
+
+    def dtype_of(self, key: str, numel: int) -> torch.dtype:
+        """The dtype of tensor `key`, checked to be 1-D of `numel` elements of that size."""
+        entry = self.header.get(key)
+        if not isinstance(entry, dict) or entry.get("dtype") not in ST_DTYPES \
+                or entry.get("shape") != [numel]:
+            raise CheckpointError(f"{self.path} lacks tensor {key} of {numel} elements that the "
+                                  "manifest places there")
+        dtype = ST_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        if end - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {key} has {end - begin} bytes, not "
+                                  f"{numel} elements of {dtype}")
+        return dtype
 
     def read_into(self, key: str, numel: int, a: int, z: int, out: torch.Tensor) -> None:
         entry = self.header.get(key)
