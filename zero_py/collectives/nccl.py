@@ -130,6 +130,8 @@ class NcclExecutor:
     requires. timeout: seconds a collective may take before the communicator is aborted
     (default: the process group's timeout)."""
 
+    reduce_scatter_keeps_input = True  # NCCL's reduce-scatter reads its input only
+
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, timeout: Optional[float] = None):
         if not dist.is_available() or not dist.is_initialized():

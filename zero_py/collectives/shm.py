@@ -4,20 +4,25 @@ gloo moves bytes over loopback TCP, through the kernel, on the cores that also c
 of one host can instead share one /dev/shm file: a ring of K slots, each with room for one
 chunk per rank, and two int64 flags per rank and slot. Collective number s uses slot s % K:
 
-    issue: wait until every rank has read slot k's previous use (read[k][q] >= s - K),
-           copy this rank's chunk into slot k, publish ready[k][me] = s
-    wait:  wait until every rank published ready[k][q] >= s, copy their chunks out,
-           publish read[k][me] = s
+    1. wait until every rank has read slot k's previous use (read[k][q] >= s - K),
+       copy this rank's chunk into slot k, publish ready[k][me] = s
+    2. wait until every rank published ready[k][q] >= s, copy their chunks out,
+       publish read[k][me] = s
+
+A thread of each rank runs its collectives in issue order, so a collective completes whatever
+the caller does meanwhile: the caller's wait() only waits for it. (When the caller did the
+steps itself, at issue and at wait, a rank blocked on another channel before waiting, e.g. on a
+reduce-scatter whose peer was itself waiting for this rank to read a slot, deadlocked both.)
+The chunk is copied when the collective is issued, so the caller may change its input at once.
 
 Flags are published with release order and waited for with acquire order in the C core
 (csrc/common/shared_flags.c), so the chunk copied before a flag is what a reader copies after
 seeing it, on any CPU; a wait gives up after `timeout` seconds (the process group's timeout, or
 ZP_SHM_TIMEOUT_S) with an error that names the rank that did not arrive, or as soon as that
 rank's process is gone (each rank writes its pid into the file's header; a waiter looks at its
-late peers twice a second), so a rank killed mid-step is noticed at once. Before collective s reuses a slot, this rank finishes its own collective
-s - K if the caller has not waited for it yet (its peers issued it already, as every rank
-issues the same sequence), so no rank waits on itself. The file is unlinked as soon as every
-rank mapped it, so nothing is left behind when processes die.
+late peers twice a second), so a rank killed mid-step is noticed at once. After a failure every
+later collective fails too. The file is unlinked as soon as every rank mapped it, so nothing is
+left behind when processes die.
 
 Measured (benchmarks/RESULTS.md, 2026-11-23): stage 3 at 4 ranks on 2 vCPUs went from 1.11x
 DDP's step time with gloo's point-to-point all-gather to 1.02-1.05x with a Python prototype of
@@ -26,11 +31,13 @@ this protocol. Memory: this rank's share is K x the largest chunk (scratch_bytes
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
+import threading
 import time
 import uuid
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +88,27 @@ def same_host(group) -> bool:
     return int(lo) == int(hi)
 
 
+class _Job:
+    """One collective for the thread: its sequence number, this rank's chunk (a copy), where
+    the result goes, the mapping it uses; done is set when it finished or failed (error)."""
+
+    __slots__ = ("seq", "src", "output", "mapping", "done", "error")
+
+    def __init__(self, seq, src, output, mapping):
+        self.seq, self.src, self.output, self.mapping = seq, src, output, mapping
+        self.done = threading.Event()
+        self.error: Optional[str] = None
+
+    # the Work handle's interface
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        self.done.wait()  # the thread's own waits are bounded by the timeout
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
 class HostAllGather:
     """The shared-memory all-gather of one executor's group (see the module docstring)."""
 
@@ -94,7 +122,11 @@ class HostAllGather:
         self.chunk_cap = 0  # bytes of one chunk a slot holds
         self.buf: Optional[torch.Tensor] = None
         self.seq = 0
-        self._in_flight: List[Tuple[int, Work]] = []  # (seq, work) issued, not finished, in order
+        self._jobs: "collections.deque[_Job]" = collections.deque()  # issued, not finished
+        self._lock = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[str] = None  # the first failure: every later collective fails
+        self._slots = self._flags = self._pids = None
         self.disabled = False  # /dev/shm had no room: messages instead, on every rank
 
     @property
@@ -102,13 +134,19 @@ class HostAllGather:
         """This rank's share of the shared file: its chunk in every slot."""
         return SLOTS * self.chunk_cap
 
+    def _drain(self) -> None:
+        """Waits until the thread finished every collective issued so far."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.done.wait()
+
     # -- the file ---------------------------------------------------------------------------
 
     def _map(self, chunk_cap: int) -> None:
         """Maps a new file with room for chunks of chunk_cap bytes. Collective: every rank
         calls it at the same collective, with nothing of its own in flight."""
-        for _, work in list(self._in_flight):
-            work.wait()
+        self._drain()
         name = torch.zeros(2, dtype=torch.int64)
         if self.rank == 0:
             name.copy_(torch.tensor([uuid.uuid4().int >> 66, os.getpid()], dtype=torch.int64))
@@ -149,8 +187,10 @@ class HostAllGather:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Optional[Work]:
         """output = every rank's input, concatenated (input may alias its chunk). Collective,
-        asynchronous: the chunks are copied out at wait(). None (on every rank alike) when
-        /dev/shm has no room for the file: the caller sends messages instead, from then on."""
+        asynchronous: a thread of this rank's carries it out (so it completes whatever this
+        rank waits for meanwhile, as gloo's messages do); wait() waits for it. None (on every
+        rank alike) when /dev/shm has no room for the file: the caller sends messages
+        instead, from then on."""
         nbytes = input.numel() * input.element_size()
         if nbytes > self.chunk_cap and not self.disabled:
             try:
@@ -160,34 +200,54 @@ class HostAllGather:
                     from exc
         if self.disabled:
             return None
-        while self._in_flight and self._in_flight[0][0] <= self.seq + 1 - SLOTS:
-            self._in_flight[0][1].wait()  # this rank's own read of the slot we are to reuse
+        if self._error is not None:
+            raise RuntimeError(self._error)
         self.seq += 1
-        s, k, me, ws = self.seq, self.seq % SLOTS, self.rank, self.world_size
-        # every rank has read what slot k held before (collective s - SLOTS)
-        self._wait_flags(self._flags[1, k], s - SLOTS, self._pids)
+        # the chunk as it is now: the caller may change its input once this returns
         src = input.reshape(-1).view(torch.uint8)
-        self._slots[k, me, :nbytes].copy_(src)
-        _C.flag_publish(self._flags[0, k, me].data_ptr(), s)
-        slots, flags, pids = self._slots, self._flags, self._pids  # this mapping, even if a
-        # later call remaps
-
-        def finish() -> None:
-            self._in_flight.remove((s, work))  # first: a timeout below must not leave it listed
-            self._wait_flags(flags[0, k], s, pids)
-            out = output.reshape(-1).view(torch.uint8).view(ws, nbytes)
-            for q in range(ws):
-                if q == me:
-                    if out[q].data_ptr() != src.data_ptr():
-                        out[q].copy_(src)
-                else:
-                    out[q].copy_(slots[k, q, :nbytes])
-            _C.flag_publish(flags[1, k, me].data_ptr(), s)
-
-        work = Work(None, finish, keep=(input, output),
+        job = _Job(self.seq, src.clone(), output, (self._slots, self._flags, self._pids))
+        with self._lock:
+            self._jobs.append(job)
+            self._lock.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True,
+                                            name="zero_py-shm-all-gather")
+            self._thread.start()
+        return Work(job, keep=(input, output),
                     what=f"all-gather of {output.numel()} elements (shared memory)")
-        self._in_flight.append((s, work))
-        return work
+
+    def _serve(self) -> None:
+        """The thread: every collective in issue order. Waits first until every rank read the
+        slot's previous use, copies this rank's chunk in and publishes it; then waits for
+        every rank's chunk, copies them out and publishes that it read them."""
+        while True:
+            with self._lock:
+                while not self._jobs:
+                    self._lock.wait()
+                job = self._jobs[0]
+            try:
+                if self._error is not None:
+                    raise RuntimeError(self._error)
+                self._run(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                self._error = self._error or str(exc)
+                job.error = str(exc)
+            with self._lock:
+                self._jobs.popleft()
+            job.done.set()
+
+    def _run(self, job: "_Job") -> None:
+        slots, flags, pids = job.mapping
+        s, k, me, ws = job.seq, job.seq % SLOTS, self.rank, self.world_size
+        nbytes = job.src.numel()
+        self._wait_flags(flags[1, k], s - SLOTS, pids)  # every rank read slot k's last use
+        slots[k, me, :nbytes].copy_(job.src)
+        _C.flag_publish(flags[0, k, me].data_ptr(), s)
+        self._wait_flags(flags[0, k], s, pids)
+        out = job.output.reshape(-1).view(torch.uint8).view(ws, nbytes)
+        for q in range(ws):
+            out[q].copy_(job.src if q == me else slots[k, q, :nbytes])
+        _C.flag_publish(flags[1, k, me].data_ptr(), s)
 
     def _wait_flags(self, row: torch.Tensor, value: int, pids: torch.Tensor) -> None:
         """Waits until every rank's flag in `row` is >= value: at most `timeout`
@@ -196,8 +256,8 @@ class HostAllGather:
         while True:
             left = deadline - time.monotonic()
             try:
-                _C.flags_wait(row.data_ptr(), self.world_size, 1, value, max(min(left, _CHECK_PEERS_S),
-                                                                  1e-3))
+                _C.flags_wait(row.data_ptr(), self.world_size, 1, value,
+                              max(min(left, _CHECK_PEERS_S), 1e-3))
                 return
             except RuntimeError as exc:
                 late = [q for q, v in enumerate(row.tolist()) if v < value]

@@ -84,6 +84,11 @@ class TorchDistExecutor:
         self.timeout_s = group_timeout_s(self.group)  # the user's, for the shared-memory waits
 
     @property
+    def reduce_scatter_keeps_input(self) -> bool:
+        """Whether reduce_scatter leaves its input as it was (all but the all-reduce fallback)."""
+        return self._p2p or self._native_reduce_scatter or self.world_size == 1
+
+    @property
     def scratch_peak_bytes(self) -> int:
         """The most bytes of reduce-scatter receive buffers alive at once."""
         return self._scratch.peak_bytes if self._scratch is not None else 0

@@ -38,7 +38,7 @@ import torch
 
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
-from zero_py.collectives.work import CollectiveError, Work, issue
+from zero_py.collectives.work import Work, issue
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
 
@@ -57,9 +57,10 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 MAX_BUCKETS_IN_FLIGHT = 2
 
 # what a rank announces at the start of a pass or a step (_Count)
-_PASS, _STEP, _PASS_WITHOUT_BACKWARD = 1, 2, 3
+_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD = 1, 2, 3, 4, 5
 _KIND_NAMES = {_PASS: "backward pass", _STEP: "step()",
-               _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step"}
+               _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
+               _FORWARD: "forward", _EVAL_FORWARD: "no_grad forward"}
 
 
 class _Count:
@@ -80,13 +81,17 @@ class _Count:
         if all(r == rows[0] for r in rows):
             return
         said = "; ".join(
-            f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} reduced backward pass"
-            f"{'es' if p != 1 else ''} in step {st}" for q, (k, st, p) in enumerate(rows))
+            f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
+            if k in (_FORWARD, _EVAL_FORWARD, _PASS) else
+            f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
+            f" in step {st}" for q, (k, st, p) in enumerate(rows))
         raise RuntimeError(
-            "zero_py: the ranks ran different numbers of backward passes before this step "
+            "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
-            "backward passes per step (outside no_sync()); a rank with no data can run "
-            "backward on a zero loss of the model's output (e.g. model(x[:0]).sum() * 0)")
+            "backward passes per step (outside no_sync()) and, under stage 3, the same "
+            "forwards (a no_grad forward of one rank alone needs every rank on one host); a "
+            "rank with no data can run forward and backward on an empty batch or a zero loss "
+            "(e.g. model(x[:0]).sum() * 0)")
 
 
 class GradReducer:
@@ -108,6 +113,7 @@ class GradReducer:
         self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
         self._in_flight: List[Tuple[Work, torch.Tensor]] = []  # (reduction, its buffer)
         self._listeners: List[Callable[[], None]] = []  # run after each backward's pass
+        self._before_end: List[Callable[[], None]] = []  # run before it ends
         # Bucket buffers are recycled: a new pass costs no allocation and no full memset, only
         # zeroing the slots that receive no gradient. A bucket takes the smallest idle buffer
         # that fits it (BufferPool), so a small bucket held open through backward (e.g. tied
@@ -120,11 +126,15 @@ class GradReducer:
         self._finished = False  # finish() ran since the last pass: its result stands
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
+        self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
         # the pass and step counts are compared across ranks (_Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
         self.check_at_once = False
         self._count: Optional[_Count] = None
+        self._updating = False  # finish() ran: the optimizer may be writing the shards
+        self._unused = bytearray(len(flat.params))  # marked unused in this pass
+        self._zero_input: Dict[torch.dtype, torch.Tensor] = {}
         if stage == 2:
             for i, p in enumerate(flat.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -142,6 +152,12 @@ class GradReducer:
                     "compute with it inside the forward (or `with zero_py.gathered(model):`)")
             if not self.begin_pass():
                 return
+            if self._unused[i]:
+                raise RuntimeError(
+                    f"zero_py stage 3: parameter {i} got a gradient, but its unit did not run in "
+                    "this rank's forward, so it was reduced as unused already; a unit's "
+                    "parameters must be used by its own module's forward (tie or register them "
+                    "where they are used)")
             with torch.no_grad():
                 self._copy_in(i)
                 for b in self.schedule.grad_ready(i):
@@ -158,6 +174,12 @@ class GradReducer:
         there). fn also runs after backwards under no_sync(), where no pass is opened."""
         self._listeners.append(fn)
 
+    def before_backward_end(self, fn: Callable[[], None]) -> None:
+        """Runs fn at the end of every backward, before its pass ends (stage 3 issues the rest
+        of its gathers there: every collective of the phase is then issued before this rank
+        waits for any reduction, so no peer waits on a gather this rank has yet to issue)."""
+        self._before_end.append(fn)
+
     def begin_pass(self) -> bool:
         """Called from inside backward: opens this backward's pass (once) and queues its end on
         the autograd engine. Returns whether gradients are reduced in this backward (False
@@ -172,12 +194,15 @@ class GradReducer:
 
     def _backward_done(self) -> None:
         self._callback_queued = False
+        for fn in self._before_end:
+            fn()
         if self._pass_open:
             self._end_pass()
         for fn in self._listeners:
             fn()
 
     def _begin_pass(self, kind: int = _PASS) -> None:
+        self._unused = bytearray(len(self.flat.params))
         if self.check_counts:
             self._check_count()  # the previous pass's, if not checked yet
             self._count = _Count(self.executor, kind, self.steps, self.passes_since_step + 1)
@@ -269,13 +294,54 @@ class GradReducer:
         if self.stage == 2:
             p.grad = None
 
+    def mark_unused(self, params) -> None:
+        """Parameters (indices) that get no gradient in this pass on this rank, known when it
+        starts (stage 3: those of units this rank did not run in its forward), made ready at
+        once, as DDP's find_unused_parameters does: their buckets are released in order
+        without waiting for the end of backward, which a peer that used them would wait for.
+        A bucket they fill entirely is reduced from zeros without a buffer of its own and
+        without waiting, so this never blocks."""
+        if not self._pass_open:
+            return
+        with torch.no_grad():
+            for i in params:
+                if self._copied[i]:
+                    continue
+                if self.flat.params[i].grad is not None:
+                    self._copy_in(i)  # accumulated under no_sync(): it goes with this pass
+                else:
+                    self._unused[i] = 1
+                for b in self.schedule.grad_ready(i):
+                    self._launch(b)
+
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """numel zeros of dtype, read-only, shared by every all-zero bucket."""
+        z = self._zero_input.get(dtype)
+        if z is None or z.numel() < numel:
+            z = self._zero_input[dtype] = torch.zeros(numel, dtype=dtype, device=self.flat.device)
+        return z[:numel]
+
     def _launch(self, b: int) -> None:
+        ps = self.flat.bucket_params[b]
+        if b not in self._open and all(self._unused[i] for i in ps):
+            # nothing of this bucket on this rank (mark_unused): zeros in, and no wait; one
+            # shared zero tensor where the executor's reduce-scatter leaves its input alone
+            numel, dtype = self.flat.bucket_numel[b], self.grads.dtype_of[b]
+            if getattr(self.executor, "reduce_scatter_keeps_input", False):
+                self._launch_from(b, self._zeros(numel, dtype), pooled=False)
+            else:
+                self._launch_from(b, self._pool.take(numel, dtype).zero_(), pooled=True)
+            return
         buf = self._bucket_buffer(b)
         self._open.pop(b)
         for i in self.flat.bucket_params[b]:
             if not self._copied[i]:  # no gradient on this rank: reduce zeros
                 lo = self.flat.param_offset[i]
                 buf[lo:lo + self.flat.param_numel[i]].zero_()
+        self._launch_from(b, buf, pooled=True)
+        self._retire(block_over=self.max_in_flight)
+
+    def _launch_from(self, b: int, buf: torch.Tensor, pooled: bool) -> None:
         piece = self.grads.piece(b)
         describe = getattr(self.flat, "describe_bucket", None)
         what = (f"reduce-scatter of the gradients of "
@@ -286,8 +352,7 @@ class GradReducer:
             tmp = torch.empty_like(piece)
             work = issue(what, self.executor.reduce_scatter, tmp, buf)
             work = Work(work, lambda piece=piece, tmp=tmp: piece.add_(tmp), what=what)
-        self._in_flight.append((work, buf))
-        self._retire(block_over=self.max_in_flight)
+        self._in_flight.append((work, buf if pooled else None))
 
     def _retire(self, block_over: int) -> None:
         """Finishes completed reductions in order, and waits while more than `block_over` are
@@ -298,7 +363,8 @@ class GradReducer:
                                    or self._in_flight[0][0].is_completed()):
             work, buf = self._in_flight.pop(0)
             work.wait()
-            self._pool.give(buf)
+            if buf is not None:
+                self._pool.give(buf)
 
     # -- what the optimizer asks -------------------------------------------------------------
 
@@ -314,11 +380,26 @@ class GradReducer:
             self._count = _Count(self.executor, _STEP, self.steps, self.passes_since_step)
             self._check_count()
         self._retire(block_over=0)
+        # the update of the parameter shards follows: one-sided readers wait for its end
+        self._updating = True
+        getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
         if self._used_pending is not None:
             self._used_pending.wait()
             self._used_pending = None
         self._finished = True
         return self._global_used
+
+    def announce_forward(self, eval_forward: bool) -> None:
+        """Stage 3, at the start of a forward whose gathers are collective: every rank must be
+        starting the same forward (compared now, before any gather)."""
+        if not self.check_counts:
+            return
+        self._check_count()
+        if not eval_forward:
+            self.forwards_since_step += 1
+        self._count = _Count(self.executor, _EVAL_FORWARD if eval_forward else _FORWARD,
+                             self.steps, self.forwards_since_step)
+        self._check_count()
 
     def _check_count(self) -> None:
         """Raises on every rank if the ranks' last pass or step announcements differ."""
@@ -326,12 +407,20 @@ class GradReducer:
         if count is not None:
             count.check()
 
+    def _end_update(self) -> None:
+        if self._updating:
+            self._updating = False
+            getattr(self.flat, "end_update", lambda steps: None)(self.steps)
+
     def after_step(self) -> None:
         self.passes_since_step = 0
+        self.forwards_since_step = 0
         self.steps += 1
+        self._end_update()
         self._finished = False
 
     def zero_grad(self, set_to_none: bool) -> None:
+        self._end_update()  # finish() without a step (clip_grad_norm_ alone): nothing changed
         self._finished = False
         self._retire(block_over=0)
         self.grad_shard_valid = False

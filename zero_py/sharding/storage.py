@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from zero_py.collectives.peer_memory import PeerMemory
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.layout import FlatLayout
 
@@ -123,7 +124,8 @@ class PieceStore:
     are not fp32 (an fp32 parameter piece is its own master)."""
 
     def __init__(self, flat: FlatLayout, dtype_of: Callable[[int], Optional[torch.dtype]],
-                 device: torch.device):
+                 device: torch.device, allocate: Optional[Callable[[Dict[torch.dtype, int]],
+                                                                   Optional[dict]]] = None):
         self.dtype_of = [dtype_of(b) for b in range(flat.n_buckets)]
         sizes: Dict[torch.dtype, int] = {}
         self._offset: List[int] = []
@@ -131,16 +133,21 @@ class PieceStore:
             self._offset.append(sizes.get(dtype, 0))
             if dtype is not None:
                 sizes[dtype] = sizes.get(dtype, 0) + flat.bucket_shard_numel[b]
-        self.tensors = {dtype: torch.zeros(n, dtype=dtype, device=device)
-                        for dtype, n in sizes.items()}
+        self.sizes = sizes
+        # allocate(sizes) may place the tensors (zeros) elsewhere, e.g. in shared memory
+        tensors = allocate(sizes) if allocate is not None else None
+        self.tensors = tensors if tensors is not None else {
+            dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         self._numel = flat.bucket_shard_numel
 
-    def piece(self, b: int) -> Optional[torch.Tensor]:
+    def piece(self, b: int, tensors: Optional[dict] = None) -> Optional[torch.Tensor]:
+        """Bucket b's piece in this store's tensors (or in `tensors`, laid out alike: a peer's
+        copy of the store)."""
         dtype = self.dtype_of[b]
         if dtype is None:
             return None
         lo = self._offset[b]
-        return self.tensors[dtype][lo:lo + self._numel[b]]
+        return (tensors or self.tensors)[dtype][lo:lo + self._numel[b]]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -194,7 +201,14 @@ class ShardedParams(FlatLayout):
             self.unit_buckets[u].append(b)
         self.unit_bytes = [sum(self.bucket_numel[b] * self.bucket_dtype(b).itemsize
                                for b in bs) for bs in self.unit_buckets]
-        self.shards = PieceStore(self, self.bucket_dtype, self.device)
+        # the shards in memory every rank of the host maps where it can (PeerMemory): a rank
+        # can then gather a unit alone (gather_one_sided), e.g. for a no_grad forward of its own
+        self.peers: Optional[PeerMemory] = None
+
+        def allocate(sizes):
+            self.peers = PeerMemory.create(executor, sizes)
+            return self.peers.tensors(self.rank) if self.peers is not None else None
+        self.shards = PieceStore(self, self.bucket_dtype, self.device, allocate)
         for p, shape in zip(self.params, self.param_shapes):
             p._zero_py_shape = shape  # full_shape(p): the shape between uses is 1-D
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -266,6 +280,39 @@ class ShardedParams(FlatLayout):
             self._expose(b)
         return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
                      self.shards.piece(b))
+
+    @property
+    def one_sided(self) -> bool:
+        """Whether a bucket can be gathered by this rank alone (gather_one_sided)."""
+        return self.peers is not None
+
+    def gather_one_sided(self, b: int, what: str) -> Work:
+        """Bucket b's full values copied out of every rank's shards in shared memory, with no
+        collective: the peers take no part. Waits (up to the group's timeout) for a peer that
+        is still updating its shards in the current step. Done when it returns."""
+        self.peers.wait_for_peers(what)
+        buf = self._buffers[b]
+        if not self._exposed[b]:
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            self.meter.add(buf.numel() * buf.element_size())
+            self._exposed[b] = True
+            self._expose(b)
+        n = self.bucket_shard_numel[b]
+        with torch.no_grad():
+            for q in range(self.world_size):
+                buf[q * n:(q + 1) * n].copy_(self.shards.piece(b, self.peers.tensors(q)))
+        return Work(what=what)
+
+    def begin_update(self, steps: int) -> None:
+        """The optimizer is about to update the shards in step `steps` (0-based): one-sided
+        readers on other ranks wait until end_update."""
+        if self.peers is not None:
+            self.peers.publish_version(2 * steps + 1)
+
+    def end_update(self, steps: int) -> None:
+        """The shards hold the values after `steps` steps."""
+        if self.peers is not None:
+            self.peers.publish_version(2 * steps)
 
     def free(self, b: int) -> None:
         """Releases bucket b's full values: its parameters are their shard slices again."""

@@ -73,6 +73,37 @@ def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
     return flat
 
 
+# the engine's phase between the backward's last gathers and the end of its pass (the C
+# schedule's phase is closed already)
+_BACKWARD_ENDING = -2
+
+
+def merge_orders(rows: List[List[int]], n_units: int) -> List[int]:
+    """One order of the units consistent with every rank's sequence of first uses (`rows`: per
+    rank, its length then the unit ids), the same on every rank: a topological order of "u came
+    right before v on some rank", the lowest unit id first among the units free to go (units no
+    rank used take their module order). Where ranks disagree (a cycle), the lowest id of what
+    is left goes next; the ranks that used the units otherwise then gather them on their own."""
+    after: List[Set[int]] = [set() for _ in range(n_units)]
+    before = [0] * n_units
+    for row in rows:
+        seq = row[1:1 + row[0]]
+        for a, b in zip(seq, seq[1:]):
+            if b not in after[a] and a != b:
+                after[a].add(b)
+                before[b] += 1
+    order: List[int] = []
+    done = [False] * n_units
+    while len(order) < n_units:
+        free = [u for u in range(n_units) if not done[u] and before[u] == 0]
+        u = free[0] if free else next(v for v in range(n_units) if not done[v])
+        done[u] = True
+        order.append(u)
+        for v in after[u]:
+            before[v] -= 1
+    return order
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the gradients of those inputs are
     computed, i.e. when the unit's backward is over."""
@@ -110,6 +141,9 @@ class Stage3Engine:
         self._order_pending = None
         self._hooks: list = []
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
+        self._to_free: List[int] = []  # freed once the backward's pass ended
+        self._backward_needs: Set[int] = set()  # units this backward will need
+        self._lazy: List[int] = []  # skipped units to free once their gathers completed
         self.raw = False  # True: model.state_dict() gives torch's own entries (the slices)
         n = len(units)
         unit_bytes = [max(sum(s.unit_bytes[u] for s in self.storages), 1) for u in range(n)]
@@ -120,9 +154,14 @@ class Stage3Engine:
             budget = kept + 2 * max([b for b, k in zip(unit_bytes, keep) if not k] or [0])
         self.prefetch = _C.Prefetch(unit_bytes, keep, int(budget))
         self._unit_bytes, self._budget = unit_bytes, int(budget)
-        self.prefetch.set_order(list(range(n)))
+        self._order: List[int] = []
+        self._keep = keep
+        self._schedule: List[int] = []  # the open phase's common sequence of gathers
+        self._cursor = 0  # how far this rank's scheduled gathers went along it
+        self._set_order(list(range(n)))
         for storage in self.storages:  # failed gathers name the unit's module
             storage.unit_names = [name for name, _ in units]
+        reducer.before_backward_end(self._drain_backward)
         reducer.on_backward_end(self._end_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         for u, (_, module) in enumerate(units):
@@ -217,21 +256,74 @@ class Stage3Engine:
         self._post_pending[u] -= 1
         if self._post_pending[u] == 0 and self._phase == _C.PF_BACKWARD:
             self._run(self.prefetch.done(u))
+            self._skip_ahead()
+
+    def _skip_ahead(self) -> None:
+        """In backward: gathers (and frees) at once the units of the schedule, from the
+        cursor on, that this rank will not need, up to the next one it will. Every rank
+        issues the common sequence of gathers; a rank that skips units would otherwise issue
+        theirs only when it needs a later unit or at the end of backward, while a peer that
+        needs them waits, and this rank may meanwhile wait for that peer's reductions: both
+        would wait for ever. Skipped at once, every gather a peer can need before this rank's
+        next wait is issued."""
+        self._reap()
+        while self._phase == _C.PF_BACKWARD and self._cursor < len(self._schedule):
+            u = self._schedule[self._cursor]
+            if u in self._backward_needs:
+                return
+            self._run(self.prefetch.need(u), lazy=True)
+            if self._cursor < len(self._schedule) and self._schedule[self._cursor] == u:
+                self._cursor += 1  # resident already: passed without a gather
+            self._run(self.prefetch.done(u), lazy=True)
+
+    def _reap(self, block: bool = False) -> None:
+        """Frees the skipped units whose gathers completed (all of them with block)."""
+        for u in list(self._lazy):
+            if block or all(w.is_completed() for w in self._pending.get(u, ())):
+                self._lazy.remove(u)
+                self._free(u)
 
     # -- phases -------------------------------------------------------------------------------
 
-    def _begin_forward(self) -> None:
-        if self._phase is not None:  # a forward or backward that never ended (an exception)
+    def _set_order(self, order: List[int]) -> None:
+        self.prefetch.set_order(order)
+        self._order = list(order)
+
+    def _set_keep(self, keep: List[bool]) -> None:
+        self.prefetch.set_keep(keep)
+        self._keep = list(keep)
+
+    def _open_phase(self, phase: int) -> None:
+        """prefetch.begin(phase), and the phase's schedule as the C schedule has it
+        (prefetch.h): the order, or in backward the order reversed without the keep units."""
+        self.prefetch.begin(phase)
+        if phase == _C.PF_BACKWARD:
+            self._schedule = [u for u in reversed(self._order) if not self._keep[u]]
+        else:
+            self._schedule = list(self._order)
+        self._cursor = 0
+
+    def _close_phase(self) -> None:
+        """Ends a phase left open (a forward or backward that raised, a partial forward)."""
+        self._reap(block=True)
+        if self._phase == _BACKWARD_ENDING:
+            for u in self._to_free:
+                self._free(u)
+            self._to_free = []
+        elif self._phase is not None:
             self._run(self.prefetch.end())
-            self._phase = None
+        self._phase = None
+
+    def _begin_forward(self) -> None:
+        self._close_phase()
         if self._order_pending is not None:
-            work, positions = self._order_pending
+            work, rows = self._order_pending
             work.wait()
             self._order_pending = None
-            n = len(self.units)
-            ranked = sorted((n - int(v), k) for k, v in enumerate(positions.tolist()) if v > 0)
-            order = [k for _, k in ranked]
-            self.prefetch.set_order(order)
+            rows = rows.tolist()
+            order = merge_orders(rows, len(self.units))
+            used = {u for row in rows for u in row[1:1 + row[0]]}
+            self._set_order(order)
             if self.reshard_after_forward:
                 # the last units of the forward are the first of the backward: keep them
                 # gathered in between rather than free them and gather them again at once.
@@ -239,58 +331,122 @@ class Stage3Engine:
                 # or after it), and the ones before it while they fit in what the prefetch
                 # budget lets backward hold beside the root (by default the root plus two
                 # units: the last two), so the peak stays the budget's
+                n = len(self.units)
                 keep = [u == 0 for u in range(n)]
                 room = self._budget - self._unit_bytes[0]
-                for k in reversed([k for k in order if k != 0]):
+                for k in reversed([k for k in order if k != 0 and k in used]):
                     if any(keep[1:]) and self._unit_bytes[k] > room:
                         break
                     keep[k] = True
                     room -= self._unit_bytes[k]
-                self.prefetch.set_keep(keep)
-        self._phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
-        self.prefetch.begin(self._phase)
+                self._set_keep(keep)
+        phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
+        if phase == _C.PF_FORWARD or not all(s.one_sided for s in self.storages):
+            # its gathers are collective: every rank must be starting this forward (a no_grad
+            # forward gathers alone where the shards are in shared memory)
+            self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL)
+        self._phase = phase
+        self._open_phase(self._phase)
         self._post_pending = [0] * len(self.units)
 
     def _begin_backward(self) -> None:
-        if self._phase is not None:  # the model's forward did not end (a partial forward)
-            self._run(self.prefetch.end())
+        self._close_phase()
         self._phase = _C.PF_BACKWARD
-        self.prefetch.begin(_C.PF_BACKWARD)
-        self.reducer.begin_pass()  # queues the end of backward, which calls _end_backward
+        self._open_phase(_C.PF_BACKWARD)
+        if self.reducer.begin_pass():  # queues the end of backward, which calls _end_backward
+            # the units this rank's forward did not run give no gradient: their buckets go
+            # now, as DDP's find_unused_parameters, not at the end (peers that ran them wait)
+            ran = set(self.prefetch.seen()) | {self.persistent_unit}
+            self.reducer.mark_unused(i for i, u in enumerate(self.flat.param_unit)
+                                     if u not in ran)
+        # and backward needs no unit that its forward did not run (recomputation included):
+        # those are gathered and freed as the schedule reaches them (_skip_ahead)
+        self._backward_needs = set(self.prefetch.seen()) | {0}
+        self._skip_ahead()
+
+    def _drain_backward(self) -> None:
+        """At the end of backward, before the reducer's last reductions: issues the gathers
+        left in the phase's schedule (every rank issues them: a rank that skipped units must
+        not make its peers wait for them while it waits for reductions); their frees, which
+        wait for them, come after (_end_backward)."""
+        self._to_free = []
+        if self._phase != _C.PF_BACKWARD:
+            return
+        for kind, u in self.prefetch.end():
+            if kind == _C.PF_GATHER:
+                self._gather(u, self._scheduled(u))
+            else:
+                self._to_free.append(u)
+        self._phase = _BACKWARD_ENDING
 
     def _end_backward(self) -> None:
         """After the reducer ended this backward's pass (or skipped it under no_sync())."""
-        if self._phase != _C.PF_BACKWARD:
+        if self._phase != _BACKWARD_ENDING:
             return  # a backward through none of this model's units
         with torch.no_grad():
-            self._run(self.prefetch.end())
+            self._reap(block=True)
+            for u in self._to_free:
+                self._free(u)
+            self._to_free = []
             self._phase = None
             self._post_pending = [0] * len(self.units)
-            # agree on the next order: each unit's first-use position on any rank
+            # agree on the next order: every rank's sequence of first uses (one row each of a
+            # SUM all-reduce), merged on every rank alike (merge_orders)
             n = len(self.units)
-            positions = torch.zeros(n, dtype=torch.int64, device=self.executor.device)
+            rows = torch.full((self.executor.world_size, n + 1), 0, dtype=torch.int64)
             seen = self.prefetch.seen()
-            if seen:
-                positions[torch.tensor(seen, dtype=torch.int64)] = torch.arange(
-                    n, n - len(seen), -1, dtype=torch.int64).to(positions.device)
+            rows[self.executor.rank, 0] = len(seen)
+            rows[self.executor.rank, 1:1 + len(seen)] = torch.tensor(seen, dtype=torch.int64)
+            rows = rows.to(self.executor.device)
             work = issue("all-reduce of the units' order at the end of backward",
-                         self.executor.all_reduce_max, positions)
-            self._order_pending = (work, positions)
+                         self.executor.all_reduce, rows)
+            self._order_pending = (work, rows)
 
     # -- commands -----------------------------------------------------------------------------
 
-    def _run(self, commands) -> None:
+    def _run(self, commands, lazy: bool = False) -> None:
+        """Carries out the schedule's commands. lazy: a FREE waits for nothing; the unit is
+        freed once its gather completed (_reap), so a skipped unit never blocks this rank."""
         for kind, u in commands:
             if kind == _C.PF_GATHER:
-                self._gather(u)
+                if u in self._lazy:  # gathered again before its skipped gather was reaped
+                    self._lazy.remove(u)
+                    self._free(u)
+                self._gather(u, self._scheduled(u))
+            elif lazy and u in self._pending:
+                self._lazy.append(u)
             else:
                 self._free(u)
+
+    def _scheduled(self, u: int) -> bool:
+        """Whether the schedule's GATHER of u is one of the phase's common sequence (every
+        rank issues it, in the same place), rather than an unscheduled gather: u needed behind
+        the cursor or outside the order, by this rank only (prefetch.h). The scheduled gathers
+        walk the schedule in order, passing resident units, so the one of u lies ahead."""
+        try:
+            k = self._schedule.index(u, self._cursor)
+        except ValueError:
+            return False
+        self._cursor = k + 1
+        return True
 
     _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
                     _C.PF_BACKWARD: "the backward"}
 
-    def _gather(self, u: int) -> None:
+    def _gather(self, u: int, scheduled: bool = True) -> None:
+        """Starts gathering unit u: collectively, or from the peers' shards in shared memory
+        with no collective (a no_grad forward, which one rank may run alone, and a gather only
+        this rank makes) where the storages allow it."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
+        alone = ((self._phase == _C.PF_FORWARD_EVAL or not scheduled)
+                 and all(s.one_sided for s in self.storages))
+        if alone:
+            self._pending[u] = [
+                s.gather_one_sided(b, f"one-sided gather of {s.describe_bucket(b)} for {phase}")
+                for s in self.storages for b in s.unit_buckets[u]]
+            return
+        # collective: right where every rank makes the same unscheduled gathers (a unit run
+        # twice per forward on every rank); across hosts, ranks must agree on them
         works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
         self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
 
