@@ -152,8 +152,9 @@ class Block(nn.Module):
 COMPILED = [(1, "model"), (2, "model"), (3, "units"), (3, "model")]
 
 
-def _compiled(rank, world_size):
-    """Each stage eager, then compiled, from the same values on the same batches."""
+def _compiled(rank, world_size, variants):
+    """Each stage of `variants` eager, then compiled, from the same values on the same
+    batches."""
 
     def train(stage, compiled):
         torch.manual_seed(SEED)
@@ -174,9 +175,9 @@ def _compiled(rank, world_size):
             losses.append(loss.item())
         return losses, zero_py.full_state_dict(zm)
 
-    eager = {stage: train(stage, None) for stage in (1, 2, 3)}
+    eager = {stage: train(stage, None) for stage in sorted({v[0] for v in variants})}
     out = {}
-    for stage, what in COMPILED:
+    for stage, what in variants:
         try:
             losses, sd = train(stage, what)
         except Exception as exc:  # noqa: BLE001 - recorded: the test says what the user sees
@@ -192,7 +193,7 @@ def _compiled(rank, world_size):
 
 @pytest.fixture(scope="module")
 def compiled():
-    return distributed.run(_compiled, 2)
+    return distributed.run(_compiled, 2, COMPILED[:3])
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +261,9 @@ def test_torch_compile_matches_eager(compiled, stage, what):
     "with 'AssertionError: wrong number of dimensions2 for op: input' (docs/tools.md). Wrapping "
     "the engine's module hooks in torch._dynamo.disable makes it work (tried); when that lands, "
     "this passes: drop the mark"))
-def test_torch_compile_whole_model_stage3(compiled):
-    for rank, res in enumerate(compiled):
+@pytest.mark.slow  # inductor compiles much of the model before it fails: ~15-30 s
+def test_torch_compile_whole_model_stage3():
+    for rank, res in enumerate(distributed.run(_compiled, 2, COMPILED[3:])):
         r = res[3, "model"]
         assert "error" not in r, (rank, r["error"])
         assert r["loss_rel"] < 1e-5, (rank, r)
