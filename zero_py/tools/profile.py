@@ -18,7 +18,8 @@ reducer, update, parameter storage, stage-3 engine) by wrapping those instances'
 the duration of the block, and removed on exit; the classes and other instances are untouched,
 and values are unchanged (tests/test_profile.py compares the losses with an unprofiled run).
 A method that an object does not have is skipped: `installed` on the handle lists the labels
-that were placed.
+that were placed. Build LR schedulers before the block: one built inside wraps the labelled
+optimizer.step, and that wrapper goes when the label is removed.
 """
 
 from __future__ import annotations
