@@ -5,8 +5,9 @@
   after every step equal DDP's.
 - A rank-local no_grad forward (evaluation on rank 0 only), between training steps: its output
   equals the DDP module's, and training goes on to DDP's result.
-- A different number of backward passes per step on one rank: every rank raises a RuntimeError
-  that says so, within the process group's timeout.
+- A different number of backward passes per step on one rank, and a no_grad forward on one rank
+  alone where the ranks do not share memory (ZP_SHM=0): every rank raises a RuntimeError that
+  says so, at once (the process group's timeout is 20 s; they take about a second).
 
 Every scenario of one world size runs in one set of processes.
 """
@@ -123,6 +124,25 @@ def _local_eval(rank, world):
     return {"evals": evals, "rel": _params_rel(zm, ddp.module)}
 
 
+def _local_eval_across_hosts(rank, world):
+    import os
+
+    os.environ["ZP_SHM"] = "0"  # as if the ranks were on several hosts: no shared memory
+    ddp, ref_opt, zm, zopt = _pair(rank)
+    gen = torch.Generator().manual_seed(10 + rank)
+    x, y = _batch(gen)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                zm(x, y)
+        zm(x, y).backward()
+        zopt.step()
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+
+
 def _extra_backward(rank, world):
     ddp, ref_opt, zm, zopt = _pair(rank)
     gen = torch.Generator().manual_seed(10 + rank)
@@ -154,6 +174,15 @@ def test_rank_local_no_grad_forward_works():
     assert len(res[0]["evals"]) == 4
     for r in res:
         assert r["rel"] < RTOL, r
+
+
+def test_a_rank_local_no_grad_forward_without_shared_memory_is_refused_on_every_rank():
+    """Across hosts a no_grad forward's gathers are collective: one rank's alone is refused on
+    every rank before any gather starts, not left to time out."""
+    for rank, r in enumerate(distributed.run(_local_eval_across_hosts, 2)):
+        assert r["error"] is not None, (rank, "the lone forward went unnoticed")
+        assert "no_grad forward" in r["error"] and "one host" in r["error"], r["error"]
+        assert r["seconds"] < 10, r
 
 
 def test_a_different_number_of_backward_passes_is_refused_on_every_rank():

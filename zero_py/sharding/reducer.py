@@ -71,7 +71,7 @@ class _Count:
         ws = executor.world_size
         self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
         self.rows[executor.rank] = torch.tensor([kind, step, passes], dtype=torch.int64)
-        self.work = issue(f"all-reduce of the ranks' backward-pass counts at the start of a "
+        self.work = issue(f"all-reduce of the ranks' pass counts at the start of a "
                           f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
         self.rank = executor.rank
 
