@@ -14,8 +14,10 @@ from zero_py.optim.lion import Lion
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.tools.estimate import MemoryEstimate, estimate_memory
+from zero_py.tools.profile import profile
 
 __version__ = "0.1.0"
 __all__ = ["ZeroOptimizer", "initialize", "gathered", "full_state_dict", "full_shape",
            "LossScaler", "Lion", "kernels", "save_checkpoint", "load_checkpoint",
-           "CheckpointError", "estimate_memory", "MemoryEstimate", "__version__"]
+           "CheckpointError", "estimate_memory", "MemoryEstimate", "profile",
+           "__version__"]

@@ -256,8 +256,35 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
     _start_buffers(model, opt, broadcast_buffers)
+    if dp.world_size > 1 and _takes_synced_gpus(model):
+        model.generate = _SyncedGenerate(model)
     model._zero_py = opt
     return model, opt
+
+
+def _takes_synced_gpus(model: nn.Module) -> bool:
+    """Whether the model's class has a generate() with transformers' synced_gpus keyword."""
+    generate = getattr(type(model), "generate", None)
+    if not callable(generate):
+        return False
+    try:
+        return "synced_gpus" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _SyncedGenerate:
+    """model.generate under stage 3 with several ranks: synced_gpus=True unless the caller
+    passes it. Every forward gathers parameters collectively, so a rank that has finished
+    generating must keep running forwards until all have: transformers turns this on by itself
+    only for DeepSpeed and FSDP. A class, not a closure, so that torch.save(model) pickles."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return type(self.model).generate(self.model, *args, **kwargs)
 
 
 # ZeroOptimizer's own settings (the rest of initialize's keywords go to the optimizer class)

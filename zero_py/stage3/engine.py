@@ -43,6 +43,12 @@ from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import GatherMeter, ShardedParams
 
 
+def _not_traced(fn):
+    """fn, run eagerly under torch.compile (torch._dynamo.disable) where torch has dynamo."""
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo.disable(fn) if dynamo is not None and hasattr(dynamo, "disable") else fn
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (e.g. the forward
     that activation checkpointing recomputes)."""
@@ -175,15 +181,18 @@ class Stage3Engine:
 
     # -- hooks --------------------------------------------------------------------------------
 
+    # The hooks swap each parameter between its 1-D shard slice and its full view: dynamo must
+    # not trace them (its graphs do not guard against the swap, and torch.compile(model) then
+    # fails in inductor's size asserts), so they run eagerly between the compiled parts.
     def _make_pre_forward(self, u: int):
         def hook(module, args, kwargs):
             return self._pre_forward(u, args, kwargs)
-        return hook
+        return _not_traced(hook)
 
     def _make_post_forward(self, u: int):
         def hook(module, args, output):
             return self._post_forward(u, output)
-        return hook
+        return _not_traced(hook)
 
     def _pre_forward(self, u: int, args, kwargs):
         if _in_backward():
