@@ -1,8 +1,8 @@
 """Stage 3 under control flow that differs between ranks, against DDP(find_unused_parameters=True).
 
 - Units skipped by some ranks on some steps, up to every unit but the root on a step (an
-  unused expert, a rank whose micro-batch routes nowhere), at 2 and 3 ranks: the parameters
-  after every step equal DDP's.
+  unused expert, a rank whose micro-batch routes nowhere), and a unit run twice by one rank
+  only, at 2 and 3 ranks: the parameters after every step equal DDP's.
 - A rank-local no_grad forward (evaluation on rank 0 only), between training steps: its output
   equals the DDP module's, and training goes on to DDP's result.
 - A different number of backward passes per step on one rank, and a no_grad forward on one rank
@@ -50,11 +50,13 @@ class Experts(nn.Module):
         self.experts = nn.ModuleList(Expert(d) for _ in range(n_experts))
         self.head = nn.Linear(d, vocab)
 
-    def forward(self, idx, targets, active=None):
+    def forward(self, idx, targets, active=None, twice=()):
         h = self.emb(idx)
         for k, expert in enumerate(self.experts):
             if active is None or k in active:
                 h = h + expert(h)
+                if k in twice:  # an expert this rank runs again
+                    h = h + expert(h)
         logits = self.head(h)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            targets.reshape(-1))
@@ -97,8 +99,11 @@ def _skipped_units(rank, world):
     for step in range(STEPS):
         x, y = _batch(gen)
         active = _active(rank, step)
+        twice = set()
+        if rank == 0 and step % 3 == 1:  # its first expert twice, the other ranks' once
+            twice = {0} if active is None else set(sorted(active)[:1])
         for model, opt in ((ddp, ref_opt), (zm, zopt)):
-            model(x, y, active).backward()
+            model(x, y, active, twice).backward()
             opt.step()
             opt.zero_grad()
         rel.append(_params_rel(zm, ddp.module))
