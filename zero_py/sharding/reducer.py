@@ -27,7 +27,12 @@ the others). Every pass and every step therefore begins with a small all-reduce 
 (what, step, pass) (_Count): the first collective of a pass or step, so it always meets its
 peers' own, and a mismatch raises on every rank naming each rank's count, before the
 mismatched collectives are waited for. Stage 3 waits for it at once (its backward gathers are
-collective: a rank must not start them alone); stage 2 at its first blocking wait.
+collective: a rank must not start them alone); stage 2 at its first blocking wait. Stage 3
+also announces each training forward (announce_forward), whose gathers are collective too.
+
+Stage 3 tells the reducer, as a backward starts, which parameters get no gradient on this rank
+(mark_unused: the units its forward did not run); their buckets are reduced from zeros at once
+instead of at the end of backward, which a peer that ran those units would wait for.
 """
 
 from __future__ import annotations

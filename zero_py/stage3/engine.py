@@ -20,12 +20,20 @@ reducer owns the end-of-backward callback and calls the engine after it.
 
 Every rank must issue its all-gathers in the same sequence. The schedule guarantees it for the
 gathers it schedules (the recorded order, drained at the end of each phase), whatever each
-rank's own path; the order itself is merged over ranks after every backward (a MAX all-reduce of
-first-use positions), so units that some ranks skip are still gathered by all. Gathers run on
-an executor channel of their own (collectives.channel), so their timing never interleaves
-differently with the reductions across ranks. What cannot be made consistent is a unit that
-ranks call a different number of times, or in a different relative order, in the same step:
-that is an error in the user's program under any ZeRO-3 (documented in docs/stage3.md).
+rank's own path; the order itself is merged over ranks after every backward (merge_orders: a
+topological order of every rank's first uses), so units that some ranks skip are still gathered
+by all. Gathers run on an executor channel of their own (collectives.channel). Two channels
+can deadlock when a rank waits on one for a peer that waits on the other, so in backward a rank
+issues the gathers of units its forward did not run as soon as the schedule reaches them
+(_skip_ahead, freed once complete, never waited for there), the reducer sends those units'
+gradients as zeros at once (GradReducer.mark_unused, DDP's find_unused_parameters), and the
+backward's last gathers are issued before its last reductions are waited for
+(_drain_backward). A gather only this rank makes (a no_grad forward, which a rank may run
+alone; a unit reached out of the order, or run twice by this rank only) copies every rank's
+shard out of shared memory, with no collective, where the ranks share a host
+(ShardedParams.gather_one_sided); elsewhere such gathers are collective, and a no_grad forward
+is announced first (GradReducer.announce_forward) so that one rank's alone is refused on every
+rank. docs/stage3.md, "Control flow that differs between ranks".
 """
 
 from __future__ import annotations
