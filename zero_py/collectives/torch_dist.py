@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zero_py.collectives import shm
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.shm import HostAllGather
-from zero_py.collectives.timeout import group_timeout_s
+from zero_py.collectives.timeout import group_timeout, group_timeout_s
 from zero_py.collectives.work import AllOf, Work, issue
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
@@ -194,7 +194,8 @@ class TorchDistExecutor:
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input)
         sends = [input] * self.world_size
-        return Work(AllOf(self._exchange(sends, chunks, _P2P_TAG_ALL_GATHER)))
+        return Work(AllOf(self._exchange(sends, chunks, _P2P_TAG_ALL_GATHER), group_timeout(
+            self.group)))
 
     def _p2p_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         n, me = self.world_size, self.rank
@@ -230,7 +231,7 @@ class TorchDistExecutor:
                 output.add_(part)
             if scratch is not None:
                 self._scratch.give(scratch)
-        return Work(AllOf(works), finish)
+        return Work(AllOf(works, group_timeout(self.group)), finish)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         if self.world_size == 1:

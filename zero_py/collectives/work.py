@@ -114,18 +114,24 @@ class Work:
 
 
 class AllOf:
-    """Several handles as one: wait() waits for them all, in order."""
+    """Several handles as one: wait() waits for them all, in order. `timeout` (a timedelta, or
+    None) is handed to each torch.distributed handle's wait: the group's timeout as it is now,
+    which gloo's point-to-point waits would otherwise take from when the group connected."""
 
-    __slots__ = ("_handles",)
+    __slots__ = ("_handles", "_timeout")
 
-    def __init__(self, handles: Sequence[Handle]):
+    def __init__(self, handles: Sequence[Handle], timeout=None):
         self._handles = list(handles)
+        self._timeout = timeout
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
 
     def wait(self) -> None:
         for h in self._handles:
-            h.wait()
+            if self._timeout is not None:
+                h.wait(self._timeout)
+            else:
+                h.wait()
         self._handles = []
 
