@@ -218,9 +218,10 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
         groups = _check(ck, model, opt, held, strict)
         with torch.no_grad():
             plan = _plan(ck, opt, held)
-            if verify:  # this rank's share of the files, and what it needs of them on the way
-                files = sorted(ck.manifest["files"])
-                ck.verify(files[ex.rank::ex.world_size], plan.segments)
+            # this rank's share of the files, checked (verify) and read whole in one pass
+            # (sequential reads), taking what it needs of them on the way
+            files = sorted(ck.manifest["files"])
+            ck.verify(files[ex.rank::ex.world_size], plan.segments, check=verify)
     except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
     if error is not None and ck is not None:
