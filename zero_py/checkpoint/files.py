@@ -24,7 +24,7 @@ import shutil
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -143,30 +143,56 @@ def read_header(path: str) -> dict:
     return header
 
 
-def file_crc32c(path: str, on_chunk: Optional[Callable[[int, memoryview], None]] = None) -> int:
-    """CRC-32C of a whole file. A thread reads up to _READ_AHEAD chunks ahead while this one
-    sums (and hands on) the ones read (both release the GIL), so the check costs about the
-    read alone. on_chunk(offset, bytes) sees every chunk as it passes (a load takes what it
-    needs from the same read)."""
-    crc = 0
-    offset = 0
-    bufs = [bytearray(_READ_CHUNK) for _ in range(_READ_AHEAD + 1)]
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
-        pending = collections.deque(pool.submit(f.readinto, bufs[k]) for k in range(_READ_AHEAD))
-        k = 0
-        while True:
-            n = pending.popleft().result()
+def file_crc32c(path: str, targets: Sequence[Tuple[int, int, memoryview]] = ()) -> int:
+    """CRC-32C of a whole file, read front to back once. `targets` (sorted, disjoint
+    (begin, end, bytes view) of the file's byte ranges) are read straight into their views; the
+    rest goes through a few reusable chunk buffers. A thread reads up to _READ_AHEAD pieces
+    ahead while this one sums the ones read (both release the GIL), so the check costs about
+    the read alone, and a load gets what it needs from the same read without a copy."""
+    size = os.path.getsize(path)
+    pieces: List[memoryview] = []  # the file, in order: target views and bounce chunks
+    bounce = [memoryview(bytearray(_READ_CHUNK)) for _ in range(_READ_AHEAD + 1)]
+    n_bounce = 0
+    at, k = 0, 0
+    while at < size:
+        if k < len(targets) and targets[k][0] == at:
+            begin, end, view = targets[k]
+            for lo in range(0, end - begin, _READ_CHUNK):
+                pieces.append(view[lo:lo + _READ_CHUNK])
+            at, k = end, k + 1
+            continue
+        stop = min(size, at + _READ_CHUNK, targets[k][0] if k < len(targets) else size)
+        pieces.append(bounce[n_bounce % len(bounce)][:stop - at])
+        n_bounce += 1
+        at = stop
+    if k < len(targets):
+        raise OSError(errno.EIO, f"{path} ends at byte {size}, before bytes {targets[k][0]}.. "
+                      "that it should hold: it is truncated")
+
+    def read_piece(view: memoryview, f) -> int:
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
             if not n:
-                return crc
-            # the buffer read last goes back in the queue once this one is consumed: the
-            # thread reads chunks in order, each into the buffer after the one before
-            pending.append(pool.submit(f.readinto, bufs[(k + _READ_AHEAD) % len(bufs)]))
-            chunk = memoryview(bufs[k])[:n]
-            crc = _C.crc32c(chunk, crc)
-            if on_chunk is not None:
-                on_chunk(offset, chunk)
-            offset += n
-            k = (k + 1) % len(bufs)
+                break
+            got += n
+        return got
+
+    crc = 0
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
+        # a bounce buffer is reused _READ_AHEAD + 1 pieces later at the earliest: the pieces in
+        # flight and the one being summed never share one
+        pending = collections.deque()
+        for i, piece in enumerate(pieces):
+            pending.append((piece, pool.submit(read_piece, piece, f)))
+            if len(pending) <= _READ_AHEAD and i + 1 < len(pieces):
+                continue
+            while pending and (len(pending) > _READ_AHEAD or i + 1 == len(pieces)):
+                view, fut = pending.popleft()
+                if fut.result() != len(view):
+                    raise OSError(errno.EIO, f"{path} ended early: it is truncated")
+                crc = _C.crc32c(view, crc)
+    return crc
 
 
 def fsync_dir(path: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -139,13 +139,22 @@ class Checkpoint:
         for name in self.manifest["files"] if names is None else names:
             info = self.manifest["files"][name]
             fpath = os.path.join(self.path, name)
-            segs = sorted(by_file.get(name, ()), key=lambda x: x.fb)
+            segs, end = [], -1  # disjoint, in file order; an overlapping one is read later
+            for seg in sorted(by_file.get(name, ()), key=lambda x: x.fb):
+                if seg.fb >= end and seg.fe > seg.fb:
+                    segs.append(seg)
+                    end = seg.fe
             if not check and not segs:
                 continue
-            crc = f"{file_crc32c(fpath, _capture(segs) if segs else None):08x}"
+            try:
+                crc = f"{file_crc32c(fpath, [(g.fb, g.fe, g.dst) for g in segs]):08x}"
+            except OSError as exc:
+                raise CheckpointError(str(exc)) from None
             if check and crc != info["crc32c"]:
                 raise CheckpointError(f"{fpath} is damaged: its CRC-32C is {crc}, the manifest "
                                       f"says {info['crc32c']}")
+            for seg in segs:
+                seg.got = seg.fe - seg.fb
 
     def stage(self, kind: str, name: str, lo: int, hi: int,
               out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List["Segment"]]:
@@ -262,27 +271,6 @@ class Segment:
     fe: int
     dst: memoryview
     got: int = 0  # bytes filled so far
-
-
-def _capture(segs: List[Segment]) -> Callable[[int, memoryview], None]:
-    """on_chunk for file_crc32c: copies each chunk's part of the (sorted) segments."""
-    state = {"k": 0}
-
-    def on_chunk(offset: int, chunk: memoryview) -> None:
-        end = offset + len(chunk)
-        k = state["k"]
-        while k < len(segs) and segs[k].fe <= offset:
-            k += 1
-        state["k"] = k
-        while k < len(segs) and segs[k].fb < end:
-            seg = segs[k]
-            a, z = max(seg.fb, offset), min(seg.fe, end)
-            if a < z:
-                seg.dst[a - seg.fb:z - seg.fb] = chunk[a - offset:z - offset]
-                seg.got += z - a
-            k += 1
-
-    return on_chunk
 
 
 class _RawFile:
