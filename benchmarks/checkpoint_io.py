@@ -45,6 +45,7 @@ import zero_py
 from zero_py.tools.env import cpu_model
 from zero_py.checkpoint.files import wait_for_removals
 from zero_py.io import DirectFile, aligned_empty, default_engine
+from zero_py.io.engine import evict as evict_file
 
 
 
@@ -66,13 +67,7 @@ def evict(paths) -> None:
     for root in paths:
         for dirpath, _, files in os.walk(root) if os.path.isdir(root) else [("", [], [root])]:
             for name in files:
-                path = os.path.join(dirpath, name)
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+                evict_file(os.path.join(dirpath, name))
 
 
 def timed(fn) -> float:

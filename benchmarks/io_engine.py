@@ -25,17 +25,9 @@ import time
 
 from zero_py.tools.env import cpu_model
 from zero_py.io import DirectFile, IoEngine, aligned_empty
+from zero_py.io.engine import evict
 
 
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def engine_io(engine, path, nbytes, req_mib, depth, write) -> float:

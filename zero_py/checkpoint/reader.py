@@ -301,16 +301,8 @@ class _RawFile:
         return dtype
 
     def read_into(self, key: str, numel: int, a: int, z: int, out: torch.Tensor) -> None:
-        entry = self.header.get(key)
-        if not isinstance(entry, dict) or entry.get("dtype") not in ST_DTYPES \
-                or entry.get("shape") != [numel]:
-            raise CheckpointError(f"{self.path} lacks tensor {key} of {numel} elements that the "
-                                  "manifest places there")
-        dtype = ST_DTYPES[entry["dtype"]]
-        begin, end = entry["data_offsets"]
-        if end - begin != numel * dtype.itemsize:
-            raise CheckpointError(f"{self.path}: tensor {key} has {end - begin} bytes, not "
-                                  f"{numel} elements of {dtype}")
+        dtype = self.dtype_of(key, numel)
+        begin = self.header[key]["data_offsets"][0]
         direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
         dst = out if direct else torch.empty(z - a, dtype=dtype)
         view = memoryview(dst.view(torch.uint8).numpy()) if z > a else memoryview(b"")
