@@ -3,11 +3,14 @@ ranges of any parameter (load_checkpoint, consolidate and inspect all read throu
 
 Checkpoint.open reads manifest.json and every rank file's header (a few KB each) and refuses
 a checkpoint whose format, version, file sizes, file headers or save identity disagree with the
-manifest, naming the file and what is wrong. verify(files) reads those files whole and checks
-their CRC-32C (load_checkpoint shares the files out, one reader per file). read(kind, name, lo,
-hi) reads elements [lo, hi) of one parameter's values ("param"), fp32 master ("master") or
-per-element state ("state/<key>") from whichever files hold them, and only those bytes (the
-safetensors package maps the file and copies the slice).
+manifest, naming the file and what is wrong. stage(kind, name, lo, hi) plans a read of elements
+[lo, hi) of one parameter's values ("param"), fp32 master ("master") or per-element state
+("state/<key>"): a tensor and the file segments that fill it. verify(files, segments) reads
+those files whole, in order, checks their CRC-32C and fills the planned segments they hold
+straight from that read (load_checkpoint shares the files out, one reader per file); fill()
+reads the segments left with pread. read()/read_into() do both at once for one range
+(consolidate). Files are read with pread and read(), never mapped: mapped pages would count as
+the reader's resident memory. Buffers and `extra` (small) go through the safetensors package.
 """
 
 from __future__ import annotations
