@@ -32,22 +32,14 @@ import torch.distributed as dist
 import zero_py
 from zero_py.collectives.objects import gather_json
 from zero_py.examples.demo import TinyGPT
-from zero_py.tools.env import cpu_model
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from zero_py.tools.env import cpu_model, proc_status_kib
 
 
 def sample(step: int) -> dict:
     shm = [n for n in os.listdir("/dev/shm") if "zero_py" in n or n.startswith("zp")] \
         if os.path.isdir("/dev/shm") else []
-    return {"step": step, "rss_mib": status_kib("VmRSS") / 1024,
-            "fds": len(os.listdir("/proc/self/fd")), "threads": status_kib("Threads"),
+    return {"step": step, "rss_mib": proc_status_kib("VmRSS") / 1024,
+            "fds": len(os.listdir("/proc/self/fd")), "threads": proc_status_kib("Threads"),
             "shm_files": len(shm)}
 
 

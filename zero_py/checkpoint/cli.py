@@ -6,14 +6,6 @@ from __future__ import annotations
 import sys
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _reset_peak_rss() -> bool:
     """Resets the kernel's record of this process's peak RSS (Linux); False where it cannot."""
     try:
@@ -27,6 +19,8 @@ def _reset_peak_rss() -> bool:
 def _consolidate(args) -> int:
     import torch
 
+    from zero_py.tools.env import proc_status_kib
+
     from zero_py.checkpoint.consolidate import consolidate
     from zero_py.checkpoint.reader import CheckpointError
 
@@ -38,7 +32,7 @@ def _consolidate(args) -> int:
                   file=sys.stderr)
             return 2
     measured = _reset_peak_rss()  # the peak of consolidation alone, not of the imports
-    before = _status_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     try:
         sizes = consolidate(args.checkpoint, args.out, dtype, args.optimizer,
                             verify=not args.no_verify)
@@ -46,7 +40,7 @@ def _consolidate(args) -> int:
         print(f"consolidate: {exc}", file=sys.stderr)
         return 1
     memory = (f"; resident memory {before / 1024:.1f} MiB before, at most "
-              f"{_status_kib('VmHWM') / 1024:.1f} MiB during it" if measured else "")
+              f"{proc_status_kib('VmHWM') / 1024:.1f} MiB during it" if measured else "")
     print(f"wrote {args.out} ({sizes['weights']:,} bytes)"
           + (f" and {args.optimizer} ({sizes['optimizer']:,} bytes)" if args.optimizer else "")
           + memory)

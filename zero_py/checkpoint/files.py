@@ -124,8 +124,9 @@ def write_tensor_file(path: str, tensors: Sequence[Tuple[str, torch.Tensor]],
     return writer.close()
 
 
-def read_header(path: str) -> dict:
-    """The JSON header of a safetensors file (checked to be one), without reading its data."""
+def read_header(path: str) -> Tuple[dict, int]:
+    """The JSON header of a safetensors file (checked to be one) and the file offset where its
+    data starts, without reading the data."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -140,7 +141,7 @@ def read_header(path: str) -> dict:
             raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
-    return header
+    return header, 8 + n
 
 
 def file_crc32c(path: str, targets: Sequence[Tuple[int, int, memoryview]] = ()) -> int:

@@ -8,7 +8,7 @@ manifest, naming the file and what is wrong. stage(kind, name, lo, hi) plans a r
 ("state/<key>"): a tensor and the file segments that fill it. verify(files, segments) reads
 those files whole, in order, checks their CRC-32C and fills the planned segments they hold
 straight from that read (load_checkpoint shares the files out, one reader per file); fill()
-reads the segments left with pread. read()/read_into() do both at once for one range
+reads the segments left with pread. read_into() does both at once for one range
 (consolidate). Files are read with pread and read(), never mapped: mapped pages would count as
 the reader's resident memory. Buffers and `extra` (small) go through the safetensors package.
 """
@@ -75,6 +75,7 @@ class Checkpoint:
         self.params: Dict[str, dict] = manifest["params"]
         self._handles: Dict[str, Any] = {}
         self._raws: Dict[str, _RawFile] = {}
+        self._headers: Dict[str, Tuple[dict, int]] = {}  # file -> (header, data offset)
 
     @classmethod
     def open(cls, path) -> "Checkpoint":
@@ -113,7 +114,8 @@ class Checkpoint:
                 raise CheckpointError(f"{fpath} is missing")
             size = os.path.getsize(fpath)
             try:
-                meta = read_header(fpath).get("__metadata__") or {}
+                self._headers[name] = read_header(fpath)  # read once: _raw() takes it
+                meta = self._headers[name][0].get("__metadata__") or {}
             except ValueError as exc:
                 raise CheckpointError(f"{exc}: the file is truncated or damaged") from None
             # which save a file belongs to first: a file of another save has another size too
@@ -224,28 +226,16 @@ class Checkpoint:
         name = rank_file(rank)
         f = self._raws.get(name)
         if f is None:
-            f = self._raws[name] = _RawFile(os.path.join(self.path, name))
+            f = self._raws[name] = _RawFile(os.path.join(self.path, name), *self._headers[name])
         return f
 
     def read_into(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of parameter `name`'s `kind` into the 1-D tensor `out` (cast to
         its dtype and device), from every file that holds a part of them."""
-        done = 0
-        for rank, plo, phi in self.params[name]["pieces"]:
-            a, z = max(lo, plo), min(hi, phi)
-            if a >= z:
-                continue
-            self._raw(rank).read_into(f"{kind}/{name}", phi - plo, a - plo, z - plo,
-                                      out[a - lo:z - lo])
-            done += z - a
-        if done != hi - lo:
-            raise CheckpointError(f"{self.path}: the files hold {done} of elements [{lo}, {hi}) "
-                                  f"of {kind}/{name}")
-
-    def read(self, kind: str, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(hi - lo, dtype=dtype)
-        self.read_into(kind, name, lo, hi, out)
-        return out
+        t, segments = self.stage(kind, name, lo, hi, out)
+        self.fill(segments)
+        if t is not out:
+            out.copy_(t)
 
     def buffer(self, name: str) -> torch.Tensor:
         return self._handle(0).get_tensor(f"buffer/{name}")
@@ -277,16 +267,14 @@ class Segment:
 
 
 class _RawFile:
-    """Element ranges of the tensors of one safetensors file, read with pread into the
-    destination's memory. Not mapped: pages of a mapped file count in the reader's resident
-    memory until unmapped, and consolidation must stay near one tensor."""
+    """One rank file opened for pread (Checkpoint.fill): its header and descriptor. Not
+    mapped: pages of a mapped file count in the reader's resident memory until unmapped, and
+    consolidation must stay near one tensor."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, header: dict, data_start: int):
         self.path = path
-        self.header = read_header(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-        self.data_start = 8 + n
+        self.header = header  # as Checkpoint.open read it
+        self.data_start = data_start
         self.fd = os.open(path, os.O_RDONLY)
 
     def dtype_of(self, key: str, numel: int) -> torch.dtype:
@@ -302,23 +290,6 @@ class _RawFile:
             raise CheckpointError(f"{self.path}: tensor {key} has {end - begin} bytes, not "
                                   f"{numel} elements of {dtype}")
         return dtype
-
-    def read_into(self, key: str, numel: int, a: int, z: int, out: torch.Tensor) -> None:
-        dtype = self.dtype_of(key, numel)
-        begin = self.header[key]["data_offsets"][0]
-        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
-        dst = out if direct else torch.empty(z - a, dtype=dtype)
-        view = memoryview(dst.view(torch.uint8).numpy()) if z > a else memoryview(b"")
-        offset = self.data_start + begin + a * dtype.itemsize
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], offset + got)
-            if n <= 0:
-                raise CheckpointError(f"{self.path} ended early reading {key}: it is "
-                                      "truncated")
-            got += n
-        if not direct:
-            out.copy_(dst)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -28,19 +28,20 @@ import torch.distributed as dist
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
                                       wait_for_removals, write_tensor_file, write_text_durably)
-from zero_py.checkpoint.holdings import holdings, persistent_buffers
+from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
 
 
-def _rank_payload(model, opt, extra) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
+def _rank_payload(model, opt, held: Dict[str, Held], extra
+                  ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
     """This rank's tensors (file order) and its record for the manifest."""
     tensors: List[Tuple[str, torch.Tensor]] = []
     pieces: Dict[str, List[int]] = {}
     states: Dict[str, Dict[str, Any]] = {}
-    for name, h in holdings(model, opt).items():
+    for name, h in held.items():
         if h.hi == h.lo:
             continue
         pieces[name] = [h.lo, h.hi]
@@ -80,10 +81,9 @@ def _rank_payload(model, opt, extra) -> Tuple[List[Tuple[str, torch.Tensor]], Di
     return tensors, record
 
 
-def _manifest_base(model, opt, save_id: str) -> dict:
+def _manifest_base(model, opt, held: Dict[str, Held], save_id: str) -> dict:
     """Everything of the manifest but what the rank files report, read from the optimizer
     now (an asynchronous save finishes while training goes on)."""
-    held = holdings(model, opt)
     fp = opt._flat
     names = {id(p): n for n, p in model.named_parameters()}
     params: Dict[str, dict] = {}
@@ -284,10 +284,12 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
                  f"older (e.g. {base}_00100); {base!r} does not")
     tensors: List[Tuple[str, torch.Tensor]] = []
     record: Dict[str, Any] = {}
+    held: Dict[str, Held] = {}
     if error is None:
         try:
+            held = holdings(model, opt)
             with torch.no_grad():
-                tensors, record = _rank_payload(model, opt, extra)
+                tensors, record = _rank_payload(model, opt, held, extra)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = str(exc)
     agree(ex, error, "save_checkpoint")
@@ -312,7 +314,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             "world_size": str(ex.world_size), "step": str(step)}
     if record.get("extra") is not None:
         meta["extra"] = json.dumps(record["extra"])
-    manifest = _manifest_base(model, opt, save_id) if ex.rank == 0 else None
+    manifest = _manifest_base(model, opt, held, save_id) if ex.rank == 0 else None
     if not async_save:
         outcome = _finish(ex, path, tmp, tensors, record, meta, manifest, keep_last)
         if outcome is not None:

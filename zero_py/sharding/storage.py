@@ -272,14 +272,20 @@ class ShardedParams(FlatLayout):
     def gather(self, b: int) -> Work:
         """Starts the all-gather of bucket b into its buffer; its parameters become their full
         views at once (their values are valid after the returned work is waited on)."""
+        buf = self._unfree(b)
+        return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
+                     self.shards.piece(b))
+
+    def _unfree(self, b: int) -> torch.Tensor:
+        """Bucket b's gather buffer with its storage back and its parameters as full views
+        (the values arrive by a gather)."""
         buf = self._buffers[b]
         if not self._exposed[b]:
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             self.meter.add(buf.numel() * buf.element_size())
             self._exposed[b] = True
             self._expose(b)
-        return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
-                     self.shards.piece(b))
+        return buf
 
     @property
     def one_sided(self) -> bool:
@@ -291,12 +297,7 @@ class ShardedParams(FlatLayout):
         collective: the peers take no part. Waits (up to the group's timeout) for a peer that
         is still updating its shards in the current step. Done when it returns."""
         self.peers.wait_for_peers(what)
-        buf = self._buffers[b]
-        if not self._exposed[b]:
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            self.meter.add(buf.numel() * buf.element_size())
-            self._exposed[b] = True
-            self._expose(b)
+        buf = self._unfree(b)
         n = self.bucket_shard_numel[b]
         with torch.no_grad():
             for q in range(self.world_size):

@@ -16,6 +16,19 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def proc_status_kib(field: str) -> int:
+    """A kB field of this process's /proc/self/status (VmRSS, VmHWM, ...; Threads counts);
+    0 where the system has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux), else what platform says."""
     try:
