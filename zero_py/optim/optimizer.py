@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zero_py import kernels
 from zero_py.collectives import gather_object, make_executor
+from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.optim import agreement, compat, regroup
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
@@ -96,6 +97,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         executor: who runs the collectives: "auto" (zero_py's native NCCL executor for CUDA
             parameters in an NCCL group, the torch.distributed executor otherwise), "nccl",
             "torch", or an executor object (see zero_py/collectives/).
+        offload_optimizer: "cpu" keeps this rank's fp32 masters and optimizer states in host
+            memory and runs the step there, bucket by bucket, with the fused CPU kernels
+            (ZeRO-Offload; parameters and gradients stay on the device; docs/offload.md).
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
     Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
@@ -125,7 +129,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 executor="auto", storage=None, _param_names: Optional[Dict[int, str]] = None,
+                 executor="auto", offload_optimizer: Optional[str] = None, storage=None,
+                 _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
         self._state_view = compat.StateView(self)
@@ -140,7 +145,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             probe = self.check_arguments(optimizer_class, bucket_bytes=bucket_bytes,
                                          align_bytes=align_bytes,
                                          grad_reduce_dtype=grad_reduce_dtype,
-                                         loss_scaler=loss_scaler, **optimizer_kwargs)
+                                         loss_scaler=loss_scaler,
+                                         offload_optimizer=offload_optimizer, **optimizer_kwargs)
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
@@ -166,7 +172,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if problem is None:
                 options = {"bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
                            "grad_reduce_dtype": grad_reduce_dtype, "loss_scaler": loss_scaler,
-                           "stochastic_rounding": bool(stochastic_rounding), **optimizer_kwargs}
+                           "stochastic_rounding": bool(stochastic_rounding),
+                           "offload_optimizer": offload_optimizer, **optimizer_kwargs}
                 group_of = {id(p): k for k, g in enumerate(self.param_groups)
                             for p in g["params"]}
                 all_params = [p for g in self.param_groups for p in g["params"]]
@@ -207,6 +214,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
         self._kind = kind
         self.uses_fused_kernel = kind is not None
+        self.offload_optimizer = "cpu" if check_offload_optimizer(offload_optimizer) else None
+        self._host: Optional[HostShard] = None
         self._hook_handles: list = []
         if storage is None:
             storage = FlatParams(managed, groups_of, self.executor.world_size,
@@ -229,7 +238,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         align_bytes: int = DEFAULT_ALIGN_BYTES,
                         grad_reduce_dtype: Optional[torch.dtype] = None,
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
-                        **optimizer_kwargs) -> dict:
+                        offload_optimizer: Optional[str] = None, **optimizer_kwargs) -> dict:
         """Checks the constructor's arguments (zero_py.initialize does it before it shards a
         stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
         if not (isinstance(optimizer_class, type)
@@ -248,6 +257,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"torch.float16, got {grad_reduce_dtype!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
+        check_offload_optimizer(offload_optimizer)
         # The optimizer class validates its own keyword arguments and supplies the defaults.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
         return dict(probe.defaults)
@@ -270,17 +280,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # for (one since the last zero_grad(set_to_none=True)), so that they are updated as
         # torch.optim updates a zeroed gradient
         self._had_grad = [0] * len(fp.params)
-        self._masters = PieceStore(
-            fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
-            fp.device)
+        if self._host is not None:
+            self._host.close()
+        if self.offload_optimizer is not None:
+            # the masters (and states, kept by the updater) in host memory; the reducer tells
+            # the host side when each gradient piece is reduced, so it is copied out at once
+            self._host = self._reducer.mirror = HostShard(fp, self._reducer.grads.dtype_of)
+            self._masters = self._host.masters
+        else:
+            self._masters = PieceStore(
+                fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
+                fp.device)
         self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
         self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
         if self._kind is not None:
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
-                                       self.param_groups)
+                                       self.param_groups, self._host)
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
-                                       self._masters, self.param_groups)
+                                       self._masters, self.param_groups, self._host)
 
     def _name(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))
@@ -372,6 +390,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 master = self._masters.piece(b)
                 if master is not None:
                     master.copy_(self._flat.bucket_piece(b))
+            if self._host is not None:
+                self._host.pull_params()
 
     # -- training -------------------------------------------------------------------------------
 
@@ -496,10 +516,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         grad_scale = (self._clip_coef or 1.0) / self.loss_scale
         self._sr_seed += 1
-        self._update.step(used, self._step_count, grad_scale, self._sr_seed,
-                          self.stochastic_rounding)
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
+        if self._host is not None and self.uses_fused_kernel:
+            self._host.step(self._update, touched, used, self._step_count, grad_scale,
+                            self._sr_seed, self.stochastic_rounding)
+        else:
+            self._update.step(used, self._step_count, grad_scale, self._sr_seed,
+                              self.stochastic_rounding)
         self._flat.publish(self.executor, touched)
 
     # -- state dicts ----------------------------------------------------------------------------
@@ -707,7 +731,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params: flat parameter buffers (padding included) and frozen parameters; grads: the
         gradient shard plus the most bucket buffers live at once and the executor's
         reduce-scatter receive buffers (and, in stage 1, the full param.grad);
-        optimizer_states: state tensors of this rank's shard and its fp32 masters.
+        optimizer_states: state tensors of this rank's shard and its fp32 masters, on the
+        device (0 under offload_optimizer="cpu"); host_optimizer_states: the same in host memory
+        under offload (fp32 masters of every bucket, fp32 ones included); host_grads: the host
+        copy of the gradient shard and the staging of updated bf16/fp16 values (offload).
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat
@@ -722,17 +749,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 1:
             grads += param_bytes
         states = self._update.state_bytes()
+        host = self._host.nbytes() if self._host is not None else None
         # state per element: the fused path keeps it over the whole shard, padding included;
         # torch.optim keeps it per parameter slice
         local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
         per_elem = states / local if local else 0.0
         return {**report, "grads": grads,
-                "optimizer_states": states + self._masters.nbytes(),
+                "optimizer_states": 0 if host else states + self._masters.nbytes(),
+                "host_optimizer_states": states + host["host_masters"] if host else 0,
+                "host_grads": host["host_grads"] if host else 0,
                 "ddp_grads": 2 * param_bytes,
                 "ddp_optimizer_states": int(round(per_elem * psi)) + 4 * master_psi}
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors and fp32 masters on this rank (states are
         allocated at the first step)."""
-        return self._update.state_bytes() + self._masters.nbytes()
+        host = self._host.nbytes()["host_masters"] if self._host is not None else None
+        return self._update.state_bytes() + (self._masters.nbytes() if host is None else host)
 

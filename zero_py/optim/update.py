@@ -61,22 +61,35 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
 
 
 class _Update:
+    """`host` (an offload.HostShard, or None) moves the update to host memory: its gradient
+    copy, masters and staging replace `grads`, `masters` and the parameter pieces, and the
+    state lives on the host."""
+
     def __init__(self, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
-                 param_groups: List[dict]):
+                 param_groups: List[dict], host=None):
         self.flat = flat
-        self.grads = grads
-        self.masters = masters
+        self.host = host
+        self.grads = grads if host is None else host.grads
+        self.masters = masters if host is None else host
+        self.device = flat.device if host is None else torch.device("cpu")
         self.param_groups = param_groups  # the optimizer's own list: hyperparameters live there
 
     def master(self, b: int) -> torch.Tensor:
         piece = self.masters.piece(b)
         return self.flat.bucket_piece(b) if piece is None else piece
 
+    def param_out(self, b: int) -> Optional[torch.Tensor]:
+        """Where the kernel writes bucket b's new values in the parameter dtype: the parameter
+        piece when it has a separate master, the host staging under offload, else None."""
+        if self.host is not None:
+            return self.host.param_out(b)
+        return self.flat.bucket_piece(b) if self.masters.piece(b) is not None else None
+
 
 class FusedUpdate(_Update):
     def __init__(self, kind: int, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
-                 param_groups: List[dict]):
-        super().__init__(flat, grads, masters, param_groups)
+                 param_groups: List[dict], host=None):
+        super().__init__(flat, grads, masters, param_groups, host)
         self.kind = kind
         self.keys = state_keys(kind, param_groups)
         self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
@@ -91,7 +104,8 @@ class FusedUpdate(_Update):
         Adagrad's initial_accumulator_value) everywhere but the slices `filled`, which the
         caller overwrites at once (a checkpoint load): their pages are written only once."""
         flat = self.flat
-        states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=flat.device)
+        states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device,
+                              pin_memory=self.host is not None and flat.device.type == "cuda")
                   for _ in self.keys]
         holes = sorted((flat.bucket_shard_offset[s.bucket] + s.piece_lo,
                         flat.bucket_shard_offset[s.bucket] + s.piece_hi) for s in filled)
@@ -166,17 +180,19 @@ class FusedUpdate(_Update):
                                      g.get("eps", 0.0), g["weight_decay"], grad_scale, seed)
 
     def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
-             seed: int, stochastic_rounding: bool) -> None:
+             seed: int, stochastic_rounding: bool, buckets: Optional[Sequence[int]] = None
+             ) -> None:
+        """One update of `buckets` (default: all) of the shard."""
         flat = self.flat
         states = self._ensure_states()
         state_base = [t.data_ptr() for t in states] + [0] * (3 - len(states))
         rows = array("q")
         group_rows: List[list] = []
         row_of: Dict[tuple, int] = {}
-        for b in range(flat.n_buckets):
+        for b in range(flat.n_buckets) if buckets is None else buckets:
             grad = self.grads.piece(b)
             master = self.master(b)
-            param_out = flat.bucket_piece(b) if self.masters.piece(b) is not None else None
+            param_out = self.param_out(b)
             param_dtype = flat.bucket_dtype(b)
             key = (flat.bucket_group[b], grad.dtype, param_dtype)
             if key not in row_of:
@@ -196,9 +212,11 @@ class FusedUpdate(_Update):
                     param_out=0 if param_out is None else param_out.data_ptr() + lo * p_size,
                     step=step, group=row_of[key]))
         # CPU: the C family on this process's threads; CUDA: one launch, same math and bits
-        kernels.optim_step_segments(rows, group_rows, flat.device,
-                                    n_threads=torch.get_num_threads()
-                                    if flat.device.type == "cpu" else None)
+        if not rows:
+            return
+        threads = (None if self.device.type != "cpu" else
+                   self.host.threads if self.host is not None else torch.get_num_threads())
+        kernels.optim_step_segments(rows, group_rows, self.device, n_threads=threads)
 
     def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
         """Slice s's per-element state tensors (copies, or views of the live state)."""
@@ -231,8 +249,8 @@ class FusedUpdate(_Update):
 
 class TorchUpdate(_Update):
     def __init__(self, optimizer_class, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
-                 param_groups: List[dict]):
-        super().__init__(flat, grads, masters, param_groups)
+                 param_groups: List[dict], host=None):
+        super().__init__(flat, grads, masters, param_groups, host)
         groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}}
                   for g in param_groups]
         self.views: Dict[int, torch.Tensor] = {}
@@ -246,6 +264,9 @@ class TorchUpdate(_Update):
              seed: int, stochastic_rounding: bool) -> None:
         if self.inner is None:
             return
+        if self.host is not None:
+            for b in range(self.flat.n_buckets):
+                self.host.grads_ready(b)
         for i, view in self.views.items():
             s = self.flat.slice_of_param[i]
             if not used[i]:
@@ -258,6 +279,9 @@ class TorchUpdate(_Update):
         for mine, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in mine.items() if k != "params"})
         self.inner.step()
+        if self.host is not None:
+            self.host.push_all()
+            return
         for b in range(self.flat.n_buckets):
             master = self.masters.piece(b)
             if master is not None:

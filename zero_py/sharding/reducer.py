@@ -116,7 +116,11 @@ class GradReducer:
         self._global_used: Optional[torch.Tensor] = None
         self._used_pending: Optional[Work] = None
         self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
-        self._in_flight: List[Tuple[Work, torch.Tensor]] = []  # (reduction, its buffer)
+        self._in_flight: List[Tuple[Work, Optional[torch.Tensor], int]] = []  # (reduction,
+        # its buffer, its bucket)
+        # an offloaded optimizer's host side (offload.HostShard): told when a reduction into a
+        # bucket's piece completes (it copies the piece out) and before the piece is written
+        self.mirror = None
         self._listeners: List[Callable[[], None]] = []  # run after each backward's pass
         self._before_end: List[Callable[[], None]] = []  # run before it ends
         # Bucket buffers are recycled: a new pass costs no allocation and no full memset, only
@@ -351,13 +355,21 @@ class GradReducer:
         describe = getattr(self.flat, "describe_bucket", None)
         what = (f"reduce-scatter of the gradients of "
                 f"{describe(b) if describe is not None else f'bucket {b}'}")
+        mirror = self.mirror
         if not self.grad_shard_valid:
+            if mirror is not None:
+                mirror.writing(b)
             work = issue(what, self.executor.reduce_scatter, piece, buf)
         else:
             tmp = torch.empty_like(piece)
             work = issue(what, self.executor.reduce_scatter, tmp, buf)
-            work = Work(work, lambda piece=piece, tmp=tmp: piece.add_(tmp), what=what)
-        self._in_flight.append((work, buf if pooled else None))
+
+            def accumulate(piece=piece, tmp=tmp) -> None:
+                if mirror is not None:
+                    mirror.writing(b)
+                piece.add_(tmp)
+            work = Work(work, accumulate, what=what)
+        self._in_flight.append((work, buf if pooled else None, b))
 
     def _retire(self, block_over: int) -> None:
         """Finishes completed reductions in order, and waits while more than `block_over` are
@@ -366,10 +378,12 @@ class GradReducer:
             self._check_count()  # a count mismatch is the clearer error than a lost reduction
         while self._in_flight and (len(self._in_flight) > block_over
                                    or self._in_flight[0][0].is_completed()):
-            work, buf = self._in_flight.pop(0)
+            work, buf, b = self._in_flight.pop(0)
             work.wait()
             if buf is not None:
                 self._pool.give(buf)
+            if self.mirror is not None:
+                self.mirror.reduced(b, self.grads.piece(b))
 
     # -- what the optimizer asks -------------------------------------------------------------
 
@@ -432,4 +446,7 @@ class GradReducer:
         self._local_used.zero_()
         self._global_used = None
         if not set_to_none:
+            if self.mirror is not None:
+                for b in range(self.flat.n_buckets):
+                    self.mirror.writing(b)
             self.grads.zero_()

@@ -1,0 +1,169 @@
+"""Optimizer offload (offload_optimizer="cpu"): every mode against the same run without offload.
+
+The offloaded step runs the same fused kernel over the same values, only on host copies, bucket
+by bucket: parameters must match the run without offload to the last bit (stages 1-3, fp32 and
+bf16 with fp32 masters, clipping, gradient accumulation with no_sync, fp16 with a loss scaler
+whose first steps overflow and are skipped, a torch.optim class on the generic path). State
+dicts and checkpoints taken under offload resume, with or without offload, as the run that
+never stopped. On the CPU the "device" is host memory too: the copies run on the copy thread,
+through the same pipeline a GPU uses (tests/gpu runs it on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import distributed
+import models
+import zero_py
+
+STEPS = 4
+
+
+def build(stage, dtype, offload, opt_cls=torch.optim.AdamW, scaler=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    m = models.TiedGPT(n_layer=2)
+    m.blocks[1].requires_grad_(False)  # a frozen layer
+    m.to(dtype)
+    kw = {"lr": 3e-3, "weight_decay": 0.05, **kw}
+    if dtype != torch.float32:
+        kw["grad_reduce_dtype"] = torch.float32
+    if scaler is not None:
+        kw["loss_scaler"] = zero_py.LossScaler(init_scale=scaler)
+    extra = ({"wrap_policy": 1000, "persistence_threshold": 64} if stage == 3
+             else {"bucket_bytes": 4096})
+    return zero_py.initialize(m, opt_cls, stage=stage, offload_optimizer=offload, **extra, **kw)
+
+
+def train(model, opt, rank, first, last, clip=True):
+    """Steps first..last-1: two micro-batches per step (the first under no_sync), clipping."""
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(100 + 7 * t + rank)
+        for k in range(2):
+            batch = models.gpt_batch(gen, batch=3)
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                loss = model(*batch).float() / 2
+                opt.scale_loss(loss).backward()
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def full(model):
+    """The full weights on rank 0 (None elsewhere: the comparisons run there)."""
+    sd = zero_py.full_state_dict(model)
+    return None if sd is None else {k: v.float() for k, v in sd.items()}
+
+
+def worst(a, b) -> float:
+    if a is None:
+        assert b is None
+        return 0.0
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def run_parity(rank, world, tmp):
+    out = {}
+    for stage, dtype in CASES:
+        runs = {}
+        for offload in (None, "cpu"):
+            model, opt = build(stage, dtype, offload)
+            train(model, opt, rank, 0, STEPS)
+            runs[offload] = full(model)
+            if offload:
+                rep = opt.memory_report()
+                out[("report", stage, dtype)] = (rep["optimizer_states"],
+                                                 rep["host_optimizer_states"], rep["host_grads"],
+                                                 opt.optimizer_state_bytes())
+        out[(stage, dtype)] = worst(runs["cpu"], runs[None])
+    # fp16 whose first steps overflow (a scale of 2**60 cannot be held in fp16): skipped on
+    # every rank, with and without offload
+    runs = {}
+    for offload in (None, "cpu"):
+        model, opt = build(2, torch.float16, offload, scaler=2.0 ** 60)
+        train(model, opt, rank, 0, STEPS + 2, clip=False)
+        runs[offload] = (full(model), opt.skipped_steps, opt.loss_scale)
+    out["fp16"] = (worst(runs["cpu"][0], runs[None][0]), runs["cpu"][1:], runs[None][1:])
+    # a torch.optim class on the generic path
+    runs = {}
+    for offload in (None, "cpu"):
+        model, opt = build(2, torch.bfloat16, offload, opt_cls=torch.optim.NAdam)
+        train(model, opt, rank, 0, STEPS)
+        runs[offload] = full(model)
+    out["nadam"] = worst(runs["cpu"], runs[None])
+    # state_dict under offload, loaded with and without offload; a checkpoint likewise
+    model, opt = build(2, torch.bfloat16, None)
+    train(model, opt, rank, 0, STEPS)
+    reference = full(model)
+    model, opt = build(2, torch.bfloat16, "cpu")
+    train(model, opt, rank, 0, 2)
+    shard = opt.state_dict()
+    zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for offload in (None, "cpu"):
+        m2, o2 = build(2, torch.bfloat16, offload, seed=1)
+        m2.load_state_dict(weights)
+        o2.load_state_dict(shard)
+        train(m2, o2, rank, 2, STEPS)
+        out[("state_dict", offload)] = worst(full(m2), reference)
+        for stage in (1, 3):
+            m3, o3 = build(stage, torch.bfloat16, offload, seed=2)
+            zero_py.load_checkpoint(f"{tmp}/ck", m3, o3)
+            train(m3, o3, rank, 2, STEPS)
+            out[("checkpoint", stage, offload)] = worst(full(m3), reference)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offload")
+    results = distributed.run(run_parity, 2, str(tmp))
+    return results
+
+
+@pytest.mark.parametrize("stage,dtype", CASES, ids=[f"stage{s}-{str(d)[6:]}" for s, d in CASES])
+def test_offloaded_step_matches_the_step_on_the_device_to_the_bit(parity, stage, dtype):
+    for r in parity:
+        assert r[(stage, dtype)] == 0.0, r[(stage, dtype)]
+
+
+def test_fp16_overflowing_steps_are_skipped_alike(parity):
+    for r in parity:
+        diff, with_offload, without = r["fp16"]
+        assert diff == 0.0
+        assert with_offload == without
+        assert with_offload[0] > 0, "the test meant to overflow the first steps"
+
+
+def test_generic_torch_optim_class_offloaded(parity):
+    for r in parity:
+        assert r["nadam"] == 0.0, r["nadam"]
+
+
+def test_state_dict_and_checkpoint_taken_under_offload_resume_exactly(parity):
+    for r in parity:
+        for key in (("state_dict", None), ("state_dict", "cpu"), ("checkpoint", 1, None),
+                    ("checkpoint", 1, "cpu"), ("checkpoint", 3, None), ("checkpoint", 3, "cpu")):
+            assert r[key] == 0.0, (key, r[key])
+
+
+def test_memory_report_puts_the_optimizer_on_the_host(parity):
+    for r in parity:
+        for stage, dtype in CASES:
+            device, host, grads, total = r[("report", stage, dtype)]
+            assert device == 0
+            assert host == total > 0
+            assert grads > 0
+
+
+def test_bad_offload_value_is_refused():
+    with pytest.raises(ValueError, match="offload_optimizer must be"):
+        zero_py.ZeroOptimizer.check_arguments(torch.optim.AdamW, offload_optimizer="gpu")
