@@ -23,7 +23,8 @@ import zero_py
 STEPS = 4
 
 
-def build(stage, dtype, offload, opt_cls=torch.optim.AdamW, scaler=None, seed=0, **kw):
+def build(stage, dtype, offload, opt_cls=torch.optim.AdamW, scaler=None, seed=0,
+          offload_params=None, **kw):
     torch.manual_seed(seed)
     m = models.TiedGPT(n_layer=2)
     m.blocks[1].requires_grad_(False)  # a frozen layer
@@ -33,8 +34,8 @@ def build(stage, dtype, offload, opt_cls=torch.optim.AdamW, scaler=None, seed=0,
         kw["grad_reduce_dtype"] = torch.float32
     if scaler is not None:
         kw["loss_scaler"] = zero_py.LossScaler(init_scale=scaler)
-    extra = ({"wrap_policy": 1000, "persistence_threshold": 64} if stage == 3
-             else {"bucket_bytes": 4096})
+    extra = ({"wrap_policy": 1000, "persistence_threshold": 64,
+              "offload_params": offload_params} if stage == 3 else {"bucket_bytes": 4096})
     return zero_py.initialize(m, opt_cls, stage=stage, offload_optimizer=offload, **extra, **kw)
 
 
@@ -84,6 +85,12 @@ def run_parity(rank, world, tmp):
                                                  rep["host_optimizer_states"], rep["host_grads"],
                                                  opt.optimizer_state_bytes())
         out[(stage, dtype)] = worst(runs["cpu"], runs[None])
+        if stage == 3:  # the parameter shards in host memory, alone and with the optimizer
+            for offload in (None, "cpu"):
+                model, opt = build(3, dtype, offload, offload_params="cpu")
+                train(model, opt, rank, 0, STEPS)
+                out[("params", dtype, offload)] = worst(full(model), runs[None])
+                out[("params report", dtype, offload)] = opt.memory_report()["host_params"]
     # fp16 whose first steps overflow (a scale of 2**60 cannot be held in fp16): skipped on
     # every rank, with and without offload
     runs = {}
@@ -135,6 +142,14 @@ def test_offloaded_step_matches_the_step_on_the_device_to_the_bit(parity, stage,
         assert r[(stage, dtype)] == 0.0, r[(stage, dtype)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("offload", [None, "cpu"], ids=["params", "params+optimizer"])
+def test_stage3_parameter_offload_matches_to_the_bit(parity, dtype, offload):
+    for r in parity:
+        assert r[("params", dtype, offload)] == 0.0, r[("params", dtype, offload)]
+        assert r[("params report", dtype, offload)] > 0
+
+
 def test_fp16_overflowing_steps_are_skipped_alike(parity):
     for r in parity:
         diff, with_offload, without = r["fp16"]
@@ -167,3 +182,22 @@ def test_memory_report_puts_the_optimizer_on_the_host(parity):
 def test_bad_offload_value_is_refused():
     with pytest.raises(ValueError, match="offload_optimizer must be"):
         zero_py.ZeroOptimizer.check_arguments(torch.optim.AdamW, offload_optimizer="gpu")
+
+
+def refusals(rank, world):
+    said = []
+    for kw in ({"stage": 3, "offload_params": "nvme0"}, {"stage": 2, "offload_params": "cpu"},
+               {"stage": 2, "offload_optimizer": True}):
+        try:
+            zero_py.initialize(models.MLP(), torch.optim.AdamW, lr=1e-3, **kw)
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_bad_offload_arguments_are_refused_on_every_rank():
+    for said in distributed.run(refusals, 2):
+        assert len(said) == 3, said
+        assert "offload_params must be" in said[0]
+        assert "only apply to stage=3" in said[1]
+        assert "offload_optimizer must be" in said[2]

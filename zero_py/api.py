@@ -53,8 +53,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                reshard_after_forward: bool = True, persistence_threshold: int = 0,
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
-               device: Optional[torch.device] = None, config=None, strict: bool = True,
-               broadcast_buffers: bool = False, **kwargs):
+               device: Optional[torch.device] = None, offload_params: Optional[str] = None,
+               config=None, strict: bool = True, broadcast_buffers: bool = False, **kwargs):
     """Prepares `model` for ZeRO training and returns (model, optimizer): the same call for
     every stage.
 
@@ -78,6 +78,11 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
             modules' reset_parameters(), like model.apply(init_fn) after construction.
         device: where a model built on the meta device is materialized (default: the current
             CUDA device in an NCCL group, else the CPU); for other models, their device.
+        offload_params: "cpu" keeps this rank's parameter shards in host memory; each unit's
+            shard is copied to the device as its (prefetched) gather starts. On a GPU it needs
+            offload_optimizer="cpu" (the step then reads and writes the host shards).
+    offload_optimizer="cpu" (every stage; a ZeroOptimizer keyword) keeps the fp32 masters and
+    optimizer states in host memory and runs the step there (docs/offload.md).
     A model whose parameters are on the meta device (built under `with torch.device("meta")`)
     is materialized module by module: it never exists whole on a rank, and gets the values an
     ordinary build from the same seed gives (see zero_py/stage3/meta_init.py).
@@ -124,7 +129,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     stage = 3 if stage is None else stage
     if stage in (1, 2):
         extra = {"wrap_policy": wrap_policy, "init_fn": init_fn, "prefetch_bytes": prefetch_bytes,
-                 "device": device}
+                 "device": device, "offload_params": offload_params}
         given = [k for k, v in extra.items() if v is not None]
         if given or persistence_threshold or not reshard_after_forward:
             raise ValueError(f"{given or 'stage-3 options'} only apply to stage=3; drop them "
@@ -145,6 +150,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                          f"{persistence_threshold!r}")
     if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
         raise ValueError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
+    if offload_params not in (None, "none", "cpu"):
+        raise ValueError(f"offload_params must be None, 'none' or 'cpu' (the parameter shards "
+                         f"in host memory), got {offload_params!r}")
+    host_shards = offload_params == "cpu"
     meta = any(p.is_meta for p in model.parameters())
     if meta and params is not None:
         raise ValueError("param groups cannot be given for a meta-device model (its "
@@ -171,6 +180,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if host_shards and device.type == "cuda" and kwargs.get("offload_optimizer") != "cpu":
+        raise ValueError("offload_params='cpu' on a GPU needs offload_optimizer='cpu' too: the "
+                         "step must run where the parameter shards are (host memory)")
     # everything that can be refused is checked before the model is touched; a refusal is
     # raised after the ranks' agreement, which carries it (a rank refused alone makes every
     # rank raise)
@@ -214,7 +226,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     _agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
         "reshard_after_forward": bool(reshard_after_forward),
         "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
-        "meta": meta, "init_fn": init_fn}, problem)
+        "meta": meta, "init_fn": init_fn, "offload_params": host_shards}, problem)
     if problem is not None:
         raise problem
     gather = channel(dp)  # gathers never interleave with the reductions
@@ -241,10 +253,11 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     n_units = len(units)
     frozen_storage = None
     storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
-                               persistence_threshold, uninitialized)
+                               persistence_threshold, uninitialized, host_shards)
     if frozen:
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
-                                          align, meter, persistence_threshold, uninitialized)
+                                          align, meter, persistence_threshold, uninitialized,
+                                          host_shards)
     opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
                         executor=dp, storage=storage, **kwargs)
     storage.frozen_storage = frozen_storage
@@ -289,7 +302,7 @@ class _SyncedGenerate:
 
 # ZeroOptimizer's own settings (the rest of initialize's keywords go to the optimizer class)
 _ZERO_OPTIONS = ("bucket_bytes", "align_bytes", "grad_reduce_dtype", "loss_scaler",
-                 "stochastic_rounding")
+                 "stochastic_rounding", "offload_optimizer")
 
 
 def _buffer_entries(model: nn.Module) -> List[Tuple[str, Any]]:

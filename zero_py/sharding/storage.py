@@ -106,7 +106,7 @@ class FlatParams(FlatLayout):
                       for b in range(self.n_buckets))
         exact = sum(n * p.element_size() for n, p in zip(self.param_numel, self.params))
         return {"params": buffers + frozen_bytes, "ddp_params": exact + frozen_bytes,
-                "padding": buffers - exact}
+                "padding": buffers - exact, "host_params": 0}
 
     def broadcast(self, executor, src: int = 0) -> None:
         """Make every rank's parameters equal to rank `src`'s."""
@@ -175,7 +175,13 @@ class ShardedParams(FlatLayout):
     `unit_of[i]` is parameter i's unit; the layout keys by (unit, param group), so a unit is
     whole buckets. `executor` runs the gathers (stage 3 gives it a channel of its own).
     Unit `persistent_unit` (when not None) holds parameters kept whole on every rank: its
-    buckets are gathered once and never freed."""
+    buckets are gathered once and never freed.
+
+    host_shards (offload_params="cpu"): the shards live in host memory (pinned where the device
+    is a GPU) and a gather first copies this rank's piece into its own slot of the gather
+    buffer on the device, then all-gathers in place; the prefetch schedule issues gathers
+    ahead of use, so the copy is prefetched with them. Between uses a parameter is then its
+    slice of the host shard."""
 
     shards_frozen = True  # frozen parameters are sharded too, in frozen_storage
     params_sharded = True  # a rank holds only its slices (owned_values) between uses
@@ -185,7 +191,8 @@ class ShardedParams(FlatLayout):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  unit_of: Sequence[int], n_units: int, executor, align_bytes: int,
-                 meter: GatherMeter, persistent_unit: Optional[int] = None):
+                 meter: GatherMeter, persistent_unit: Optional[int] = None,
+                 host_shards: bool = False):
         n_groups = max(groups) + 1
         keys = [u * n_groups + g for u, g in zip(unit_of, groups)]
         super().__init__(params, groups, executor.world_size, executor.rank, align_bytes,
@@ -205,7 +212,13 @@ class ShardedParams(FlatLayout):
         # can then gather a unit alone (gather_one_sided), e.g. for a no_grad forward of its own
         self.peers: Optional[PeerMemory] = None
 
+        self.host_shards = bool(host_shards)
+        on_gpu = self.device.type == "cuda"
+
         def allocate(sizes):
+            if self.host_shards and on_gpu:
+                return {dtype: torch.zeros(n, dtype=dtype, pin_memory=True)
+                        for dtype, n in sizes.items()}
             self.peers = PeerMemory.create(executor, sizes)
             return self.peers.tensors(self.rank) if self.peers is not None else None
         self.shards = PieceStore(self, self.bucket_dtype, self.device, allocate)
@@ -273,8 +286,15 @@ class ShardedParams(FlatLayout):
         """Starts the all-gather of bucket b into its buffer; its parameters become their full
         views at once (their values are valid after the returned work is waited on)."""
         buf = self._unfree(b)
+        piece = self.shards.piece(b)
+        if self.host_shards:
+            # host -> device into the rank's own slot, ordered before the gather on the stream
+            n = self.bucket_shard_numel[b]
+            mine = buf[self.rank * n:(self.rank + 1) * n]
+            mine.copy_(piece, non_blocking=True)
+            piece = mine
         return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
-                     self.shards.piece(b))
+                     piece)
 
     def _unfree(self, b: int) -> torch.Tensor:
         """Bucket b's gather buffer with its storage back and its parameters as full views
@@ -378,9 +398,10 @@ class ShardedParams(FlatLayout):
         padding = sum((hi - lo) * s.bucket_dtype(b).itemsize for s in storages
                       for b in range(s.n_buckets) for lo, hi in s.bucket_gaps[b])
         transport = getattr(self.executor, "shared_bytes", 0)  # the gathers' shared memory
-        return {"params": kept + self.meter.peak_bytes + transport, "ddp_params": full,
+        shards = sum(s.shards.nbytes() for s in storages) if self.host_shards else 0
+        return {"params": kept - shards + self.meter.peak_bytes + transport, "ddp_params": full,
                 "padding": padding, "gathered_peak": self.meter.peak_bytes,
-                "gather_transport": transport}
+                "gather_transport": transport, "host_params": shards}
 
 
     def index_of(self, p: torch.Tensor) -> Optional[int]:

@@ -66,17 +66,18 @@ def _in_backward() -> bool:
 def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
                      unit_of: Dict[int, int], n_units: int, executor, align_bytes: int,
                      meter: GatherMeter, persistence_threshold: int,
-                     uninitialized: Set[int]) -> ShardedParams:
+                     uninitialized: Set[int], host_shards: bool = False) -> ShardedParams:
     """The sharded storage of `params`, filled from their current values (rank 0's, broadcast),
     one bucket at a time: the caller's storage of a parameter is dropped as soon as its bucket
     is done, so no more than one unit is whole at a time beyond the model the caller built.
     Parameters with fewer than `persistence_threshold` elements go to the persistent unit
     (n_units: never freed). Buckets whose parameters are all in `uninitialized` (built on the
-    meta device) are neither filled nor broadcast: replay_init fills their pieces later."""
+    meta device) are neither filled nor broadcast: replay_init fills their pieces later.
+    host_shards: the shards live in host memory (offload_params="cpu")."""
     persistent = n_units
     units = [persistent if p.numel() < persistence_threshold else unit_of[id(p)] for p in params]
     flat = ShardedParams(params, groups, units, n_units + 1, executor, align_bytes, meter,
-                         persistent_unit=persistent)
+                         persistent_unit=persistent, host_shards=host_shards)
     with torch.no_grad():
         for b in range(flat.n_buckets):
             # the values to lay out, taken before materialize() points .data elsewhere
