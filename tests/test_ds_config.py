@@ -75,7 +75,7 @@ HF_AUTO_TEMPLATE = {
 
 OFFLOAD = {
     "zero_optimization": {"stage": 3,
-                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
                           "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
 }
@@ -136,7 +136,7 @@ def test_hf_auto_values_are_refused_with_the_reason():
     assert "Trainer" in reasons["optimizer.params.lr"]
 
 
-def test_offload_is_refused_as_not_implemented():
+def test_nvme_offload_is_refused_as_not_implemented():
     plan = deepspeed.translate(OFFLOAD)
     reasons = dict(plan.refusals)
     assert set(reasons) == {"zero_optimization.offload_optimizer.device",
@@ -145,6 +145,33 @@ def test_offload_is_refused_as_not_implemented():
     off = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "none", "pin_memory": True}}})
     assert off.refusals == []
+
+
+def test_cpu_offload_becomes_offload_optimizer_and_offload_params():
+    plan = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu"}}})
+    assert plan.refusals == []
+    assert plan.zero_kwargs["offload_optimizer"] == "cpu"
+    assert plan.zero_kwargs["offload_params"] == "cpu"
+    legacy = deepspeed.translate({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert legacy.refusals == [] and legacy.zero_kwargs["offload_optimizer"] == "cpu"
+    bad = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "pin_memory": False, "ratio": 0.3}}})
+    assert set(_paths(bad)) == {"zero_optimization.offload_optimizer.pin_memory",
+                                "zero_optimization.offload_optimizer.ratio"}
+
+
+def test_cpu_offload_config_trains_offloaded(single_rank_group):
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    model, opt = zero_py.initialize(models.MLP(), config=cfg)
+    assert opt.offload_optimizer == "cpu"
+    before = [p.detach().clone() for p in model.parameters()]
+    models.mlp_loss(model, models.mlp_batch(torch.Generator().manual_seed(0))).backward()
+    opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert opt.memory_report()["host_optimizer_states"] > 0
 
 
 def test_keys_zero_py_does_not_honour_are_refused_by_path():

@@ -14,8 +14,8 @@ What each key becomes (docs/tools.md has the full table):
   stage3_param_persistence_threshold -> persistence_threshold; the smaller of
   stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) -> prefetch_bytes.
   Keys that state what zero_py always does (contiguous_gradients, reduce_scatter, ...) are
-  accepted with that value and refused with the other. offload_optimizer / offload_param to
-  "cpu" or "nvme" are refused: zero_py has no offload yet.
+  accepted with that value and refused with the other. offload_optimizer / offload_param with
+  device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; "nvme" is refused.
 - optimizer: Adam/AdamW/SGD/Adagrad/Lion -> torch.optim.Adam/AdamW/SGD/Adagrad, zero_py.Lion
   and its params. DeepSpeed's "Adam" decouples weight decay (adam_w_mode, default true), so
   it becomes AdamW unless adam_w_mode is false.
@@ -54,7 +54,8 @@ from zero_py.optim.loss_scaler import LossScaler
 
 __all__ = ["DeepSpeedPlan", "load", "translate", "initialize"]
 
-_NO_OFFLOAD = "zero_py does not offload to CPU or NVMe yet (not implemented)"
+_NO_OFFLOAD = ("zero_py offloads to the CPU ('cpu'); NVMe offload is not implemented yet: "
+               "use 'cpu' or 'none'")
 _AUTO = ("'auto' is filled in by Hugging Face's Trainer from its own arguments; zero_py "
          "reads the config as it is: put the value")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
@@ -242,10 +243,27 @@ def _offload(plan, path, value):
     device = section.get("device", "none")
     if _is_auto(device):
         plan.refuse(f"{path}.device", _AUTO)
+    elif device == "cpu":
+        key = "offload_optimizer" if path.endswith("offload_optimizer") else "offload_params"
+        plan.zero_kwargs[key] = "cpu"
+        if section.get("pin_memory", True) is not True:
+            plan.refuse(f"{path}.pin_memory", "zero_py always pins the host buffers of a GPU "
+                                              "run (asynchronous copies need it); set it to "
+                                              "true or remove it")
+        ratio = section.get("ratio", 1.0)
+        if ratio != 1.0:
+            plan.refuse(f"{path}.ratio", f"{ratio!r}: zero_py offloads the whole optimizer "
+                                         "(ratio 1.0), not a part of it")
     elif device not in ("none", None):
         plan.refuse(f"{path}.device", f"{device!r}: {_NO_OFFLOAD}")
     # with device "none" the other keys (pin_memory, nvme_path, buffer_count, ...) configure an
-    # offload that does not happen, in DeepSpeed as here
+    # offload that does not happen, in DeepSpeed as here; with "cpu" the NVMe ones likewise
+
+
+def _legacy_offload(plan, path, value, key):
+    """DeepSpeed's older flags (cpu_offload, cpu_offload_params): true is the "cpu" device."""
+    if _flag(path, value):
+        plan.zero_kwargs[key] = "cpu"
 
 
 _ZERO_KEYS: Dict[str, Callable] = {
@@ -288,9 +306,11 @@ _ZERO_KEYS: Dict[str, Callable] = {
     "max_reuse_distance": _refuse(
         "zero_py keeps units for reuse within the prefetch budget "
         "(stage3_max_live_parameters), not by reuse distance; remove it"),
-    "cpu_offload": _off_only(_NO_OFFLOAD),
-    "cpu_offload_params": _off_only(_NO_OFFLOAD),
-    "cpu_offload_use_pin_memory": _off_only(_NO_OFFLOAD),
+    "cpu_offload": lambda plan, path, value: _legacy_offload(plan, path, value,
+                                                             "offload_optimizer"),
+    "cpu_offload_params": lambda plan, path, value: _legacy_offload(plan, path, value,
+                                                                    "offload_params"),
+    "cpu_offload_use_pin_memory": lambda plan, path, value: _flag(path, value),
     "memory_efficient_linear": _fixed(False, "zero_py uses torch's own nn.Linear; set it to "
                                              "false or remove it"),
     "zero_quantized_weights": _off_only("quantized ZeRO++ collectives are not implemented"),
@@ -704,6 +724,12 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     if "persistence_threshold" in plan.zero_kwargs:
         take(merged, "persistence_threshold", plan.zero_kwargs["persistence_threshold"],
              "zero_optimization.stage3_param_persistence_threshold")
+    if "offload_optimizer" in plan.zero_kwargs:
+        take(opt_kwargs, "offload_optimizer", plan.zero_kwargs["offload_optimizer"],
+             "zero_optimization.offload_optimizer.device")
+    if "offload_params" in plan.zero_kwargs:
+        take(merged, "offload_params", plan.zero_kwargs["offload_params"],
+             "zero_optimization.offload_param.device")
     if "grad_reduce_dtype" in plan.zero_kwargs:
         take(opt_kwargs, "grad_reduce_dtype", plan.zero_kwargs["grad_reduce_dtype"],
              "communication_data_type")
