@@ -12,6 +12,8 @@ through the same pipeline a GPU uses (tests/gpu runs it on a GPU).
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 import distributed
 import models
 import zero_py
+from zero_py.io.engine import DirectFile
 
 STEPS = 4
 
@@ -201,3 +204,183 @@ def test_bad_offload_arguments_are_refused_on_every_rank():
         assert "offload_params must be" in said[0]
         assert "only apply to stage=3" in said[1]
         assert "offload_optimizer must be" in said[2]
+
+
+# -- NVMe (offload_optimizer="nvme") ------------------------------------------------------------
+# Small records (ZP_OFFLOAD_CHUNK_BYTES) and a ring of 3 make every step stream many chunks,
+# with reads ahead and writes behind, as a large model does.
+
+NVME_CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def run_nvme(rank, world, tmp):
+    os.environ["ZP_OFFLOAD_CHUNK_BYTES"] = "12288"
+    os.environ["ZP_OFFLOAD_RING"] = "3"
+    nvme = {"offload_dir": tmp}
+    out = {}
+    for stage, dtype in NVME_CASES:
+        model, opt = build(stage, dtype, None)
+        train(model, opt, rank, 0, STEPS)
+        reference = full(model)
+        model, opt = build(stage, dtype, "nvme", **nvme)
+        assert opt._update.store.n_chunks > 3
+        train(model, opt, rank, 0, STEPS)
+        out[(stage, dtype)] = worst(full(model), reference)
+        rep = opt.memory_report()
+        out[("report", stage, dtype)] = (rep["optimizer_states"], rep["host_optimizer_states"],
+                                         rep["nvme_optimizer_states"])
+    # fp16 with overflowing first steps
+    runs = {}
+    for offload in (None, "nvme"):
+        model, opt = build(2, torch.float16, offload, scaler=2.0 ** 60,
+                           **(nvme if offload else {}))
+        train(model, opt, rank, 0, STEPS + 2, clip=False)
+        runs[offload] = (full(model), opt.skipped_steps)
+    out["fp16"] = (worst(runs["nvme"][0], runs[None][0]), runs["nvme"][1], runs[None][1])
+    # state dicts and checkpoints between NVMe and memory, both ways
+    model, opt = build(2, torch.bfloat16, None)
+    train(model, opt, rank, 0, STEPS)
+    reference = full(model)
+    model, opt = build(2, torch.bfloat16, "nvme", **nvme)
+    train(model, opt, rank, 0, 2)
+    shard = opt.state_dict()
+    out["state view"] = all(torch.equal(opt.state[p]["exp_avg"], shard["state"][i]["exp_avg"])
+                            for i, p in enumerate(model.parameters()) if i in shard["state"])
+    zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for offload in (None, "nvme"):
+        extra = nvme if offload else {}
+        m2, o2 = build(2, torch.bfloat16, offload, seed=1, **extra)
+        m2.load_state_dict(weights)
+        o2.load_state_dict(shard)
+        train(m2, o2, rank, 2, STEPS)
+        out[("state_dict", offload)] = worst(full(m2), reference)
+        m3, o3 = build(3, torch.bfloat16, offload, seed=2, **extra)
+        zero_py.load_checkpoint(f"{tmp}/ck", m3, o3)
+        train(m3, o3, rank, 2, STEPS)
+        out[("checkpoint", offload)] = worst(full(m3), reference)
+    # a step whose writes fail (the file turned read-only under it): an error on every rank,
+    # the last good step kept on disk and in the parameters; the same step retried once the
+    # disk is back gives what the run that never failed gives
+    model, opt = build(2, torch.bfloat16, "nvme", **nvme)
+    train(model, opt, rank, 0, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = opt.state_dict()["state"]
+    gen = torch.Generator().manual_seed(100 + 7 * 2 + rank)
+    for k in range(2):
+        batch = models.gpt_batch(gen, batch=3)
+        with opt.no_sync() if k == 0 else contextlib.nullcontext():
+            (model(*batch).float() / 2).backward()
+    opt.clip_grad_norm_(0.5)
+    store = opt._update.store
+    good = store.file
+    store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
+    try:
+        opt.step()
+        out["failed step"] = "no error"
+    except OSError as exc:
+        out["failed step"] = str(exc)
+    finally:
+        store.file.close()
+        store.file = good
+    out["kept params"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = opt.state_dict()["state"]
+    out["kept state"] = all(torch.equal(state_before[i][key], after[i][key])
+                            for i in state_before for key in ("exp_avg", "exp_avg_sq",
+                                                              "master_param"))
+    opt.step()  # the disk is back: the same gradients, the same step
+    opt.zero_grad()
+    train(model, opt, rank, 3, STEPS)
+    out["retried"] = worst(full(model), reference)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nvme(tmp_path_factory):
+    return distributed.run(run_nvme, 2, str(tmp_path_factory.mktemp("nvme")))
+
+
+@pytest.mark.parametrize("stage,dtype", NVME_CASES,
+                         ids=[f"stage{s}-{str(d)[6:]}" for s, d in NVME_CASES])
+def test_nvme_step_matches_the_step_in_memory_to_the_bit(nvme, stage, dtype):
+    for r in nvme:
+        assert r[(stage, dtype)] == 0.0, r[(stage, dtype)]
+        device, host, disk = r[("report", stage, dtype)]
+        assert device == 0 and disk > 0
+        assert host == 3 * disk // 2 // nvme_chunks(r, stage, dtype), (host, disk)
+
+
+def nvme_chunks(r, stage, dtype):
+    """Records in the file: the ring holds 3 of them, the file 2 slots of each."""
+    return r[("report", stage, dtype)][2] // 2 // (r[("report", stage, dtype)][1] // 3)
+
+
+def test_nvme_fp16_overflowing_steps_are_skipped_alike(nvme):
+    for r in nvme:
+        diff, with_nvme, without = r["fp16"]
+        assert diff == 0.0 and with_nvme == without and with_nvme > 0
+
+
+def test_nvme_state_dicts_and_checkpoints_resume_exactly(nvme):
+    for r in nvme:
+        assert r["state view"]
+        for key in (("state_dict", None), ("state_dict", "nvme"), ("checkpoint", None),
+                    ("checkpoint", "nvme")):
+            assert r[key] == 0.0, (key, r[key])
+
+
+def test_nvme_failed_write_keeps_the_last_good_step(nvme):
+    for r in nvme:
+        assert "NVMe offload file" in r["failed step"] and "last good step" in r["failed step"]
+        assert r["kept params"] and r["kept state"]
+        assert r["retried"] == 0.0, r["retried"]
+
+
+def nvme_refusals(rank, world, tmp):
+    said = []
+    ro = os.path.join(tmp, "read-only")
+    os.makedirs(ro, exist_ok=True)
+    os.chmod(ro, 0o500)
+    for kw in ({"offload_optimizer": "nvme"},
+               {"offload_optimizer": "nvme", "offload_dir": os.path.join(tmp, "missing")},
+               {"offload_optimizer": "nvme", "offload_dir": ro},
+               {"offload_optimizer": "cpu", "offload_dir": tmp},
+               {"offload_optimizer": "nvme", "offload_dir": tmp, "opt_cls": torch.optim.NAdam}):
+        opt_cls = kw.pop("opt_cls", torch.optim.AdamW)
+        try:
+            zero_py.initialize(models.MLP(), opt_cls, stage=2, lr=1e-3, **kw)
+            said.append("accepted")
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_nvme_bad_arguments_are_refused_on_every_rank(tmp_path):
+    for said in distributed.run(nvme_refusals, 2, str(tmp_path)):
+        assert "needs offload_dir" in said[0]
+        assert "is not a directory" in said[1]
+        if os.geteuid() != 0:  # root may write in a directory of mode 0o500
+            assert "not writable" in said[2]
+        assert "applies to offload_optimizer='nvme' only" in said[3]
+        assert "streams the fused optimizers" in said[4]
+
+
+def full_disk(rank, world, tmp):
+    if rank == 1:  # this rank's drive is full
+        def no_space(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = no_space
+    try:
+        zero_py.initialize(models.MLP(), torch.optim.AdamW, stage=2, lr=1e-3,
+                           offload_optimizer="nvme", offload_dir=tmp)
+    except (OSError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return "accepted", ""
+
+
+def test_nvme_full_disk_is_an_error_on_every_rank(tmp_path):
+    said = distributed.run(full_disk, 2, str(tmp_path))
+    assert said[1][0] == "OSError" and "cannot reserve" in said[1][1], said[1]
+    assert "free space there or choose another offload_dir" in said[1][1]
+    assert said[0][0] == "ValueError" and "No space left" in said[0][1], said[0]
+    assert os.listdir(tmp_path) == [], "the offload files are unlinked at once"

@@ -321,7 +321,8 @@ def _agree_stage3(model: nn.Module, executor, optimizer_class, groups: Optional[
         return
     defaults = inspect.signature(ZeroOptimizer.__init__).parameters
     options = {k: kwargs.get(k, defaults[k].default) for k in _ZERO_OPTIONS}
-    options.update({k: v for k, v in kwargs.items() if k not in options})
+    # offload_dir is a local path: each rank may use its own drive
+    options.update({k: v for k, v in kwargs.items() if k not in options and k != "offload_dir"})
     options.update(stage3_options)
     if groups is None:  # a meta model: one group of every parameter
         groups = _param_groups(model.parameters())

@@ -24,6 +24,7 @@ from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.optim import agreement, compat, regroup
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
 from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
@@ -100,6 +101,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_optimizer: "cpu" keeps this rank's fp32 masters and optimizer states in host
             memory and runs the step there, bucket by bucket, with the fused CPU kernels
             (ZeRO-Offload; parameters and gradients stay on the device; docs/offload.md).
+            "nvme" keeps them in a file under `offload_dir` and streams them through a small
+            ring of host buffers at each step (ZeRO-Infinity; fused optimizers only).
+        offload_dir: the directory (on a fast local drive) for offload_optimizer="nvme".
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
     Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
@@ -129,7 +133,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 executor="auto", offload_optimizer: Optional[str] = None, storage=None,
+                 executor="auto", offload_optimizer: Optional[str] = None,
+                 offload_dir=None, storage=None,
                  _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
@@ -146,7 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                          align_bytes=align_bytes,
                                          grad_reduce_dtype=grad_reduce_dtype,
                                          loss_scaler=loss_scaler,
-                                         offload_optimizer=offload_optimizer, **optimizer_kwargs)
+                                         offload_optimizer=offload_optimizer,
+                                         offload_dir=offload_dir, **optimizer_kwargs)
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
@@ -154,6 +160,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if kind is None and stochastic_rounding:
                 raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
                                  f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+            if kind is None and offload_optimizer == "nvme":
+                raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
+                                 "Adam, SGD, Adagrad, zero_py.Lion), not "
+                                 f"{optimizer_class.__name__}; use offload_optimizer='cpu'")
         except (TypeError, ValueError) as exc:
             problem = exc
         self.optimizer_class = optimizer_class
@@ -214,7 +224,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
         self._kind = kind
         self.uses_fused_kernel = kind is not None
-        self.offload_optimizer = "cpu" if check_offload_optimizer(offload_optimizer) else None
+        self.offload_optimizer = check_offload_optimizer(offload_optimizer, offload_dir)
+        self._offload_dir = offload_dir
         self._host: Optional[HostShard] = None
         self._hook_handles: list = []
         if storage is None:
@@ -238,7 +249,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         align_bytes: int = DEFAULT_ALIGN_BYTES,
                         grad_reduce_dtype: Optional[torch.dtype] = None,
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
-                        offload_optimizer: Optional[str] = None, **optimizer_kwargs) -> dict:
+                        offload_optimizer: Optional[str] = None, offload_dir=None,
+                        **optimizer_kwargs) -> dict:
         """Checks the constructor's arguments (zero_py.initialize does it before it shards a
         stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
         if not (isinstance(optimizer_class, type)
@@ -257,7 +269,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"torch.float16, got {grad_reduce_dtype!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
-        check_offload_optimizer(offload_optimizer)
+        check_offload_optimizer(offload_optimizer, offload_dir)
         # The optimizer class validates its own keyword arguments and supplies the defaults.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
         return dict(probe.defaults)
@@ -282,7 +294,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._had_grad = [0] * len(fp.params)
         if self._host is not None:
             self._host.close()
-        if self.offload_optimizer is not None:
+        if isinstance(getattr(self, "_update", None), StreamedUpdate):
+            self._update.close()
+        if self.offload_optimizer == "nvme":
+            self._masters = ResidentMasters(fp)
+        elif self.offload_optimizer == "cpu":
             # the masters (and states, kept by the updater) in host memory; the reducer tells
             # the host side when each gradient piece is reduced, so it is copied out at once
             self._host = self._reducer.mirror = HostShard(fp, self._reducer.grads.dtype_of)
@@ -293,12 +309,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 fp.device)
         self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
         self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
-        if self._kind is not None:
+        if self.offload_optimizer == "nvme":
+            self._update = self._streamed_update(fp)
+        elif self._kind is not None:
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
                                        self.param_groups, self._host)
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host)
+
+    def _streamed_update(self, fp) -> StreamedUpdate:
+        """The NVMe update, its offload file made on every rank or on none: a rank whose file
+        cannot be made (a full disk, a refused directory) raises its error and the others an
+        error naming it, instead of waiting for it in the first step."""
+        update, problem = None, None
+        try:
+            update = StreamedUpdate(self._kind, fp, self._reducer.grads, self._masters,
+                                    self.param_groups, self._offload_dir)
+        except OSError as exc:
+            problem = exc
+        try:
+            agreement.check(self.executor, [("the NVMe offload file", f"failed: {problem}"
+                                             if problem else "made")],
+                            "zero_py.ZeroOptimizer(offload_optimizer='nvme')")
+        except ValueError:
+            if update is not None:
+                update.close()
+            if problem is not None:
+                raise problem from None
+            raise
+        if problem is not None:
+            raise problem
+        return update
 
     def _name(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))
@@ -386,6 +428,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         after loading weights into a bf16/fp16 model whose optimizer already exists (loading
         the optimizer's state dict does it too, unless that dict carries the masters)."""
         with torch.no_grad():
+            if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
+                self._update.pull_masters()
+                return
             for b in range(self._flat.n_buckets):
                 master = self._masters.piece(b)
                 if master is not None:
@@ -509,6 +554,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _apply_update(self, used: List[int]) -> None:
+        counts, seed = list(self._step_count), self._sr_seed
         for i, u in enumerate(used):
             if u:
                 self._step_count[i] += 1
@@ -518,12 +564,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sr_seed += 1
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
-        if self._host is not None and self.uses_fused_kernel:
-            self._host.step(self._update, touched, used, self._step_count, grad_scale,
-                            self._sr_seed, self.stochastic_rounding)
-        else:
-            self._update.step(used, self._step_count, grad_scale, self._sr_seed,
-                              self.stochastic_rounding)
+        try:
+            if self._host is not None and self.uses_fused_kernel:
+                self._host.step(self._update, touched, used, self._step_count, grad_scale,
+                                self._sr_seed, self.stochastic_rounding)
+            else:
+                self._update.step(used, self._step_count, grad_scale, self._sr_seed,
+                                  self.stochastic_rounding)
+        except OSError:
+            # an NVMe write failed: the state on disk and the parameters are the last good
+            # step's (StreamedUpdate put them back); so are the counts
+            self._step_count, self._sr_seed = counts, seed
+            raise
         self._flat.publish(self.executor, touched)
 
     # -- state dicts ----------------------------------------------------------------------------
@@ -538,6 +590,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         state = self._update.slice_state(s, copy)
         if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
             state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
+        if "master_param" in state:  # read from NVMe with the slice's state
+            return state
         master = self._masters.piece(s.bucket)
         if master is not None:
             view = master[s.piece_lo:s.piece_hi]
@@ -581,13 +635,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [{**{k: v for k, v in g.items() if k != "params"},
                  "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
 
+    def resident(self):
+        """A context in which the optimizer's masters and states are in memory: a no-op, except
+        under offload_optimizer="nvme", where they are read from the offload file on entry and
+        written back on exit (state dicts and checkpoints run inside it)."""
+        if isinstance(self._update, StreamedUpdate):
+            return self._update.resident()
+        return contextlib.nullcontext()
+
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state, in torch's format plus a "zero_py" entry
         saying which slice of each parameter it holds. Every rank saves its own. Hooks
         registered with register_state_dict_pre_hook / _post_hook run as in torch.optim."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        return self._run_post_hooks(self._shard_state_dict())
+        with self.resident():
+            shard = self._shard_state_dict()
+        return self._run_post_hooks(shard)
 
     def _run_post_hooks(self, state_dict: dict) -> dict:
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -620,7 +684,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         must call it. State-dict pre hooks run on every rank, post hooks on the full dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        gathered = gather_object(self.executor, self._shard_state_dict(), to)
+        with self.resident():
+            shard = self._shard_state_dict()
+        gathered = gather_object(self.executor, shard, to)
         if gathered is None:
             return None
         shapes = {self._managed_index[i]: torch.Size(shape)
@@ -662,6 +728,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "ZeroOptimizer.load_state_dict")
         if problem is not None:
             raise problem
+        with self.resident():
+            self._load_checked(state_dict, groups, shard, saved_state, scaler)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_checked(self, state_dict: dict, groups: List[dict], shard: bool,
+                      saved_state: dict, scaler: Optional[dict]) -> None:
+        """load_state_dict's changes, once every rank accepted the dict."""
         self._set_hyperparameters(groups)
         if shard:
             self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
@@ -679,8 +753,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
                                               self._flat.param_numel[s.param])
             self._install_slice(s, st)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def _load_entries(self, state_dict: dict, shard: bool) -> List[tuple]:
         """What must match across ranks in a loaded dict: its kind, the hyperparameters, the
@@ -735,6 +807,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device (0 under offload_optimizer="cpu"); host_optimizer_states: the same in host memory
         under offload (fp32 masters of every bucket, fp32 ones included); host_grads: the host
         copy of the gradient shard and the staging of updated bf16/fp16 values (offload).
+        Under offload_optimizer="nvme": host_optimizer_states is the ring of host buffers and
+        nvme_optimizer_states the offload file (both slots of every record).
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat
@@ -750,20 +824,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grads += param_bytes
         states = self._update.state_bytes()
         host = self._host.nbytes() if self._host is not None else None
+        store = getattr(self._update, "store", None)  # offload_optimizer="nvme"
+        if store is not None:
+            host = {"host_masters": store.host_bytes(), "host_grads": 0}
         # state per element: the fused path keeps it over the whole shard, padding included;
         # torch.optim keeps it per parameter slice
         local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
-        per_elem = states / local if local else 0.0
+        per_elem = (len(self._update.keys) * 4 if store is not None  # (states are on NVMe)
+                    else states / local if local else 0.0)
         return {**report, "grads": grads,
                 "optimizer_states": 0 if host else states + self._masters.nbytes(),
                 "host_optimizer_states": states + host["host_masters"] if host else 0,
                 "host_grads": host["host_grads"] if host else 0,
+                "nvme_optimizer_states": store.file_bytes if store is not None else 0,
                 "ddp_grads": 2 * param_bytes,
                 "ddp_optimizer_states": int(round(per_elem * psi)) + 4 * master_psi}
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors and fp32 masters on this rank (states are
         allocated at the first step)."""
+        store = getattr(self._update, "store", None)
+        if store is not None:  # both slots of every record of the offload file
+            return store.file_bytes // 2
         host = self._host.nbytes()["host_masters"] if self._host is not None else None
         return self._update.state_bytes() + (self._masters.nbytes() if host is None else host)
 

@@ -28,6 +28,10 @@ def add_param_group(opt, param_group: dict) -> None:
             "param group of their own from the start (initialize(..., params=[{'params': "
             "base}, {'params': later, 'lr': 0.0}]) with requires_grad=True), then raise "
             "that group's lr when they should train")
+    if opt.offload_optimizer == "nvme":
+        raise RuntimeError("add_param_group after construction is not supported with "
+                           "offload_optimizer='nvme'; give every param group at construction "
+                           "(a group to train later with lr=0, raised when it should train)")
     if opt._reducer.pass_open or opt._reducer.passes_since_step:
         raise RuntimeError("add_param_group rebuilds the flat layout: call it between "
                            "optimizer.step() and the next backward, not with gradients "

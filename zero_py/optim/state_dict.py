@@ -247,8 +247,8 @@ def check_loadable(opt, state_dict: dict):
         else:
             expected = shapes[index]
         check_param_state(index, st, expected, keys, name,
-                                  opt._masters.piece(opt._flat.param_bucket[
-                                      opt._managed_of[index]]) is not None)
+                                  opt._masters.dtype_of[opt._flat.param_bucket[
+                                      opt._managed_of[index]]] is not None)
         saved_state[index] = st
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
