@@ -1,0 +1,204 @@
+"""Offload: the optimizer step with offload_optimizer None, "cpu" and "nvme", side by side.
+
+    torchrun --nproc-per-node N benchmarks/offload.py steps [--params-m 64] [--dtype bf16]
+             [--dir DIR] [--rounds 5]
+    python benchmarks/offload.py rss --params-m 400 [--dir DIR]
+
+`steps`: a stack of bias-free Linear(1024, 1024) layers (params-m of them: about params-m
+million parameters), each rank its own random batch; every mode builds its own copy of the
+same model and the modes take turns, round after round. Per mode: the median time of
+forward+backward and of optimizer.step(), the step's ratio to no offload, and memory_report()'s
+per-rank bytes on the device, in host memory and on disk beside the resident memory the mode
+added (VmRSS; on the CPU the "device" is host memory too, so the measured growth is compared
+with device + host). For "nvme": the bytes the step read and wrote and its bandwidth, beside the
+engine's raw bandwidth on the same file in the same run: the same records read and written with
+no arithmetic (the ring's pattern) and large sequential direct reads and writes.
+
+`rss`: one rank whose optimizer (fp32 masters and AdamW states: 12 bytes per parameter) lives on
+NVMe, bf16 parameters: the resident memory after each step beside the optimizer's bytes on disk.
+
+Every run prints the CPU model and the load average; record results in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import zero_py
+import zero_py.offload
+from zero_py.io.engine import DirectFile, IoEngine, aligned_empty
+from zero_py.tools.env import cpu_model, proc_status_kib
+
+WIDTH = 1024
+MODES = [None, "cpu", "nvme"]
+
+
+def make_model(layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
+                                 for _ in range(layers)]).to(dtype)
+
+
+def train_step(model, opt, gen, dtype) -> tuple:
+    x = torch.randn(8, WIDTH, generator=gen).to(dtype)
+    t0 = time.perf_counter()
+    model(x).float().pow(2).mean().backward()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def raw_bandwidth(store, rounds: int = 2) -> dict:
+    """The engine on the offload file with no arithmetic: the ring's record pattern (read,
+    write to the other slot) and large sequential direct writes and reads of as many bytes."""
+    chunks = list(range(store.n_chunks))
+    nbytes = 2 * len(chunks) * store.record_bytes
+    ring = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        store.stream(chunks, lambda k, buf: None)
+        ring.append(nbytes / (time.perf_counter() - t))
+    engine = IoEngine(n_threads=4)
+    block = 8 << 20
+    total = len(chunks) * store.record_bytes
+    n = max(1, total // block)
+    bufs = [aligned_empty(block) for _ in range(4)]
+    for b in bufs:
+        b.random_(0, 255)
+    seq = []
+    path = os.path.join(os.path.dirname(store.path) or ".", f"zp-raw-{os.getpid()}.bin")
+    f = DirectFile(path, writable=True)
+    try:
+        os.posix_fallocate(f.fd, 0, n * block)
+        for _ in range(rounds):
+            t = time.perf_counter()
+            tickets = [engine.write(f, bufs[i % 4], i * block) for i in range(n)]
+            for tk in tickets:
+                engine.wait(tk)
+            tickets = [engine.read(f, bufs[i % 4], i * block) for i in range(n)]
+            for tk in tickets:
+                engine.wait(tk)
+            seq.append(2 * n * block / (time.perf_counter() - t))
+    finally:
+        f.close()
+        os.unlink(path)
+        engine.close()
+    return {"ring": max(ring), "sequential": max(seq)}
+
+
+def steps(args) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    base = make_model(args.params_m, dtype)
+    runs = {}
+    offload_dir = args.dir or tempfile.mkdtemp(prefix="zp-offload-")
+    for mode in MODES:
+        rss0 = proc_status_kib("VmRSS")
+        model = copy.deepcopy(base)
+        kw = {"offload_optimizer": mode}
+        if mode == "nvme":
+            kw["offload_dir"] = offload_dir
+        if dtype != torch.float32:
+            kw["grad_reduce_dtype"] = torch.float32
+        _, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-4, **kw)
+        gen = torch.Generator().manual_seed(rank)
+        train_step(model, opt, gen, dtype)  # warm-up: the states exist
+        runs[mode] = {"model": model, "opt": opt, "gen": gen, "fb": [], "step": [],
+                      "rss_kib": proc_status_kib("VmRSS") - rss0}
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        for mode in order:
+            run = runs[mode]
+            dist.barrier()
+            for _ in range(args.steps):
+                fb, st = train_step(run["model"], run["opt"], run["gen"], dtype)
+                run["fb"].append(fb)
+                run["step"].append(st)
+    store = runs["nvme"]["opt"]._update.store
+    raw = raw_bandwidth(store) if rank == 0 else None
+    if rank != 0:
+        return
+    psi = args.params_m * WIDTH * WIDTH
+    print(f"# offload step, {args.params_m}M parameters ({args.dtype}), {world} rank(s), "
+          f"stage 2, AdamW")
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; "
+          f"offload_dir {offload_dir} (direct I/O: {store.file.direct}); torch "
+          f"{torch.__version__}; host kernel threads {zero_py.offload.host_threads()}")
+    print()
+    print("| mode | fwd+bwd (s) | step (s) | step / none | device MB | host MB | disk MB "
+          "| RSS added MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    none_step = statistics.median(runs[None]["step"])
+    for mode in MODES:
+        run = runs[mode]
+        rep = run["opt"].memory_report()
+        device = rep["params"] + rep["grads"] + rep["optimizer_states"]
+        host = rep["host_optimizer_states"] + rep["host_grads"] + rep["host_params"]
+        step = statistics.median(run["step"])
+        print(f"| {mode or 'none'} | {statistics.median(run['fb']):.3f} | {step:.3f} | "
+              f"{step / none_step:.2f}x | {device / 1e6:.1f} | {host / 1e6:.1f} | "
+              f"{rep['nvme_optimizer_states'] / 1e6:.1f} | {run['rss_kib'] / 1024:.1f} |")
+    step = statistics.median(runs["nvme"]["step"])
+    moved = 2 * store.n_chunks * store.record_bytes
+    print()
+    print(f"NVMe step: {moved / 1e6:.0f} MB read+written per step ({psi / world / 1e6:.1f}M "
+          f"elements x 12 B each way, records of {store.record_bytes >> 10} KiB, ring of "
+          f"{len(store.ring)}): {moved / step / 1e9:.2f} GB/s; raw engine on the same file: "
+          f"ring pattern {raw['ring'] / 1e9:.2f} GB/s ({moved / step / raw['ring']:.0%}), "
+          f"sequential 8 MiB {raw['sequential'] / 1e9:.2f} GB/s "
+          f"({moved / step / raw['sequential']:.0%})")
+
+
+def rss(args) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    offload_dir = args.dir or tempfile.mkdtemp(prefix="zp-offload-")
+    model = make_model(args.params_m, torch.bfloat16)
+    _, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-4,
+                                offload_optimizer="nvme", offload_dir=offload_dir,
+                                grad_reduce_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    store = opt._update.store
+    state = store.file_bytes // 2
+    print(f"# NVMe offload, resident memory: {args.params_m}M bf16 parameters, 1 rank")
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; offload_dir "
+          f"{offload_dir}; optimizer on disk {state / 1e9:.2f} GB (x2 slots); ring "
+          f"{store.host_bytes() / 1e6:.0f} MB")
+    print()
+    print("| step | VmRSS MB | VmHWM MB | optimizer state / VmRSS | step (s) |")
+    print("|---|---|---|---|---|")
+    for k in range(args.steps):
+        _, st = train_step(model, opt, gen, torch.bfloat16)
+        rss_b = proc_status_kib("VmRSS") * 1024
+        print(f"| {k + 1} | {rss_b / 1e6:.0f} | {proc_status_kib('VmHWM') * 1024 / 1e6:.0f} | "
+              f"{state / rss_b:.2f}x | {st:.2f} |")
+        sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["steps", "rss"])
+    ap.add_argument("--params-m", type=int, default=64)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dir", default=None, help="offload_dir (default: a new temp directory)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    steps(args) if args.what == "steps" else rss(args)
+
+
+if __name__ == "__main__":
+    main()
