@@ -97,14 +97,23 @@ VARIANTS = {
     "bf16-s3-persistent-biases": dict(stage=3, dtype=torch.bfloat16,
                                       persistence_threshold=1000),
     "s3-fp32-reduce": dict(stage=3, dtype=torch.bfloat16, grad_reduce_dtype=torch.float32),
+    "bf16-s2-offload-cpu": dict(stage=2, dtype=torch.bfloat16, offload_optimizer="cpu",
+                                grad_reduce_dtype=torch.float32),
+    "bf16-s3-offload-cpu-params": dict(stage=3, dtype=torch.bfloat16, offload_optimizer="cpu",
+                                       offload_params="cpu"),
+    "s1-offload-nvme": dict(stage=1, offload_optimizer="nvme"),
 }
 
 
 def _variants(rank, world_size):
+    import tempfile
+
     out = {}
     for name, kw in VARIANTS.items():
         kw = dict(kw)
         stage, dtype = kw.pop("stage"), kw.pop("dtype", torch.float32)
+        if kw.get("offload_optimizer") == "nvme":
+            kw["offload_dir"] = tempfile.mkdtemp(prefix="zp-estimate-")
         model, opt = _build(stage, 6, 64, dtype, **kw)
         _steps(model, opt, 64, dtype, 2)
         out[name] = opt.memory_report()
@@ -117,7 +126,9 @@ def _estimate_variant(name, world):
     stage, dtype = kw.pop("stage"), kw.pop("dtype", torch.float32)
     opt = kw.pop("optimizer", torch.optim.AdamW)
     est_kw = {k: kw.pop(k) for k in ("bucket_bytes", "persistence_threshold",
-                                     "grad_reduce_dtype") if k in kw}
+                                     "grad_reduce_dtype", "offload_params") if k in kw}
+    if "offload_optimizer" in kw:
+        est_kw["offload"] = kw.pop("offload_optimizer")
     model = Stack(6, 64).to(dtype)
     return estimate_memory(model, world, stage, dtype, optimizer=opt, optimizer_kwargs=kw,
                            shared_memory=False,
@@ -141,6 +152,12 @@ def _check_terms(est, rep, where):
     pairs = {"params": (est.params + est.working_set, rep["params"]),
              "grads": (est.grads, rep["grads"]),
              "optimizer_states": (est.optimizer_states, rep["optimizer_states"])}
+    offloaded = {"host": (est.host, rep["host_optimizer_states"] + rep["host_grads"]
+                          + rep["host_params"]),
+                 "nvme": (est.nvme, rep["nvme_optimizer_states"])}
+    for term, (e, r) in offloaded.items():
+        assert abs(e - r) <= TOLERANCE * max(r, 1), (
+            f"{where}: estimated {term} {e / 1e6:.3f} MB, memory_report() says {r / 1e6:.3f} MB")
     for term, (e, r) in pairs.items():
         assert abs(e - r) <= TOLERANCE * max(r, 1), (
             f"{where}: estimated {term} {e / 1e6:.3f} MB, memory_report() says {r / 1e6:.3f} MB")
@@ -266,8 +283,10 @@ def test_a_model_on_the_meta_device_counts_like_the_model():
 
 
 def test_errors_say_what_to_change():
-    with pytest.raises(ValueError, match="not implemented"):
-        estimate_memory(1e6, 2, 3, offload="cpu")
+    with pytest.raises(ValueError, match="offload must be None, 'cpu' or 'nvme'"):
+        estimate_memory(1e6, 2, 3, offload="disk")
+    with pytest.raises(ValueError, match="offload_params applies to stage 3 only"):
+        estimate_memory(1e6, 2, 2, offload_params="cpu")
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         estimate_memory(1e6, 2, 4)
     with pytest.raises(ValueError, match="world_size"):

@@ -227,13 +227,19 @@ class StreamedUpdate(FusedUpdate):
         chunks = sorted({k for a, z, *_ in runs
                          for k in range(a // store.chunk_numel, (z - 1) // store.chunk_numel + 1)})
         done: List[int] = []
+        first = [0]  # runs[first[0]:] may still reach the chunks to come (both are in order)
 
         def work(k: int, buf: torch.Tensor) -> None:
             c = store.chunk_range(k)
             base = buf.data_ptr()
             rows = array("q")
             staged = []  # (device piece slice, host staging): written back after the kernel
-            for a, z, step, b, g in runs:
+            while first[0] < len(runs) and runs[first[0]][1] <= c.start:
+                first[0] += 1
+            for j in range(first[0], len(runs)):
+                a, z, step, b, g = runs[j]
+                if a >= c.stop:
+                    break
                 lo, hi = max(a, c.start), min(z, c.stop)
                 if lo >= hi:
                     continue

@@ -19,6 +19,11 @@ term, from the sizes alone:
   prefetched: root + the two largest other units, bounded by prefetch_bytes) and, on one host,
   this rank's share of the shared-memory gather ring (2 x its chunk of the largest unit).
 - buffers: the model's buffers (BatchNorm statistics, ...), whole on every rank.
+- host, nvme (offload, docs/offload.md): under offload="cpu" the optimizer states and fp32
+  masters (of every bucket, fp32 ones too), a copy of the gradient shard and the staging of
+  updated bf16/fp16 values are host memory, not device memory; under offload="nvme" the host
+  holds the ring (4 records of at most 8 MiB) and the disk both slots of every record (master
+  and states, padded to whole chunks); offload_params="cpu" moves stage 3's shards to the host.
 
 Activations, autograd's own temporaries and the allocator's slack are not model states and
 are not counted. What the estimate is checked against: tests/test_estimate.py (the library's
@@ -63,6 +68,10 @@ class MemoryEstimate:
     # what DDP + torch.optim would hold per rank with the same precision recipe, by term:
     # params, grads (param.grad and the reducer's bucket copy), optimizer_states, buffers
     ddp_terms: Dict[str, int]
+    host: int = 0  # offload: bytes in host memory (not in total, which is the device's)
+    nvme: int = 0  # offload="nvme": bytes of the offload file
+    shard_numel: int = 0  # the rank's shard of the trainable parameters, in elements
+    shard_params: int = 0  # stage 3: bytes of the rank's parameter shards
 
     @property
     def ddp(self) -> int:
@@ -75,7 +84,8 @@ class MemoryEstimate:
     def as_dict(self) -> Dict[str, int]:
         return {"params": self.params, "grads": self.grads,
                 "optimizer_states": self.optimizer_states, "working_set": self.working_set,
-                "buffers": self.buffers, "total": self.total, "ddp": self.ddp}
+                "buffers": self.buffers, "total": self.total, "ddp": self.ddp,
+                "host": self.host, "nvme": self.nvme}
 
 
 def state_bytes_per_element(optimizer: Union[str, type] = "adamw",
@@ -167,7 +177,8 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
                     wrap_policy=None, largest_unit: Optional[int] = None,
                     root_unit: int = 0, persistence_threshold: int = 0,
                     prefetch_bytes: Optional[int] = None, gloo: bool = True,
-                    shared_memory: bool = True, offload=None) -> MemoryEstimate:
+                    shared_memory: bool = True, offload=None,
+                    offload_params=None) -> MemoryEstimate:
     """Estimated per-rank bytes of model states under zero_py (see the module docstring).
 
     model_or_param_count: an nn.Module (on any device, the meta device included: only sizes
@@ -182,10 +193,15 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         unit's parameter counts (default: 1/16 of the model, and 0).
     gloo: the reduce-scatter's receive buffers (gloo only); shared_memory: stage 3's gathers go
         through /dev/shm (all ranks on one host, the default).
-    offload: CPU/NVMe offload is not implemented in zero_py yet; only None is accepted."""
-    if offload not in (None, "none"):
-        raise ValueError(f"offload={offload!r}: zero_py does not offload to CPU or NVMe yet "
-                         "(not implemented), so there is nothing to estimate; use offload=None")
+    offload: None, "cpu" or "nvme" (offload_optimizer=); offload_params: None or "cpu" (stage 3):
+        the offloaded bytes go to `host` and `nvme` instead of the device's terms."""
+    if offload not in (None, "none", "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme' (offload_optimizer=), got "
+                         f"{offload!r}")
+    if offload_params not in (None, "none", "cpu"):
+        raise ValueError(f"offload_params must be None or 'cpu', got {offload_params!r}")
+    if offload_params == "cpu" and stage != 3:
+        raise ValueError("offload_params applies to stage 3 only")
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -212,8 +228,38 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         chunk = max(1, min(unit, bucket_bytes // dtype.itemsize))
         trainable = [chunk] * (count // chunk) + ([count % chunk] if count % chunk else [])
         sizes = _Sizes(trainable, units=[root_unit] + [unit] * (n_units - 1) + [rest])
-    return _estimate(sizes, world_size, stage, dtype, reduce_dtype, state_bytes,
-                     bucket_bytes, prefetch_bytes, gloo, shared_memory)
+    est = _estimate(sizes, world_size, stage, dtype, reduce_dtype, state_bytes,
+                    bucket_bytes, prefetch_bytes, gloo, shared_memory)
+    return _offloaded(est, offload, offload_params == "cpu", dtype, reduce_dtype, state_bytes)
+
+
+def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.dtype,
+               reduce_dtype: torch.dtype, state_bytes: int) -> MemoryEstimate:
+    """`est` with the offloaded terms moved off the device (see the module docstring)."""
+    if offload in (None, "none") and not params_on_host:
+        return est
+    shard = est.shard_numel
+    host = nvme = 0
+    states = est.optimizer_states
+    if offload == "cpu":
+        host = shard * (state_bytes + 4) + shard * reduce_dtype.itemsize
+        host += 0 if dtype == torch.float32 else shard * dtype.itemsize
+        states = 0
+    elif offload == "nvme":
+        width = 1 + state_bytes // 4
+        chunk = max(1024, (8 << 20) // 4 // width // 1024 * 1024)
+        chunk = min(chunk, _round_up(max(1, shard), 1024))
+        record = chunk * 4 * width
+        host = 4 * record
+        nvme = 2 * _round_up(shard, chunk) // chunk * record
+        states = 0
+    params = est.params
+    if params_on_host:
+        shards = est.shard_params
+        params -= shards
+        host += shards
+    return dataclasses.replace(est, params=int(params), optimizer_states=int(states),
+                               host=int(host), nvme=int(nvme))
 
 
 def _estimate(sizes: _Sizes, n: int, stage: int, dtype: torch.dtype,
@@ -263,7 +309,9 @@ def _estimate(sizes: _Sizes, n: int, stage: int, dtype: torch.dtype,
             grads += 2 * (largest * (n - 2) // n) * rb
         states = trainable_shard * (state_bytes + master)
     return MemoryEstimate(stage, n, psi + sizes.frozen, dtype, int(params), int(grads),
-                          int(states), int(working), int(sizes.buffer_bytes), ddp)
+                          int(states), int(working), int(sizes.buffer_bytes), ddp,
+                          shard_numel=int(shard if stage in (1, 2) else trainable_shard),
+                          shard_params=int(shard_numel * b) if stage == 3 else 0)
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -280,12 +328,17 @@ def format_table(estimates: Sequence[MemoryEstimate]) -> str:
     """The estimates side by side: one column per stage (and DDP), one row per term."""
     rows = [("params", "params"), ("grads", "grads"), ("optimizer states", "optimizer_states"),
             ("stage-3 working set", "working_set"), ("buffers", "buffers"), ("total", "total")]
+    offloaded = [(label, key) for label, key in (("host (offload)", "host"),
+                                                 ("NVMe (offload)", "nvme"))
+                 if any(getattr(e, key) for e in estimates)]
     heads = [f"stage {e.stage}" for e in estimates] + ["DDP"]
     ddp = {**estimates[0].ddp_terms, "working_set": 0, "total": estimates[0].ddp}
     table = [[label] + [_human(e.as_dict()[key]) for e in estimates] + [_human(ddp[key])]
              for label, key in rows]
     table.append(["of DDP's total"] + [f"{100 * e.total / e.ddp:.1f}%" for e in estimates]
                  + ["100%"])
+    table += [[label] + [_human(getattr(e, key)) for e in estimates] + ["-"]
+              for label, key in offloaded]
     widths = [max(len(r[i]) for r in table + [[""] + heads]) for i in range(len(heads) + 1)]
     lines = ["  ".join([" " * widths[0]] + [h.rjust(w) for h, w in zip(heads, widths[1:])])]
     for r in table:
@@ -380,6 +433,10 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                    help="gloo adds the reduce-scatter's receive buffers and, on one host, the "
                         "shared-memory gathers; default gloo")
+    p.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"],
+                   help="offload_optimizer: the optimizer's bytes in host memory or on NVMe")
+    p.add_argument("--offload-params", default="none", choices=["none", "cpu"],
+                   help="offload_params (stage 3): the parameter shards in host memory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -408,7 +465,9 @@ def _main(args) -> int:
             if args.unit_params:
                 kw["largest_unit"] = int(args.unit_params)
             kw["root_unit"] = int(args.root_params)
-        estimates = [estimate_memory(subject, args.world, s, **kw) for s in stages]
+        estimates = [estimate_memory(subject, args.world, s, offload=args.offload,
+                                     offload_params=args.offload_params if s == 3 else None,
+                                     **kw) for s in stages]
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"zero_py estimate: {exc}", file=sys.stderr)
         return 2
