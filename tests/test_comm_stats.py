@@ -2,14 +2,15 @@
 volume computed here from the model's parameter counts.
 
 Stages 1-2 move 2Ψ(N-1)/N per rank and step (a reduce-scatter of the gradients, an all-gather
-of the parameters), stage 3 (3Ψ - Ψ_kept)(N-1)/N (a gather in forward and one in backward per
-unit, but the units kept gathered from forward into backward only once, and the
-reduce-scatter), Ψ in elements of the communicated dtype with the flat layout's padding: every
-parameter starts at a multiple of align_bytes in its bucket, every bucket is a multiple of
-N * align_bytes. Ψ_padded is computed here from the parameter counts and that rule, checked
-against the layout, and bounded against the unpadded Ψ. The gloo point-to-point forms are
-checked to send and receive exactly what they count (dist.isend / irecv tallied); the NCCL
-executor's counts are checked without a GPU through a stand-in for its communicator.
+of the parameters). Stage 3 moves (3Ψ - Ψ_kept)(N-1)/N: a gather in forward and one in
+backward per unit, only one for the units kept gathered from forward into backward and for
+the persistent parameters, and the reduce-scatter. Ψ is in elements of the communicated
+dtype, padded as the flat layout pads: every parameter starts at a multiple of align_bytes in
+its bucket, every bucket is a multiple of N * align_bytes. Ψ_padded is computed here from the
+parameter counts and that rule, checked against the layout, and bounded against the unpadded
+Ψ. The gloo point-to-point forms are checked to send and receive exactly what they count
+(dist.isend / irecv tallied); the NCCL executor's counts are checked without a GPU, through a
+stand-in for its communicator.
 """
 
 import random
@@ -28,6 +29,8 @@ from zero_py.collectives.torch_dist import TorchDistExecutor
 from zero_py.collectives.work import CollectiveError, Work
 
 ALIGN_BYTES = 64
+# torch 2.13 renamed the flat all-gather and deprecated the old name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 WIDTHS = (13, 21, 30, 21, 17, 9)  # the stack's layer widths: no count is a multiple of 16
 
 
@@ -108,19 +111,24 @@ def _stage_1_2(rank, world_size, stage, dtype, reduce_dtype=None):
             "psi": sum(numel_of.values())}
 
 
-def _stage_3(rank, world_size, dtype):
+def _stage_3(rank, world_size, dtype, persistence_threshold=0):
     torch.manual_seed(0)
     model = _Stack().to(dtype)
-    # the units as this test sees them: the root (its own parameter), then each layer in
-    # forward order
-    unit_numels = [[model.scale.numel()]] + [[layer.fc.weight.numel(), layer.fc.bias.numel()]
-                                             for layer in model.layers]
+    # the units as this test sees them: the root (its own parameter), each layer in forward
+    # order, and the persistent pseudo-unit (the parameters under the threshold)
+    small = [p.numel() < persistence_threshold for p in model.parameters()]
+    unit_of = {id(p): (len(WIDTHS) if s else k) for (p, s, k) in zip(
+        model.parameters(), small, [0] + [k for k in range(1, len(WIDTHS)) for _ in "wb"])}
     numel_of = {id(p): p.numel() for p in model.parameters()}
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, wrap_policy={_Layer},
-                                    lr=1e-3, align_bytes=ALIGN_BYTES)
+                                    lr=1e-3, align_bytes=ALIGN_BYTES,
+                                    persistence_threshold=persistence_threshold)
     seen = _train(model, opt, rank, dtype, steps=3)
-    return {"steps": seen, "buckets": _buckets(opt._flat, numel_of), "unit_numels": unit_numels,
-            "bucket_unit": list(opt._flat.bucket_unit), "psi": sum(numel_of.values())}
+    flat = opt._flat
+    return {"steps": seen, "buckets": _buckets(flat, numel_of), "psi": sum(numel_of.values()),
+            "bucket_unit": [unit_of[id(flat.params[flat.bucket_params[b][0]])]
+                            for b in range(flat.n_buckets)],
+            "layout_bucket_unit": list(flat.bucket_unit)}
 
 
 def _p2p_counts(rank, world_size):
@@ -161,7 +169,7 @@ def _p2p_counts(rank, world_size):
                     got = torch.empty(world_size * chunk, dtype=dtype)
                     ex.all_gather(got, mine).wait()
                     ref = torch.empty_like(got)
-                    dist.all_gather_into_tensor(ref, mine)
+                    _all_gather_flat(ref, mine)
                     ref = ref.float()
                 tol = 1e-6 if dtype == torch.float32 else 3e-2
                 out["wrong"] += int(not torch.allclose(got.float(), ref, rtol=tol, atol=tol))
@@ -191,6 +199,7 @@ def _everything(rank, world_size):
         for stage in (1, 2):
             out[(stage, dtype)] = _stage_1_2(rank, world_size, stage, dtype)
         out[(3, dtype)] = _stage_3(rank, world_size, dtype)
+    out[(3, "persistent")] = _stage_3(rank, world_size, torch.float32, persistence_threshold=20)
     out[(2, "bf16 reduced in fp32")] = _stage_1_2(rank, world_size, 2, torch.bfloat16,
                                                   torch.float32)
     return out
@@ -406,28 +415,36 @@ def _kept_units(unit_bytes, first_step):
 
 def test_stage_3_moves_three_psi_less_the_kept_units(measured):
     """(3Ψ - Ψ_kept)(N-1)/N per rank and step: every unit gathered in forward, gathered again
-    in backward unless kept from forward into backward, and the gradients reduce-scattered."""
+    in backward unless kept from forward into backward, and the gradients reduce-scattered.
+    Persistent parameters count as kept: all-gathered once, by step() after the update."""
     n, results = measured
-    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+    n_units = len(WIDTHS)  # the root and the layers; the persistent pseudo-unit is the next
+    for key, size in ((torch.float32, 4), (torch.bfloat16, 2), ("persistent", 4)):
         for rank, r in enumerate(results):
-            case = r[(3, dtype)]
-            where = f"stage 3 {dtype} rank {rank}/{n}"
+            case = r[(3, key)]
+            where = f"stage 3 {key} rank {rank}/{n}"
             psi = _check_padding(case["buckets"], n, size, case["psi"])
-            unit_psi = [_padded_numel(numels, n, size) for numels in case["unit_numels"]]
-            assert sum(unit_psi) == psi, where
-            # each unit is one bucket, laid out in unit order
-            assert sorted(case["bucket_unit"]) == list(range(len(unit_psi))), where
+            # one bucket per unit (all of one dtype and param group), the units as expected
+            assert case["bucket_unit"] == case["layout_bucket_unit"], where
+            unit_psi = [0] * (n_units + 1)
+            for (numels, _), u in zip(case["buckets"], case["bucket_unit"]):
+                unit_psi[u] += _padded_numel(numels, n, size)
+            persistent = unit_psi.pop()
+            assert (persistent > 0) == (key == "persistent"), where
+            units = sum(1 for u in unit_psi if u) + (persistent > 0)
             for k, stats in enumerate(case["steps"]):
-                kept = _kept_units([u * size for u in unit_psi], first_step=k == 0)
+                # the engine sizes a unit without parameters (the root, all persistent) 1 byte
+                kept = _kept_units([max(u * size, 1) for u in unit_psi], first_step=k == 0)
+                kept = {u for u in kept if unit_psi[u]}
                 # some units are gathered twice, some once, from the second step on
-                assert 1 < len(kept) < len(unit_psi) or k == 0, where
-                kept_psi = sum(unit_psi[u] for u in kept)
+                assert 0 < len(kept) < units - (persistent > 0) or k == 0, where
+                kept_psi = sum(unit_psi[u] for u in kept) + persistent
                 assert set(stats) == {"shard", "shard.gather"}, where
                 assert set(stats["shard"]) == {"reduce_scatter", "control"}, where
                 assert set(stats["shard.gather"]) == {"all_gather"}, where
                 rs, ag = stats["shard"]["reduce_scatter"], stats["shard.gather"]["all_gather"]
-                assert rs["calls"] == len(unit_psi), where
-                assert ag["calls"] == 2 * len(unit_psi) - len(kept), where
+                assert rs["calls"] == units, where
+                assert ag["calls"] == 2 * units - len(kept) - (persistent > 0), where
                 assert rs["bytes_sent"] == rs["bytes_received"] == psi * (n - 1) // n * size
                 assert ag["bytes_sent"] == ag["bytes_received"] == \
                     (2 * psi - kept_psi) * (n - 1) // n * size, where
