@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import distributed
 import zero_py
-from zero_py.collectives import channel, nccl
+from zero_py.collectives import channel, make_executor, nccl
 from zero_py.collectives.stats import (CommStats, StepWindow, control, difference,
                                        ring_bytes, totals)
 from zero_py.collectives.torch_dist import TorchDistExecutor
@@ -184,7 +184,7 @@ def _p2p_counts(rank, world_size):
             ex.broadcast(bcast, src).wait()
         ex.all_reduce(torch.randn(1001, generator=gen)).wait()
         ex.all_reduce_max(torch.zeros(10, dtype=torch.uint8)).wait()
-        with control(ex):
+        with control():
             ex.all_reduce(torch.zeros(3, dtype=torch.int64)).wait()
         out["totals"] = ex.stats.snapshot()
         out["gather_label"] = channel(ex).stats.label
@@ -264,14 +264,17 @@ def test_bad_counts_are_refused():
 def test_control_messages_are_booked_apart():
     stats = CommStats("replicate")
     stats.record("all_reduce", 400, 4)
-    with control(type("Ex", (), {"stats": stats})()):
+    other = CommStats("world")
+    with control():
         stats.record("all_reduce", 24, 4)
         stats.record("all_gather", 64, 4)
+        other.record("all_reduce", 8, 2)  # the flag is the thread's: any executor's call
     snap = stats.snapshot()
     assert snap["all_reduce"] == {"calls": 1, "bytes_sent": 600, "bytes_received": 600}
     assert snap["control"] == {"calls": 2, "bytes_sent": 36 + 48, "bytes_received": 36 + 48}
-    with control(object()):  # an executor object without stats: nothing to book
-        pass
+    assert other.snapshot() == {"control": {"calls": 1, "bytes_sent": 8, "bytes_received": 8}}
+    stats.record("all_gather", 64, 4)  # after the block: payload again
+    assert stats.snapshot()["all_gather"]["calls"] == 1
 
 
 def test_window_is_the_difference_between_marks():
@@ -338,6 +341,12 @@ def test_single_rank_counts_calls_and_no_bytes(single_rank_group):
                                    for k in ("all_gather", "all_reduce", "broadcast")}
     with pytest.raises(ValueError, match="src 1 is not a rank"):
         ex.broadcast(torch.ones(3), 1)
+    # the label a hybrid-sharding replicate group takes, through the executor seam
+    assert make_executor(single_rank_group, torch.device("cpu")).stats.label == "shard"
+    replicate = make_executor(single_rank_group, torch.device("cpu"), label="replicate")
+    assert replicate.stats.label == "replicate"
+    with pytest.raises(ValueError, match="label must be a non-empty str"):
+        make_executor(single_rank_group, torch.device("cpu"), label=None)
 
 
 # -- on gloo ----------------------------------------------------------------------------------

@@ -40,12 +40,14 @@ _REQUIRED = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_s
 
 
 def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.device,
-                  executor="auto"):
+                  executor="auto", label: str = "shard"):
     """The executor for parameters on `device`: executor is "nccl", "torch", an executor object,
     or "auto": the NCCL executor for CUDA parameters in a group whose backend is NCCL (the
     usual torchrun set-up; it falls back to the torch.distributed executor, with a warning,
     where the NCCL executor cannot run), the torch.distributed executor otherwise (CPU
-    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU)."""
+    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU). label: the
+    group's name in the byte counts (stats.py; e.g. "replicate" for hybrid sharding's
+    replicate group); an executor object keeps its own."""
     device = torch.device(device)
     if not isinstance(executor, str):
         for name in _REQUIRED:
@@ -61,18 +63,18 @@ def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.devi
     if executor == "auto":
         if not on_cuda or not dist.is_initialized() or "nccl" not in str(
                 dist.get_backend(process_group)).lower():
-            return TorchDistExecutor(process_group, torch_device)
+            return TorchDistExecutor(process_group, torch_device, label=label)
         why = unavailable_reason()
         if why is not None:
             warnings.warn(f"zero_py: the native NCCL executor is unavailable ({why}); using "
                           "the torch.distributed executor", RuntimeWarning, stacklevel=3)
-            return TorchDistExecutor(process_group, torch_device)
-        return NcclExecutor(process_group, device)
+            return TorchDistExecutor(process_group, torch_device, label=label)
+        return NcclExecutor(process_group, device, label=label)
     if executor == "torch":
-        return TorchDistExecutor(process_group, torch_device)
+        return TorchDistExecutor(process_group, torch_device, label=label)
     if not on_cuda:
         raise ValueError(f"executor='nccl' needs CUDA parameters; these are on {device}")
-    return NcclExecutor(process_group, device)
+    return NcclExecutor(process_group, device, label=label)
 
 
 def channel(executor):

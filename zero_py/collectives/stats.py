@@ -23,8 +23,11 @@ counts as an all_reduce. At N = 1 a call moves 0 bytes and is still counted.
 
 Control: the small bookkeeping messages (the ranks' pass and step counts, the mask of which
 parameters got a gradient, the gradient statistics, stage 3's unit order, the ranks' agreement
-digests) are issued inside `control(executor)` and booked under the kind "control", whichever
-collective carries them; every other kind is payload.
+digests) are issued inside `control()` and booked under the kind "control", whichever
+collective carries them; every other kind is payload. The flag is the issuing thread's, not an
+executor's, so a wrapper that hands a collective to another executor (a hybrid mesh's world
+group) books it as control too. Only issue calls go inside the block: a wait there could start
+other collectives (a wrapper's follow-ups), which would be booked as control.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ FIELDS = ("calls", "bytes_sent", "bytes_received")
 
 # {label: {kind: {"calls": .., "bytes_sent": .., "bytes_received": ..}}}
 Counts = Dict[str, Dict[str, Dict[str, int]]]
+
+# control() depth, per thread: stage 3's hooks may run on autograd's device threads
+_local = threading.local()
 
 
 def ring_bytes(kind: str, nbytes: int, world_size: int, rank: int = 0,
@@ -75,38 +81,32 @@ class CommStats:
             raise ValueError(f"label must be a non-empty str, got {label!r}")
         self.label = label
         self._counts: Dict[str, List[int]] = {}  # kind -> [calls, bytes sent, bytes received]
-        # control() depth per thread: stage 3's hooks may run on autograd's device threads
-        self._local = threading.local()
 
     def record(self, kind: str, nbytes: int, world_size: int, rank: int = 0,
                root: Optional[int] = None) -> None:
         """One collective of `kind` over a full buffer of `nbytes`, by group rank `rank`."""
         sent, received = ring_bytes(kind, nbytes, world_size, rank, root)
-        if getattr(self._local, "control", 0):
+        if getattr(_local, "control", 0):
             kind = CONTROL
         c = self._counts.setdefault(kind, [0, 0, 0])
         c[0] += 1
         c[1] += sent
         c[2] += received
 
-    @contextlib.contextmanager
-    def control(self):
-        """Collectives issued inside the block are booked as "control"."""
-        self._local.control = getattr(self._local, "control", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.control -= 1
-
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         """{kind: {"calls", "bytes_sent", "bytes_received"}}, totals since construction."""
         return {kind: dict(zip(FIELDS, c)) for kind, c in self._counts.items()}
 
 
-def control(executor):
-    """CommStats.control() of `executor`, or nothing for an executor object without stats."""
-    stats = getattr(executor, "stats", None)
-    return stats.control() if isinstance(stats, CommStats) else contextlib.nullcontext()
+@contextlib.contextmanager
+def control():
+    """Collectives this thread issues inside the block are booked as "control", by every
+    executor."""
+    _local.control = getattr(_local, "control", 0) + 1
+    try:
+        yield
+    finally:
+        _local.control -= 1
 
 
 def totals(executors: Iterable) -> Counts:

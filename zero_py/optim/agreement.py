@@ -89,8 +89,9 @@ def check(executor, entries: Sequence[Entry], what: str) -> None:
     mine = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(executor.device)
     everyone = torch.empty(executor.world_size * DIGEST_BYTES, dtype=torch.uint8,
                            device=executor.device)
-    with control(executor):
-        executor.all_gather(everyone, mine).wait()
+    with control():
+        work = executor.all_gather(everyone, mine)
+    work.wait()
     rows = everyone.cpu().view(executor.world_size, DIGEST_BYTES)
     if bool((rows == rows[0]).all()):
         return

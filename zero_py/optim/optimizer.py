@@ -428,8 +428,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.executor.device != both.device:
             both = both.to(self.executor.device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        with comm_stats.control(self.executor):
-            self.executor.all_reduce(both, op).wait()
+        with comm_stats.control():
+            work = self.executor.all_reduce(both, op)
+        work.wait()
         return float(both[0]), bool(both[1] > 0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

@@ -77,7 +77,7 @@ class _Count:
         ws = executor.world_size
         self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
         self.rows[executor.rank] = torch.tensor([kind, step, passes], dtype=torch.int64)
-        with control(executor):
+        with control():
             self.work = issue(f"all-reduce of the ranks' pass counts at the start of a "
                               f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
         self.rank = executor.rank
@@ -233,7 +233,7 @@ class GradReducer:
                 self._launch(b)
             self.grad_shard_valid = True
             used = self._local_used.clone()
-            with control(self.executor):
+            with control():
                 self._used_pending = issue("all-reduce of which parameters got a gradient at "
                                            "the end of backward", self.executor.all_reduce_max,
                                            used)

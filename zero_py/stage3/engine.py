@@ -416,7 +416,7 @@ class Stage3Engine:
             rows[self.executor.rank, 0] = len(seen)
             rows[self.executor.rank, 1:1 + len(seen)] = torch.tensor(seen, dtype=torch.int64)
             rows = rows.to(self.executor.device)
-            with control(self.executor):
+            with control():
                 work = issue("all-reduce of the units' order at the end of backward",
                              self.executor.all_reduce, rows)
             self._order_pending = (work, rows)
