@@ -142,6 +142,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                             _param_names=names, _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
         model._zero_py = opt
+        opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
         return model, opt
     if stage != 3:
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -272,6 +273,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if dp.world_size > 1 and _takes_synced_gpus(model):
         model.generate = _SyncedGenerate(model)
     model._zero_py = opt
+    opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
 
 

@@ -3,7 +3,8 @@
 An executor has `world_size`, `rank`, `device`, `group`, `global_rank(r)` and asynchronous
 collectives that return a Work (work.py): reduce_scatter(output, input),
 all_gather(output, input), all_reduce(tensor, op), all_reduce_max(tensor),
-broadcast(tensor, src). Two exist:
+broadcast(tensor, src), and `stats`, a CommStats counting their calls and bytes (stats.py).
+Two exist:
 
     torch_dist.py  TorchDistExecutor: any torch.distributed ProcessGroup (gloo on the CPU, with
                    point-to-point forms of all-gather and reduce-scatter; NCCL; MPI)
@@ -26,24 +27,27 @@ import torch.distributed as dist
 from zero_py.collectives.nccl import NcclExecutor, unavailable_reason
 from zero_py.collectives.objects import gather_object
 from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.stats import CommStats
 from zero_py.collectives.timeout import group_timeout, group_timeout_s
 from zero_py.collectives.torch_dist import TorchDistExecutor
 from zero_py.collectives.work import AllOf, CollectiveError, Work, issue, named
 
-__all__ = ["AllOf", "BufferPool", "CollectiveError", "NcclExecutor", "TorchDistExecutor", "Work",
-           "channel", "gather_object", "group_timeout", "group_timeout_s", "issue",
-           "make_executor", "named"]
+__all__ = ["AllOf", "BufferPool", "CollectiveError", "CommStats", "NcclExecutor",
+           "TorchDistExecutor", "Work", "channel", "gather_object", "group_timeout",
+           "group_timeout_s", "issue", "make_executor", "named"]
 
 _REQUIRED = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size", "rank")
 
 
 def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.device,
-                  executor="auto"):
+                  executor="auto", label: str = "shard"):
     """The executor for parameters on `device`: executor is "nccl", "torch", an executor object,
     or "auto": the NCCL executor for CUDA parameters in a group whose backend is NCCL (the
     usual torchrun set-up; it falls back to the torch.distributed executor, with a warning,
     where the NCCL executor cannot run), the torch.distributed executor otherwise (CPU
-    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU)."""
+    parameters, or a gloo group over CUDA tensors, e.g. several ranks on one GPU). label: the
+    group's name in the byte counts (stats.py; e.g. "replicate" for hybrid sharding's
+    replicate group); an executor object keeps its own."""
     device = torch.device(device)
     if not isinstance(executor, str):
         for name in _REQUIRED:
@@ -59,29 +63,31 @@ def make_executor(process_group: Optional[dist.ProcessGroup], device: torch.devi
     if executor == "auto":
         if not on_cuda or not dist.is_initialized() or "nccl" not in str(
                 dist.get_backend(process_group)).lower():
-            return TorchDistExecutor(process_group, torch_device)
+            return TorchDistExecutor(process_group, torch_device, label=label)
         why = unavailable_reason()
         if why is not None:
             warnings.warn(f"zero_py: the native NCCL executor is unavailable ({why}); using "
                           "the torch.distributed executor", RuntimeWarning, stacklevel=3)
-            return TorchDistExecutor(process_group, torch_device)
-        return NcclExecutor(process_group, device)
+            return TorchDistExecutor(process_group, torch_device, label=label)
+        return NcclExecutor(process_group, device, label=label)
     if executor == "torch":
-        return TorchDistExecutor(process_group, torch_device)
+        return TorchDistExecutor(process_group, torch_device, label=label)
     if not on_cuda:
         raise ValueError(f"executor='nccl' needs CUDA parameters; these are on {device}")
-    return NcclExecutor(process_group, device)
+    return NcclExecutor(process_group, device, label=label)
 
 
 def channel(executor):
     """A second executor over the same ranks whose collectives are ordered independently of
     `executor`'s: a communicator of its own (NCCL), or a process group of its own made by the
     group's members only (torch.distributed: works for subgroups too). At world size 1, or for
-    an executor object of the caller's, the executor itself."""
+    an executor object of the caller's, the executor itself. Its byte counts are labelled
+    `<executor's label>.gather` ("shard.gather")."""
     if executor.world_size == 1:
         return executor
     if isinstance(executor, NcclExecutor):
-        return NcclExecutor(executor.group, executor.device, executor.timeout)
+        return NcclExecutor(executor.group, executor.device, executor.timeout,
+                            label=executor.stats.label + ".gather")
     if isinstance(executor, TorchDistExecutor):
         ranks = [executor.global_rank(r) for r in range(executor.world_size)]
         # the user's timeout, not new_group's default (30 min): a dead peer must not hold the
@@ -90,5 +96,6 @@ def channel(executor):
                                timeout=group_timeout(executor.group),
                                use_local_synchronization=True)
         # stage 3 gathers on this channel: through shared memory where the ranks share a host
-        return TorchDistExecutor(group, executor.device, shared_memory=True)
+        return TorchDistExecutor(group, executor.device, shared_memory=True,
+                                 label=executor.stats.label + ".gather")
     return executor

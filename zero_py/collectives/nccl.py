@@ -15,6 +15,9 @@ contract as the CPU path, whose tests run.)
 
 CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
 through the device: copied in, reduced, and copied back when wait() is called.
+
+Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
+model, NCCL's own) once it has been issued; a CPU tensor's is counted once, as its device copy's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from zero_py.collectives.stats import CommStats
 from zero_py.collectives.timeout import group_timeout_s
 from zero_py.collectives.work import CollectiveError, Work
 from zero_py.kernels import cuda
@@ -128,12 +132,15 @@ class NcclExecutor:
     """Runs the schedule's collectives on `process_group`'s ranks with zero_py's own NCCL
     communicator on `device` (default: the current CUDA device). One GPU per rank, as NCCL
     requires. timeout: seconds a collective may take before the communicator is aborted
-    (default: the process group's timeout)."""
+    (default: the process group's timeout). label: the group's name in the byte counts
+    (`stats`, ZeroOptimizer.comm_stats())."""
 
     reduce_scatter_keeps_input = True  # NCCL's reduce-scatter reads its input only
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, timeout: Optional[float] = None):
+                 device: Optional[torch.device] = None, timeout: Optional[float] = None,
+                 label: str = "shard"):
+        self.stats = CommStats(label)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
@@ -242,7 +249,13 @@ class NcclExecutor:
             raise ValueError(f"reduce_scatter: input must be world_size ({self.world_size}) "
                              f"times output's {output.numel()} elements of {output.dtype}, got "
                              f"{input.numel()} of {input.dtype}")
-        return self._issue(REDUCE_SCATTER, input, output, output.numel(), _SUM)
+        work = self._issue(REDUCE_SCATTER, input, output, output.numel(), _SUM)
+        self._count("reduce_scatter", input)
+        return work
+
+    def _count(self, kind: str, full: torch.Tensor, root: Optional[int] = None) -> None:
+        self.stats.record(kind, full.numel() * full.element_size(), self.world_size, self.rank,
+                          root)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
@@ -252,14 +265,18 @@ class NcclExecutor:
             raise ValueError(f"all_gather: output must be world_size ({self.world_size}) times "
                              f"input's {input.numel()} elements of {input.dtype}, got "
                              f"{output.numel()} of {output.dtype}")
-        return self._issue(ALL_GATHER, input, output, input.numel())
+        work = self._issue(ALL_GATHER, input, output, input.numel())
+        self._count("all_gather", output)
+        return work
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         code = nccl_op(op)
         if tensor.device.type == "cpu":
             return self._through_device(tensor, lambda dev: self.all_reduce(dev, op))
         self._tensor("tensor", tensor)
-        return self._issue(ALL_REDUCE, tensor, tensor, tensor.numel(), code)
+        work = self._issue(ALL_REDUCE, tensor, tensor, tensor.numel(), code)
+        self._count("all_reduce", tensor)
+        return work
 
     def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self.all_reduce(tensor, dist.ReduceOp.MAX)
@@ -272,7 +289,9 @@ class NcclExecutor:
         if tensor.device.type == "cpu":
             return self._through_device(tensor, lambda dev: self.broadcast(dev, src))
         self._tensor("tensor", tensor)
-        return self._issue(BROADCAST, tensor, tensor, tensor.numel(), root=src)
+        work = self._issue(BROADCAST, tensor, tensor, tensor.numel(), root=src)
+        self._count("broadcast", tensor, src)
+        return work
 
     def _through_device(self, host: torch.Tensor, run) -> Work:
         """A collective on a CPU tensor: through a device copy, copied back at wait()."""

@@ -21,6 +21,9 @@ Every call returns a Work named after the operation ("reduce-scatter of 4096 flo
 callers that know the bucket or unit rename it. A collective that fails (a peer died, or the
 group's timeout passed: `timeout_s`, what the user gave init_process_group or new_group) raises a
 CollectiveError naming it, at the call or at wait().
+
+Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
+model, which the point-to-point forms move exactly), once it has been issued.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from zero_py.collectives import shm
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.shm import HostAllGather
+from zero_py.collectives.stats import CommStats
 from zero_py.collectives.timeout import group_timeout, group_timeout_s
 from zero_py.collectives.work import AllOf, Work, issue
 
@@ -56,10 +60,13 @@ class TorchDistExecutor:
     """The collectives of one process group through torch.distributed. `device`: where its
     tensors live (default: the CPU for gloo, the current CUDA device otherwise).
     shared_memory: all-gathers of CPU tensors on a gloo group whose ranks share this host go
-    through shared memory (collectives/shm.py; ZP_SHM=0 turns it off)."""
+    through shared memory (collectives/shm.py; ZP_SHM=0 turns it off).
+    label: the group's name in the byte counts (`stats`, ZeroOptimizer.comm_stats())."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, shared_memory: bool = False):
+                 device: Optional[torch.device] = None, shared_memory: bool = False,
+                 label: str = "shard"):
+        self.stats = CommStats(label)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_py needs torch.distributed: call torch.distributed.init_process_group() "
@@ -116,8 +123,14 @@ class TorchDistExecutor:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
         its contents are undefined afterwards (the all-reduce fallback sums into it)."""
-        return issue(f"reduce-scatter of {self._size(input)}", self._reduce_scatter, output,
+        work = issue(f"reduce-scatter of {self._size(input)}", self._reduce_scatter, output,
                      input)
+        self._count("reduce_scatter", input)
+        return work
+
+    def _count(self, kind: str, full: torch.Tensor, root: Optional[int] = None) -> None:
+        self.stats.record(kind, full.numel() * full.element_size(), self.world_size, self.rank,
+                          root)
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         work = self._direct(self._p2p_reduce_scatter, output, input)
@@ -138,7 +151,9 @@ class TorchDistExecutor:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
-        return issue(f"all-gather of {self._size(output)}", self._all_gather, output, input)
+        work = issue(f"all-gather of {self._size(output)}", self._all_gather, output, input)
+        self._count("all_gather", output)
+        return work
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         if self._p2p and self.world_size > 1 and output.device.type == "cpu":
@@ -234,16 +249,20 @@ class TorchDistExecutor:
         return Work(AllOf(works, group_timeout(self.group)), finish)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
-        if self.world_size == 1:
-            return Work(None)
-        return issue(f"all-reduce of {self._size(tensor)}", dist.all_reduce, tensor, op,
-                     self.group, True)
+        work = Work(None) if self.world_size == 1 else issue(
+            f"all-reduce of {self._size(tensor)}", dist.all_reduce, tensor, op, self.group, True)
+        self._count("all_reduce", tensor)
+        return work
 
     def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self.all_reduce(tensor, dist.ReduceOp.MAX)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
-        if self.world_size == 1:
-            return Work(None)
-        return issue(f"broadcast of {self._size(tensor)} from rank {src}", dist.broadcast,
-                     tensor, self.global_rank(src), self.group, True)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} is not a rank of this group of "
+                             f"{self.world_size}")
+        work = Work(None) if self.world_size == 1 else issue(
+            f"broadcast of {self._size(tensor)} from rank {src}", dist.broadcast, tensor,
+            self.global_rank(src), self.group, True)
+        self._count("broadcast", tensor, src)
+        return work

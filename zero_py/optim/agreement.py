@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py.collectives.objects import gather_json
+from zero_py.collectives.stats import control
 
 DIGEST_BYTES = 32  # sha256
 _SMALL_TENSOR = 16  # tensors of at most this many elements are described by their values
@@ -88,7 +89,9 @@ def check(executor, entries: Sequence[Entry], what: str) -> None:
     mine = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(executor.device)
     everyone = torch.empty(executor.world_size * DIGEST_BYTES, dtype=torch.uint8,
                            device=executor.device)
-    executor.all_gather(everyone, mine).wait()
+    with control():
+        work = executor.all_gather(everyone, mine)
+    work.wait()
     rows = everyone.cpu().view(executor.world_size, DIGEST_BYTES)
     if bool((rows == rows[0]).all()):
         return

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zero_py import kernels
 from zero_py.collectives import gather_object, make_executor
+from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.optim import agreement, compat, regroup
 from zero_py.optim import state_dict as sd_util
@@ -243,6 +244,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         compat.claim(self, managed)
         self._release = compat.release_on_collect(self, self._hook_handles)
         compat.install_clip_guards()
+        self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
 
     @staticmethod
     def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -491,7 +493,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.executor.device != both.device:
             both = both.to(self.executor.device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        self.executor.all_reduce(both, op).wait()
+        with comm_stats.control():
+            work = self.executor.all_reduce(both, op)
+        work.wait()
         return float(both[0]), bool(both[1] > 0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -551,7 +555,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.loss_scaler.update(skip)
             self._clip_coef, self._nonfinite = None, None
             self._reducer.after_step()
+        self._comm.close()
         return loss
+
+    def comm_stats(self) -> Dict[str, Dict[str, Dict[str, int]]]:
+        """What the last step moved, by executor label and collective kind: {"shard":
+        {"reduce_scatter": {"calls", "bytes_sent", "bytes_received"}, "all_gather": ...,
+        "control": ...}, "shard.gather": ...} (stage 3's gathers), this rank's bytes under the
+        ring model of zero_py/collectives/stats.py. The last step runs from the end of the
+        step() before it (or of construction) to the end of the last step(): its backwards'
+        reductions, stage 3's gathers, the step's all-gather; "control" holds the small
+        bookkeeping all-reduces. {} before the first step. docs/scale-out.md."""
+        return {label: {kind: dict(c) for kind, c in kinds.items()}
+                for label, kinds in self._comm.last.items()}
+
+    def _comm_executors(self) -> list:
+        """The executors comm_stats() counts: the optimizer's, and its storage's (stage 3's
+        gather channel)."""
+        return [self.executor, getattr(self._flat, "executor", None)]
 
     def _apply_update(self, used: List[int]) -> None:
         counts, seed = list(self._step_count), self._sr_seed

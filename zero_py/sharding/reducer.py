@@ -43,6 +43,7 @@ import torch
 
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.stats import control
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
@@ -76,8 +77,9 @@ class _Count:
         ws = executor.world_size
         self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
         self.rows[executor.rank] = torch.tensor([kind, step, passes], dtype=torch.int64)
-        self.work = issue(f"all-reduce of the ranks' pass counts at the start of a "
-                          f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
+        with control():
+            self.work = issue(f"all-reduce of the ranks' pass counts at the start of a "
+                              f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
         self.rank = executor.rank
 
     def check(self) -> None:
@@ -235,8 +237,10 @@ class GradReducer:
                 self._launch(b)
             self.grad_shard_valid = True
             used = self._local_used.clone()
-            self._used_pending = issue("all-reduce of which parameters got a gradient at the "
-                                       "end of backward", self.executor.all_reduce_max, used)
+            with control():
+                self._used_pending = issue("all-reduce of which parameters got a gradient at "
+                                           "the end of backward", self.executor.all_reduce_max,
+                                           used)
             self._global_used = used
         self._pass_open = False
         self.passes_since_step += 1

@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
+from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import GatherMeter, ShardedParams
@@ -416,8 +417,9 @@ class Stage3Engine:
             rows[self.executor.rank, 0] = len(seen)
             rows[self.executor.rank, 1:1 + len(seen)] = torch.tensor(seen, dtype=torch.int64)
             rows = rows.to(self.executor.device)
-            work = issue("all-reduce of the units' order at the end of backward",
-                         self.executor.all_reduce, rows)
+            with control():
+                work = issue("all-reduce of the units' order at the end of backward",
+                             self.executor.all_reduce, rows)
             self._order_pending = (work, rows)
 
     # -- commands -----------------------------------------------------------------------------
