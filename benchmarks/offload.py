@@ -44,8 +44,9 @@ MODES = [None, "cpu", "nvme"]
 
 def make_model(layers: int, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
-                                 for _ in range(layers)]).to(dtype)
+    # built in its dtype: no fp32 copy whose freed pages would stay in the resident set
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=dtype)
+                                 for _ in range(layers)])
 
 
 def train_step(model, opt, gen, dtype) -> tuple:
