@@ -665,7 +665,11 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
       DeepSpeed's engine.backward() / engine.step() do for it.
     """
     process_group = explicit.get("process_group")
-    world = dist.get_world_size(process_group) if dist.is_initialized() else None
+    hybrid = any(explicit.get(k) is not None for k in ("replicate_group", "device_mesh",
+                                                        "hybrid"))
+    # the batch sizes count every data-parallel rank: under hybrid sharding, every replica's
+    world = (dist.get_world_size(None if hybrid else process_group) if dist.is_initialized()
+             else None)
     stage = explicit.get("stage")
     plan = translate(config, world, 3 if stage is None else stage)
     if plan.refusals:

@@ -283,7 +283,8 @@ class GradReducer:
         n = self.flat.param_numel[i]
         # the planned size: a stage-3 parameter may already be its shard slice again here
         slot = self._bucket_buffer(b)[lo:lo + n]
-        ws = self.executor.world_size
+        # DDP averages over every rank: under hybrid sharding, every replica's too
+        ws = getattr(self.executor, "data_parallel_size", self.executor.world_size)
         if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
         elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
