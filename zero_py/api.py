@@ -51,7 +51,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                *, stage: Optional[int] = None, wrap_policy: WrapPolicy = None, params=None,
                process_group: Optional[dist.ProcessGroup] = None,
                replicate_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
-               hybrid: Optional[str] = None, reshard_after_forward: bool = True, persistence_threshold: int = 0,
+               hybrid: Optional[str] = None, reshard_after_forward: bool = True,
+               persistence_threshold: int = 0,
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
                device: Optional[torch.device] = None, config=None, strict: bool = True,
@@ -142,7 +143,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
                             stage=stage, process_group=process_group, executor=executor,
                             replicate_group=replicate_group, device_mesh=device_mesh,
-                            hybrid=hybrid, _param_names=names, _agreement=_buffer_entries(model), **kwargs)
+                            hybrid=hybrid, _param_names=names,
+                            _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
         model._zero_py = opt
         return model, opt

@@ -290,7 +290,7 @@ def check_mesh(per_rank: Sequence[Dict[str, Optional[List[int]]]]) -> Optional[s
         return (f"{replicas} replicas of a shard group of {shard_size} ranks make "
                 f"{shard_size * replicas} ranks, not the world's {n}: each replicate group "
                 "must hold one rank of every shard group")
-    for r, e in enumerate(per_rank):
+    for e in per_rank:
         column = e["replicate"]
         rows = {tuple(sorted(per_rank[q]["shard"])) for q in column}
         if len(rows) != len(column):

@@ -133,7 +133,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
-                 device_mesh=None, hybrid: Optional[str] = None, storage=None, _param_names: Optional[Dict[int, str]] = None,
+                 device_mesh=None, hybrid: Optional[str] = None, storage=None,
+                 _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
         self._state_view = compat.StateView(self)
