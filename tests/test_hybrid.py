@@ -99,6 +99,9 @@ def _train(rank, kwargs, stage, dtype, opt_name, steps=STEPS):
     torch.manual_seed(0)
     ref = models.TiedGPT(n_layer=2).to(dtype)
     zmodel = copy.deepcopy(ref)
+    with torch.no_grad():  # construction must start every rank from global rank 0's values
+        for p in zmodel.parameters():
+            p.add_(0.01 * rank)
     ddp = DDP(ref)
     ref_opt = (cls(ddp.parameters(), **hyper) if dtype == torch.float32
                else _MasterRef(ddp.parameters(), cls, **hyper))
