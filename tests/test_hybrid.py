@@ -249,6 +249,39 @@ def test_bad_hybrid_input_is_the_same_error_on_every_rank():
     assert all(r["after"] is None for r in results)
 
 
+def _replica_out_of_step(rank, world_size):
+    torch.manual_seed(0)
+    model, opt = zero_py.initialize(models.TiedGPT(n_layer=2), torch.optim.AdamW, stage=2,
+                                    lr=1e-2, bucket_bytes=4096, **_hybrid_kwargs(rank, "node"))
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for _ in range(2 if rank >= 2 else 1):  # replica 1 runs one backward more
+            model(*models.gpt_batch(gen)).backward()
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_replica_out_of_step_is_named_on_every_rank():
+    for rank, message in enumerate(distributed.run(_replica_out_of_step, 4, timeout=120)):
+        assert message is not None and "different numbers of forward or backward" in message, \
+            (rank, message)
+        assert "rank 2: backward pass number 2" in message, (rank, message)
+
+
+def test_deepspeed_mics_shard_size_of_a_node_is_hybrid_node(monkeypatch):
+    from zero_py.config.deepspeed import translate
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plan = translate({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, 4)
+    assert plan.zero_kwargs.get("hybrid") == "node" and not plan.refusals
+    plan = translate({"zero_optimization": {"stage": 2, "mics_shard_size": -1}}, 4)
+    assert "hybrid" not in plan.zero_kwargs and not plan.refusals
+    plan = translate({"zero_optimization": {"stage": 2, "mics_shard_size": 3}}, 4)
+    assert "hybrid" not in plan.zero_kwargs
+    assert "LOCAL_WORLD_SIZE=2" in plan.describe_refusals()
+
+
 def test_check_mesh_rules():
     grid = [{"shard": [0, 1], "replicate": [0, 2]}, {"shard": [0, 1], "replicate": [1, 3]},
             {"shard": [2, 3], "replicate": [0, 2]}, {"shard": [2, 3], "replicate": [1, 3]}]

@@ -27,8 +27,9 @@ inside the shard group. What differs from a plain executor:
     all_reduce_max   the whole world (which parameters got a gradient on any rank)
     broadcast        the whole world, from rank `src` of the shard group of global rank 0:
                      at construction every rank starts from global rank 0's values
-    world            an executor over every rank: the ranks' agreement and the checkpoints'
-                     error exchange run on it, so a replica that differs is refused
+    world            an executor over every rank: the ranks' agreement, the pass and step
+                     counts and the checkpoints' error exchange run on it, so a replica that
+                     differs is refused
 
 The replicate all-reduces are issued strictly in the order of the reduce-scatters they follow
 (_Relay): a rank starts the all-reduce of a gradient bucket only after its own reduce-scatter is

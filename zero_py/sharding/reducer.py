@@ -72,6 +72,9 @@ class _Count:
     """Every rank's (what, step, pass) in one SUM all-reduce (each rank fills its own row)."""
 
     def __init__(self, executor, kind: int, step: int, passes: int):
+        # hybrid sharding: every replica's ranks (a replica out of step would pair its
+        # replicate all-reduces with other ones)
+        executor = getattr(executor, "world", executor)
         self.kind, self.step, self.passes = kind, step, passes
         ws = executor.world_size
         self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
