@@ -170,11 +170,15 @@ def _three_ways(rank, world_size):
         for stage in (2, 3):
             r = _train(rank, kwargs, stage, torch.float32, "adamw", steps=3)
             out[(way, stage)] = (r["mesh"], r.get("values"))
+    out["gathered"] = _gathered_edits(rank, world_size)
     return out
 
 
 def test_the_three_ways_of_asking_give_the_same_bits():
+    """... and zero_py.gathered(modifier_rank=0): global rank 0's edit reaches every replica."""
     for rank, out in enumerate(distributed.run(_three_ways, 4)):
+        for stage, weight in out["gathered"].items():
+            assert torch.equal(weight, torch.full_like(weight, 0.5)), (rank, stage)
         for stage in (2, 3):
             mesh, values = out[("groups", stage)]
             for way in ("mesh", "node"):
@@ -222,6 +226,8 @@ def _errors(rank, world_size):
     other = nn.Linear(4, 5) if rank == 3 else nn.Linear(4, 4)  # one replica's model differs
     out["replica model"] = refused(stage=2, model=other, hybrid="node")
     out["after"] = refused(stage=2, hybrid="node")  # still in step: this one works
+    # last: a replica running one backward more is named (and leaves collectives unpaired)
+    out["out of step"] = _replica_out_of_step(rank, world_size)
     return out
 
 
@@ -247,6 +253,11 @@ def test_bad_hybrid_input_is_the_same_error_on_every_rank():
         message = messages.pop()
         assert message is not None and fragment in message, (key, message)
     assert all(r["after"] is None for r in results)
+    for rank, r in enumerate(results):
+        message = r["out of step"]
+        assert message is not None and "different numbers of forward or backward" in message, \
+            (rank, message)
+        assert "rank 2: backward pass number 2" in message, (rank, message)
 
 
 def _replica_out_of_step(rank, world_size):
@@ -263,11 +274,21 @@ def _replica_out_of_step(rank, world_size):
     return None
 
 
-def test_a_replica_out_of_step_is_named_on_every_rank():
-    for rank, message in enumerate(distributed.run(_replica_out_of_step, 4, timeout=120)):
-        assert message is not None and "different numbers of forward or backward" in message, \
-            (rank, message)
-        assert "rank 2: backward pass number 2" in message, (rank, message)
+def _gathered_edits(rank, world_size):
+    """zero_py.gathered(modifier_rank=0): global rank 0's edit reaches every replica."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        extra = {"wrap_policy": 1000} if stage == 3 else {}
+        model, opt = zero_py.initialize(models.TiedGPT(n_layer=2), torch.optim.SGD, lr=0.1,
+                                        stage=stage, **extra, **_hybrid_kwargs(rank, "node"))
+        with zero_py.gathered(model, modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model.ln_f.weight.fill_(0.5)
+        with zero_py.gathered(model):
+            out[stage] = model.ln_f.weight.detach().clone()
+    return out
 
 
 def test_deepspeed_mics_shard_size_of_a_node_is_hybrid_node(monkeypatch):
