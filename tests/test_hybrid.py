@@ -1,7 +1,8 @@
 """Hybrid sharding (shard inside a group, replicate across groups) against DDP over the whole
 world: 4 gloo ranks as 2 replicas x 2 shards, stages 1-3, fp32 and bf16 with fp32 masters,
 gradient clipping, each rank fed its own random data; the three ways of asking for it
-(process_group + replicate_group, device_mesh, hybrid="node") give the same bits; checkpoints
+(process_group + replicate_group, device_mesh, hybrid="node") give the same bits, and 4 x 1 and
+1 x 4 meshes match DDP too; zero_py.gathered's edits reach every replica; checkpoints
 and optimizer state dicts move between hybrid and plain runs; bad input is the same error on
 every rank, and the ranks go on.
 
@@ -171,14 +172,24 @@ def _three_ways(rank, world_size):
             r = _train(rank, kwargs, stage, torch.float32, "adamw", steps=3)
             out[(way, stage)] = (r["mesh"], r.get("values"))
     out["gathered"] = _gathered_edits(rank, world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+    for shape in ((4, 1), (1, 4)):  # pure replication (DDP), pure sharding
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        r = _train(rank, {"device_mesh": mesh}, 3, torch.float32, "sgd", steps=3)
+        out[shape] = (r["mesh"], r["loss"], r.get("param"))
     return out
 
 
 def test_the_three_ways_of_asking_give_the_same_bits():
-    """... and zero_py.gathered(modifier_rank=0): global rank 0's edit reaches every replica."""
+    """Also: zero_py.gathered(modifier_rank=0) takes global rank 0's edit to every replica, and
+    the degenerate meshes (4 replicas of one rank: DDP; one replica of 4 ranks) match DDP."""
     for rank, out in enumerate(distributed.run(_three_ways, 4)):
         for stage, weight in out["gathered"].items():
             assert torch.equal(weight, torch.full_like(weight, 0.5)), (rank, stage)
+        for (replicas, shards) in ((4, 1), (1, 4)):
+            mesh, loss, param = out[(replicas, shards)]
+            assert mesh == (shards, rank % shards, 4, rank // shards), (replicas, mesh)
+            assert loss <= RTOL and (param is None or param <= RTOL), (replicas, loss, param)
         for stage in (2, 3):
             mesh, values = out[("groups", stage)]
             for way in ("mesh", "node"):
