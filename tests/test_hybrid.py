@@ -120,6 +120,10 @@ def _train(rank, kwargs, stage, dtype, opt_name, steps=STEPS):
         ref_opt.zero_grad()
         loss = zmodel(idx, tgt)
         loss.backward()
+        if "replicate_group" in kwargs:
+            # the user's own collective on the group while the gradient all-reduces are in
+            # flight: they run on a group of their own, so the two never pair up wrongly
+            dist.all_reduce(torch.ones(7), group=kwargs["replicate_group"])
         if clip:
             norm = float(zopt.clip_grad_norm_(MAX_NORM))
             out["norm"] = max(out["norm"], abs(norm - ref_norm) / ref_norm)

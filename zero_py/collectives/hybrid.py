@@ -34,7 +34,9 @@ inside the shard group. What differs from a plain executor:
 The replicate all-reduces are issued strictly in the order of the reduce-scatters they follow
 (_Relay): a rank starts the all-reduce of a gradient bucket only after its own reduce-scatter is
 complete, and waiting for (or polling) a later bucket first starts the earlier ones, so every
-member of a replicate group issues its all-reduces in the same sequence.
+member of a replicate group issues its all-reduces in the same sequence. They run on a process
+group of their own over the replicate group's ranks: the moment a rank starts one depends on
+its timing, so no other collective may share their group.
 """
 
 from __future__ import annotations
@@ -229,9 +231,13 @@ def _node_groups(world) -> Tuple[Any, Any]:
     return shard_group, replicate_group
 
 
-def _world_timeout():
+def _group_timeout(group):
     from zero_py.collectives.timeout import group_timeout
-    return group_timeout(dist.group.WORLD)
+    return group_timeout(group)
+
+
+def _world_timeout():
+    return _group_timeout(dist.group.WORLD)
 
 
 def _mesh_groups(mesh, world_size: int) -> Tuple[Any, Any]:
@@ -333,6 +339,12 @@ def make_hybrid_executor(process_group, replicate_group, device_mesh, hybrid,
         raise ValueError(f"hybrid sharding: {problem}")
     root = everyone[0]["shard"]
     rows = sorted({tuple(e["shard"]) for e in everyone}, key=min)
+    # the replicate all-reduces start when a poll finds their reduce-scatter done, a moment
+    # that differs per rank: on a group of their own, no other collective (the user's on
+    # replicate_group, another optimizer's) can come between them on one rank and not another
+    own = dist.new_group(mine["replicate"], backend=dist.get_backend(replicate_group),
+                         timeout=_group_timeout(replicate_group),
+                         use_local_synchronization=True)
     return HybridExecutor(make_executor(process_group, device, executor),
-                          make_executor(replicate_group, device, executor), world, root,
+                          make_executor(own, device, executor), world, root,
                           [list(g) for g in rows])
