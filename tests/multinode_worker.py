@@ -1,6 +1,7 @@
 """Run by tests/test_multinode.py under two torchrun launches (--nnodes 2, loopback): zero_py
-stages 1-3 against DDP + torch.optim on the same data, 4 steps each; global rank 0 writes the
-largest relative parameter difference of each stage, and what torchrun set, to argv[1]."""
+stages 1-3 against DDP + torch.optim on the same data, 4 steps each, sharded over the world and
+with hybrid="node" (shard inside a node, replicate across nodes); global rank 0 writes the
+largest relative parameter difference of each run, and what torchrun set, to argv[1]."""
 
 import copy
 import json
@@ -23,7 +24,7 @@ def main(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"world": world, "nodes": int(os.environ["GROUP_WORLD_SIZE"]),
               "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
-    for stage in (1, 2, 3):
+    for stage, hybrid in [(s, h) for h in (None, "node") for s in (1, 2, 3)]:
         torch.manual_seed(0)
         ref = models.TiedGPT(n_layer=2)
         zmodel = copy.deepcopy(ref)
@@ -31,7 +32,10 @@ def main(out_path: str) -> None:
         ref_opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.05)
         policy = {"wrap_policy": 1000} if stage == 3 else {}
         zmodel, zopt = zero_py.initialize(zmodel, torch.optim.AdamW, stage=stage, lr=3e-3,
-                                          weight_decay=0.05, **policy)
+                                          weight_decay=0.05, hybrid=hybrid, **policy)
+        if hybrid is not None:
+            # one shard group per node: 2 ranks each, every gradient averaged over all 4
+            assert (zopt.executor.world_size, zopt.executor.data_parallel_size) == (2, 4)
         for t in range(4):
             idx, tgt = models.gpt_batch(torch.Generator().manual_seed(100 + t), batch=4 * world)
             mine = slice(rank * 4, (rank + 1) * 4)
@@ -42,7 +46,8 @@ def main(out_path: str) -> None:
         full = zero_py.full_state_dict(zmodel)
         if rank == 0:
             want = ddp.module.state_dict()
-            result[f"stage{stage}"] = max(models.max_rel_diff(full[k], want[k]) for k in want)
+            key = f"stage{stage}" if hybrid is None else f"hybrid_stage{stage}"
+            result[key] = max(models.max_rel_diff(full[k], want[k]) for k in want)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -1,6 +1,7 @@
 """Multi-node launches, on one machine: two `torchrun --nnodes 2 --node-rank {0,1}` processes
 meeting on a loopback rendezvous (2 nodes x 2 ranks), as two real nodes would. They run the
-parity check of stages 1-3 against DDP (tests/multinode_worker.py) and the demo."""
+parity check of stages 1-3 against DDP, sharded over the world and with hybrid="node"
+(tests/multinode_worker.py), and the demo, plain and with --hybrid node."""
 
 import json
 import os
@@ -48,13 +49,19 @@ def test_two_nodes_match_ddp_for_every_stage(tmp_path):
     assert (result["world"], result["nodes"], result["local_world"]) == (4, 2, 2)
     for stage in (1, 2, 3):
         assert result[f"stage{stage}"] < 1e-5, result
+        assert result[f"hybrid_stage{stage}"] < 1e-5, result
 
 
-def test_demo_runs_on_two_nodes():
-    runs = _two_nodes(["-m", "zero_py.examples.demo", "--steps", "3", "--batch-size", "4"])
+@pytest.mark.parametrize("hybrid", [[], ["--hybrid", "node"]], ids=["sharded", "hybrid"])
+def test_demo_runs_on_two_nodes(hybrid):
+    runs = _two_nodes(["-m", "zero_py.examples.demo", "--steps", "3", "--batch-size", "4"]
+                      + hybrid)
     for code, text in runs:
         assert code == 0, text[-3000:]
-    assert "loss" in (runs[0][1] + runs[1][1]).lower()
+    out = runs[0][1] + runs[1][1]
+    assert "loss" in out.lower()
+    if hybrid:
+        assert "2 replicas of a 2-rank shard group" in out, out[-3000:]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero_py.collectives import channel, make_executor
+from zero_py.collectives import channel, make_executor, make_hybrid_executor
 from zero_py.optim import agreement, compat
 from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer, fingerprint
 from zero_py.optim.update import fused_kind
@@ -50,7 +50,9 @@ def _param_groups(params) -> List[dict]:
 def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Optimizer]] = None,
                *, stage: Optional[int] = None, wrap_policy: WrapPolicy = None, params=None,
                process_group: Optional[dist.ProcessGroup] = None,
-               reshard_after_forward: bool = True, persistence_threshold: int = 0,
+               replicate_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
+               hybrid: Optional[str] = None, reshard_after_forward: bool = True,
+               persistence_threshold: int = 0,
                prefetch_bytes: Optional[int] = None,
                init_fn: Optional[Callable[[nn.Module], None]] = None, executor="auto",
                device: Optional[torch.device] = None, offload_params: Optional[str] = None,
@@ -97,6 +99,12 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     (parameter names, shapes, dtypes, requires_grad, stage-3 units, buffers) and the settings;
     a difference is a ValueError on every rank naming the first one (zero_py/optim/agreement.py).
 
+    Hybrid sharding (shard inside a group, replicate across groups): `process_group=` (the
+    shard group) with `replicate_group=`, or `device_mesh=` (2-D, dims ("replicate",
+    "shard")), or `hybrid="node"` (one shard group per node, from torchrun's environment).
+    Every stage shards in the shard group only and averages gradients over every rank, as DDP
+    over the world does (zero_py/collectives/hybrid.py, docs/scale-out.md).
+
     `executor`: "auto" (zero_py's NCCL executor for CUDA models in an NCCL group),
     "torch", "nccl" or an executor object, as for ZeroOptimizer. `params` are param groups
     (dicts with "params") over the model's parameters (default: all of them, one group); other
@@ -139,7 +147,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                              "construction); build it on a real device for stages 1-2")
         opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
                             stage=stage, process_group=process_group, executor=executor,
-                            _param_names=names, _agreement=_buffer_entries(model), **kwargs)
+                            replicate_group=replicate_group, device_mesh=device_mesh,
+                            hybrid=hybrid, _param_names=names,
+                            _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
         model._zero_py = opt
         opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
@@ -219,7 +229,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     except (TypeError, ValueError) as exc:
         problem = exc
     try:
-        dp = make_executor(process_group, device, executor)
+        dp = (make_hybrid_executor(process_group, replicate_group, device_mesh, hybrid, device,
+                                   executor)
+              or make_executor(process_group, device, executor))
     except (RuntimeError, TypeError, ValueError):
         if problem is not None:
             raise problem from None
@@ -376,7 +388,8 @@ class _BufferSync:
 
 
 def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
-    if opt.executor.world_size == 1 or not any(True for _ in model.buffers()):
+    ranks = getattr(opt.executor, "data_parallel_size", opt.executor.world_size)
+    if ranks == 1 or not any(True for _ in model.buffers()):
         return
     _broadcast_buffers(model, opt.executor)
     if every_forward:

@@ -55,6 +55,7 @@ def optimizer_of(model, optimizer):
 def agree(executor, error: Optional[str], what: str) -> None:
     """Raises CheckpointError on every rank when any rank has an error (each rank's message,
     by rank). Collective."""
+    executor = getattr(executor, "world", executor)  # hybrid sharding: every replica
     errors = gather_json(executor, error, None)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:

@@ -8,6 +8,11 @@ the target, are fsynced, and the directory is renamed to its final name only aft
 reported success, so a crash at any point leaves the previous checkpoint as it was. Every
 phase ends with the ranks agreeing: a failure on one rank raises the same error on all of them.
 The format is described in docs/checkpoint.md.
+
+Under hybrid sharding (collectives/hybrid.py) the replicas hold the same shards, so only the
+shard group of global rank 0 writes: the checkpoint is the one a plain run over that shard
+group writes, and loads as any other (into hybrid and plain runs alike). The other replicas
+take part in the agreements and learn the outcome.
 """
 
 from __future__ import annotations
@@ -273,11 +278,16 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     checkpoint in host memory until the write ends."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
+    world = getattr(ex, "world", ex)  # hybrid sharding: every replica (else the group)
+    writes = getattr(ex, "replica_rank", 0) == 0  # one replica writes the files
     wait_pending(opt)  # one save in flight per optimizer
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if async_save and world is not ex:
+        error = ("async_save=True is not supported under hybrid sharding yet; save with "
+                 "async_save=False")
+    elif keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         error = f"keep_last must be an int >= 1 or None, got {keep_last!r}"
     elif keep_last is not None and not _NUMBERED.match(base):
         error = (f"keep_last needs checkpoint names that end in a number, to tell which are "
@@ -295,10 +305,10 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     agree(ex, error, "save_checkpoint")
 
     wait_for_removals()  # what the last save replaced is gone before this one writes
-    save_id = broadcast_json(ex, uuid.uuid4().hex if ex.rank == 0 else None)
+    save_id = broadcast_json(world, uuid.uuid4().hex if world.rank == 0 else None)
     tmp = os.path.join(parent, f".{base}.tmp-{save_id}")
     error = None
-    if ex.rank == 0:
+    if world.rank == 0:
         try:
             os.makedirs(parent, exist_ok=True)
             for name in os.listdir(parent):  # what a crashed save of this path left behind
@@ -314,9 +324,12 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             "world_size": str(ex.world_size), "step": str(step)}
     if record.get("extra") is not None:
         meta["extra"] = json.dumps(record["extra"])
-    manifest = _manifest_base(model, opt, held, save_id) if ex.rank == 0 else None
+    manifest = _manifest_base(model, opt, held, save_id) if world.rank == 0 else None
     if not async_save:
-        outcome = _finish(ex, path, tmp, tensors, record, meta, manifest, keep_last)
+        outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta, manifest,
+                           keep_last) if writes else None)
+        if world is not ex:  # the writing replica's outcome, on every replica
+            outcome = broadcast_json(world, outcome)
         if outcome is not None:
             raise CheckpointError(outcome)
         return path

@@ -11,6 +11,9 @@ Two exist:
     nccl.py        NcclExecutor: zero_py's own NCCL communicator (CUDA builds), collectives on
                    a dedicated stream ordered by events
 
+hybrid.py      HybridExecutor: a 2-D mesh (shard groups x replicate groups) seen from the
+                   shard group; make_hybrid_executor() builds and checks it
+
 make_executor() picks one; channel() gives a second executor over the same ranks whose
 collectives never interleave with the first's (stage 3 gathers on it); gather_object()
 (objects.py) moves Python objects over either.
@@ -24,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zero_py.collectives.hybrid import HybridExecutor, make_hybrid_executor
 from zero_py.collectives.nccl import NcclExecutor, unavailable_reason
 from zero_py.collectives.objects import gather_object
 from zero_py.collectives.pool import BufferPool
@@ -32,9 +36,10 @@ from zero_py.collectives.timeout import group_timeout, group_timeout_s
 from zero_py.collectives.torch_dist import TorchDistExecutor
 from zero_py.collectives.work import AllOf, CollectiveError, Work, issue, named
 
-__all__ = ["AllOf", "BufferPool", "CollectiveError", "CommStats", "NcclExecutor",
-           "TorchDistExecutor", "Work", "channel", "gather_object", "group_timeout",
-           "group_timeout_s", "issue", "make_executor", "named"]
+__all__ = ["AllOf", "BufferPool", "CollectiveError", "CommStats", "HybridExecutor",
+           "NcclExecutor", "TorchDistExecutor", "Work", "channel", "gather_object",
+           "group_timeout", "group_timeout_s", "issue", "make_executor", "make_hybrid_executor",
+           "named"]
 
 _REQUIRED = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "world_size", "rank")
 
@@ -83,6 +88,8 @@ def channel(executor):
     group's members only (torch.distributed: works for subgroups too). At world size 1, or for
     an executor object of the caller's, the executor itself. Its byte counts are labelled
     `<executor's label>.gather` ("shard.gather")."""
+    if isinstance(executor, HybridExecutor):  # gathers stay in the shard group
+        return executor.with_shard(channel(executor.shard))
     if executor.world_size == 1:
         return executor
     if isinstance(executor, NcclExecutor):

@@ -22,6 +22,8 @@ import torch
 def _gather_bytes(executor, payload: bytes, dst: Optional[int]) -> Optional[List[bytes]]:
     """Every rank's `payload` on group rank `dst` (on every rank when dst is None), None
     elsewhere. Collective."""
+    # hybrid sharding: within the shard group (the ranks' payloads may differ per replica)
+    executor = getattr(executor, "shard", executor)
     if executor.world_size == 1:
         return [payload]
     device = executor.device
@@ -69,6 +71,7 @@ def gather_json(executor, obj: Any, dst: Optional[int] = 0) -> Optional[List[Any
 def broadcast_json(executor, obj: Any, src: int = 0) -> Any:
     """Rank `src`'s JSON-serializable `obj` on every rank (other ranks pass anything, e.g.
     None). Collective."""
+    executor = getattr(executor, "shard", executor)  # hybrid sharding: the shard group
     if executor.world_size == 1:
         return obj
     device = executor.device

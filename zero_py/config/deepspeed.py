@@ -319,10 +319,29 @@ _ZERO_KEYS: Dict[str, Callable] = {
     "zero_quantized_gradients": _off_only("quantized ZeRO++ collectives are not implemented"),
     "zero_hpz_partition_size": _fixed(1, "hierarchical partitioning (ZeRO++ hpZ) is not "
                                          "implemented"),
-    "mics_shard_size": _fixed(-1, "MiCS sharding is not implemented"),
+    "mics_shard_size": lambda plan, path, value: _mics_shard_size(plan, path, value),
     "use_multi_rank_bucket_allreduce": _fixed(True, "zero_py reduce-scatters; it has no "
                                                     "multi-rank all-reduce mode"),
 }
+
+
+def _mics_shard_size(plan: DeepSpeedPlan, path: str, value) -> None:
+    """MiCS shards inside groups of mics_shard_size ranks and replicates across them: zero_py's
+    hybrid sharding when a group is one node (hybrid="node"); -1 or the world size: plain."""
+    if value == -1 and not isinstance(value, bool):
+        return
+    size = _number(path, value, integer=True, minimum=1)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if size == world:
+        return
+    if local is not None and local.isdigit() and size == int(local):
+        plan.zero_kwargs["hybrid"] = "node"
+        return
+    raise _Refused(f"zero_py's hybrid sharding from a config shards inside one node: "
+                   f"mics_shard_size must be -1, the world size ({world}) or the ranks per node "
+                   f"(LOCAL_WORLD_SIZE={local}); for other shard groups drop the key and pass "
+                   "process_group= and replicate_group= to zero_py.initialize")
 
 
 def _read_zero(plan: DeepSpeedPlan, path: str, value) -> None:
@@ -685,7 +704,11 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
       DeepSpeed's engine.backward() / engine.step() do for it.
     """
     process_group = explicit.get("process_group")
-    world = dist.get_world_size(process_group) if dist.is_initialized() else None
+    hybrid = any(explicit.get(k) is not None for k in ("replicate_group", "device_mesh",
+                                                        "hybrid"))
+    # the batch sizes count every data-parallel rank: under hybrid sharding, every replica's
+    world = (dist.get_world_size(None if hybrid else process_group) if dist.is_initialized()
+             else None)
     stage = explicit.get("stage")
     plan = translate(config, world, 3 if stage is None else stage)
     if plan.refusals:
@@ -730,6 +753,8 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     if "offload_params" in plan.zero_kwargs:
         take(merged, "offload_params", plan.zero_kwargs["offload_params"],
              "zero_optimization.offload_param.device")
+    if "hybrid" in plan.zero_kwargs:
+        take(merged, "hybrid", plan.zero_kwargs["hybrid"], "zero_optimization.mics_shard_size")
     if "grad_reduce_dtype" in plan.zero_kwargs:
         take(opt_kwargs, "grad_reduce_dtype", plan.zero_kwargs["grad_reduce_dtype"],
              "communication_data_type")

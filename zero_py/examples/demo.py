@@ -6,6 +6,8 @@ Run on two CPU processes (gloo):
                                                          [--json demo.json]
 
 or on one (``python -m zero_py.examples.demo``; it then makes its own one-rank process group).
+On several nodes, ``--hybrid node`` shards inside each node and replicates across nodes
+(docs/scale-out.md).
 
 The model is not wrapped: every rank builds the same ``TinyGPT``, ``ZeroOptimizer`` broadcasts
 rank 0's parameters, reduces gradients to their owners after ``loss.backward()`` and all-gathers
@@ -217,6 +219,9 @@ def main():
     parser.add_argument("--bucket-kib", type=int, default=256,
                         help="gradient bucket size (the library's 25 MiB default exceeds "
                         "this whole model)")
+    parser.add_argument("--hybrid", choices=("node",), default=None,
+                        help="hybrid sharding: shard inside each node, replicate across nodes "
+                        "(under torchrun --nnodes N)")
     parser.add_argument("--json", metavar="PATH",
                         help="write each rank's memory and step-time breakdown here (rank 0), "
                         "for python -m zero_py plot --json PATH")
@@ -230,7 +235,7 @@ def main():
     model = TinyGPT(len(vocab), block_size=block_size)
     optimizer = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=args.stage,
                                       bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
-                                      weight_decay=0.1)
+                                      weight_decay=0.1, hybrid=args.hybrid)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -239,6 +244,10 @@ def main():
         f"{len(train) / 1e6:.2f}M train / {len(val) / 1e6:.2f}M val tokens")
     log(f"{world} rank(s), ZeRO stage {args.stage}, batch {args.batch_size}x{block_size} per rank, "
         f"{args.bucket_kib} KiB buckets, fused C AdamW: {optimizer.uses_fused_kernel}")
+    if args.hybrid:
+        ex = optimizer.executor
+        log(f"hybrid sharding: {ex.n_replicas} replicas of a {ex.world_size}-rank shard group "
+            "(the memory table below is one replica's)")
     val_before = evaluate(model, val, args.batch_size, block_size, 10, generator)
 
     from tqdm import tqdm  # imported here: the model and helpers above need only torch

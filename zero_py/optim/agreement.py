@@ -83,6 +83,8 @@ def check(executor, entries: Sequence[Entry], what: str) -> None:
     same entries. Collective: one all-gather of DIGEST_BYTES per rank, plus one exchange of
     the entries when they differ. `what` names the call in the message (e.g.
     "zero_py.initialize")."""
+    # hybrid sharding: every rank of every replica (a replica with another model is refused)
+    executor = getattr(executor, "world", executor)
     if executor.world_size == 1:
         return
     items = [[key, describe(value)] for key, value in entries]

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from zero_py import kernels
-from zero_py.collectives import gather_object, make_executor
+from zero_py.collectives import (HybridExecutor, gather_object, make_executor,
+                                 make_hybrid_executor)
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.optim import agreement, compat, regroup
@@ -63,6 +64,7 @@ def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
     that took another stage is named as such rather than by its parameters."""
     ranks = ([executor.global_rank(r) for r in range(executor.world_size)]
              if hasattr(executor, "global_rank") else None)
+    ranks = getattr(executor, "mesh_ranks", ranks)  # hybrid: every shard group, on every rank
     entries = [("stage", stage), ("world size", executor.world_size), ("group ranks", ranks),
                ("device type", torch.device(executor.device).type),
                ("executor", type(executor).__name__), ("optimizer class", optimizer_class)]
@@ -87,7 +89,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             fused C kernel; any other class runs unchanged on views of the shard.
         stage: 1 shards optimizer states; 2 also shards gradients, reduced bucket by bucket
             during backward (param.grad is then None after backward).
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group (default: the world); with replicate_group,
+            the shard group of hybrid sharding.
+        replicate_group, device_mesh, hybrid: hybrid sharding (shard inside a group, replicate
+            across groups; see zero_py/collectives/hybrid.py and docs/scale-out.md): this
+            rank's replicate group beside process_group=; or a 2-D DeviceMesh with dims
+            ("replicate", "shard"); or hybrid="node", one shard group per node from torchrun's
+            environment. Gradients are averaged over every rank, as DDP over the world does.
         bucket_bytes: gradient bucket size; a bucket is one reduce-scatter.
         align_bytes: alignment of every parameter and shard in the flat buffers.
         grad_reduce_dtype: dtype gradients are reduced in (default: the parameters' own);
@@ -134,8 +142,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
-                 executor="auto", offload_optimizer: Optional[str] = None,
-                 offload_dir=None, storage=None,
+                 executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
+                 device_mesh=None, hybrid: Optional[str] = None,
+                 offload_optimizer: Optional[str] = None, offload_dir=None, storage=None,
                  _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
@@ -171,9 +180,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         first = (next((p for g in self.param_groups for p in g["params"]), None)
                  if problem is None else _first_tensor(params))
+        device = first.device if first is not None else torch.device("cpu")
         try:
-            self.executor = make_executor(process_group, first.device if first is not None
-                                          else torch.device("cpu"), executor)
+            self.executor = (make_hybrid_executor(process_group, replicate_group, device_mesh,
+                                                  hybrid, device, executor)
+                             or make_executor(process_group, device, executor))
         except (RuntimeError, TypeError, ValueError):
             if problem is not None:
                 raise problem from None
@@ -571,8 +582,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _comm_executors(self) -> list:
         """The executors comm_stats() counts: the optimizer's, and its storage's (stage 3's
-        gather channel)."""
-        return [self.executor, getattr(self._flat, "executor", None)]
+        gather channel); a hybrid executor's shard, replicate and world groups each."""
+        out = []
+        for ex in (self.executor, getattr(self._flat, "executor", None)):
+            out += [ex.shard, ex.replicate, ex.world] if isinstance(ex, HybridExecutor) else [ex]
+        return out
 
     def _apply_update(self, used: List[int]) -> None:
         counts, seed = list(self._step_count), self._sr_seed

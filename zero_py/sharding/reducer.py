@@ -73,6 +73,9 @@ class _Count:
     """Every rank's (what, step, pass) in one SUM all-reduce (each rank fills its own row)."""
 
     def __init__(self, executor, kind: int, step: int, passes: int):
+        # hybrid sharding: every replica's ranks (a replica out of step would pair its
+        # replicate all-reduces with other ones)
+        executor = getattr(executor, "world", executor)
         self.kind, self.step, self.passes = kind, step, passes
         ws = executor.world_size
         self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
@@ -291,7 +294,8 @@ class GradReducer:
         n = self.flat.param_numel[i]
         # the planned size: a stage-3 parameter may already be its shard slice again here
         slot = self._bucket_buffer(b)[lo:lo + n]
-        ws = self.executor.world_size
+        # DDP averages over every rank: under hybrid sharding, every replica's too
+        ws = getattr(self.executor, "data_parallel_size", self.executor.world_size)
         if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
         elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
