@@ -13,7 +13,8 @@ import zero_py
 from models import gpt_batch, gpt_loss, tiny_gpt
 from test_quantize import reference_dequantize, reference_quantize
 from zero_py.collectives import TorchDistExecutor
-from zero_py.collectives.quantized import (QuantizedExecutor, packet_bytes, quantized_all_gather,
+from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather, packet_bytes,
+                                           quantized_all_gather,
                                            quantized_reduce_scatter, spec,
                                            widening_reduce_scatter)
 
@@ -54,6 +55,16 @@ def _all_gathers(rank, ws):
     for dtype in (torch.float32, torch.bfloat16):
         _all_gather_body(rank, ws, 1000, 64, dtype)
     _all_gather_body(rank, ws, 77, 256, torch.float32)  # one short block
+    # the bf16 wire (the baseline): peers' pieces rounded to bf16 once, this rank's exact
+    n = 500
+    x = _data(rank, n, 4)
+    out = torch.empty(ws * n)
+    bf16_all_gather(TorchDistExecutor(), out, x).wait()
+    full = torch.empty(ws * n)
+    dist.all_gather_into_tensor(full, x)
+    want = full.to(torch.bfloat16).float()
+    want[rank * n:(rank + 1) * n] = x
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -182,6 +193,7 @@ def test_packet_bytes():
 def test_options_are_checked(single_rank_group):
     p = [torch.nn.Parameter(torch.randn(10))]
     for kwargs, match in [({"quantized_weights": "int4"}, "quantized_weights must be"),
+                          ({"quantized_weights": "fp8"}, "quantized_weights must be"),
                           ({"quantized_grads": "fp8"}, "quantized_grads must be"),
                           ({"quantized_grads": "int4", "quantize_block": 33}, "even"),
                           ({"quantized_weights": "int8", "quantize_block": 0}, "quantize_block"),

@@ -222,7 +222,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     # qwZ: the gathers carry int8 (a rank's own piece stays exact; collectives/quantized.py)
     gather = quantized.wrap(gather, quantized.spec(
         kwargs.get("quantized_weights"), kwargs.get("quantize_block", DEFAULT_QUANTIZE_BLOCK),
-        "quantized_weights", ("int8",)))
+        "quantized_weights", ("bf16", "int8")))
     uninitialized: Set[int] = set()
     if meta:
         before = dict(model.named_parameters(remove_duplicate=False))

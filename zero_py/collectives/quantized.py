@@ -14,6 +14,8 @@ Only the wire is quantized; what a rank owns never is:
   error of the sum is at most sum_r scale_r / 2 over the peers' blocks: with the gradients
   already divided by the world size (the reducer's averaging), that does not grow with N (a
   ring would quantize again at every hop).
+- bf16_all_gather: the weights' wire in bf16 (quantized_weights="bf16"), the own piece exact:
+  the baseline that int8 is measured against.
 - widening_reduce_scatter: the input travels in its own dtype (bf16) and is summed in fp32
   (the output's dtype) in rank order; each value is rounded once, to bf16, before it is sent.
   Executors without all_to_all (the native NCCL executor) reduce in the wire dtype instead and
@@ -37,13 +39,13 @@ from zero_py.collectives.work import Work
 from zero_py.kernels.quantize import dequantize, quantize
 
 _QUANTIZABLE = (torch.float32, torch.bfloat16)
-_BITS = {"int8": 8, "int4": 4}
+_BITS = {"int8": 8, "int4": 4, "bf16": 16}  # 16: a cast to bf16, no scales
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """How one kind of buffer is quantized on the wire: bits (8 or 4), block (values a scale)."""
-    bits: int
+    bits: int  # 8, 4, or 16 (the values cast to bf16: the baseline the others are measured by)
     block: int
 
 
@@ -59,7 +61,7 @@ def spec(name: Optional[str], block: int, what: str,
     bits = _BITS[name]
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 2**24:
         raise ValueError(f"quantize_block must be an int in [1, 2**24], got {block!r}")
-    if bits == 4 and block % 2:
+    if bits == 4 and block % 2:  # int4 packs two values a byte
         raise ValueError(f"quantize_block must be even with int4 (two values a byte), got "
                          f"{block}")
     return QuantSpec(bits, block)
@@ -113,6 +115,28 @@ def quantized_all_gather(executor, output: torch.Tensor, input: torch.Tensor,
         for r in range(ws):
             if r != me:
                 _unpack(recv[r * p:(r + 1) * p], n, block, bits, output[r * n:(r + 1) * n])
+    return Work(work, finish, keep=(send, recv))
+
+
+def bf16_all_gather(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
+    """output = every rank's fp32 `input`, each peer's rounded to bf16 on the wire (half the
+    bytes), this rank's exact."""
+    ws, me, n = executor.world_size, executor.rank, input.numel()
+    mine = output[me * n:(me + 1) * n]
+    if ws == 1 or n == 0:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        return Work(None)
+    send = input.to(torch.bfloat16)
+    recv = torch.empty(ws * n, dtype=torch.bfloat16, device=input.device)
+    work = executor.all_gather(recv, send)
+
+    def finish() -> None:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        for r in range(ws):
+            if r != me:
+                output[r * n:(r + 1) * n].copy_(recv[r * n:(r + 1) * n])
     return Work(work, finish, keep=(send, recv))
 
 
@@ -201,6 +225,10 @@ class QuantizedExecutor:
         w = self.weights
         if w is None or input.dtype not in _QUANTIZABLE or output.dtype != input.dtype:
             return self.inner.all_gather(output, input)
+        if w.bits == 16:
+            if input.dtype != torch.float32:  # bf16 already
+                return self.inner.all_gather(output, input)
+            return bf16_all_gather(self.inner, output, input)
         return quantized_all_gather(self.inner, output, input, w.block, w.bits)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:

@@ -96,9 +96,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             into an fp32 gradient shard (each value rounded once, to the wire dtype). On
             executors without all-to-all (the native NCCL executor) the sum is NCCL's, in the
             wire dtype, widened after.
-        quantized_weights: None or "int8": the parameter all-gathers (stages 1-2's publish
-            after step(), stage 3's gathers) carry int8 values with one fp32 scale per
-            quantize_block values (ZeRO++ qwZ). A rank's own piece is never quantized.
+        quantized_weights: None, "bf16" or "int8": the parameter all-gathers (stages 1-2's
+            publish after step(), stage 3's gathers) carry fp32 parameters as bf16, or int8
+            values with one fp32 scale per quantize_block values (ZeRO++ qwZ). A rank's own
+            piece is never quantized.
         quantized_grads: None, "int8" or "int4": the gradient reduce-scatter quantizes each
             rank's contribution once, exchanges them in one all-to-all and sums in fp32
             (ZeRO++ qgZ; needs an executor with all_to_all: the torch.distributed one).
@@ -234,7 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # widened (collectives/quantized.py); everything else uses self.executor
         self._wire = quantized.wrap(
             self.executor, quantized.spec(quantized_weights, quantize_block, "quantized_weights",
-                                          ("int8",)),
+                                          ("bf16", "int8")),
             quantized.spec(quantized_grads, quantize_block, "quantized_grads"),
             widening=grad_accum_dtype is not None)
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
@@ -286,7 +287,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if grad_accum_dtype not in (None, torch.float32):
             raise ValueError(f"grad_accum_dtype must be None or torch.float32 (sum the "
                              f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
-        quantized.spec(quantized_weights, quantize_block, "quantized_weights", ("int8",))
+        quantized.spec(quantized_weights, quantize_block, "quantized_weights", ("bf16", "int8"))
         quantized.spec(quantized_grads, quantize_block, "quantized_grads")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
