@@ -178,7 +178,7 @@ def test_keys_zero_py_does_not_honour_are_refused_by_path():
     cfg = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "overlap_comm": False,
                                  "reduce_bucket_size": 1e6, "allgather_bucket_size": 2e6,
                                  "stage3_param_persistence_threshold": 10,
-                                 "zero_quantized_weights": True, "stage_typo": 1},
+                                 "zero_hpz_partition_size": 8, "stage_typo": 1},
            "optimizer": {"type": "OneBitAdam", "params": {}},
            "scheduler": {"type": "OneCycle", "params": {}},
            "activation_checkpointing": {"partition_activations": True},
@@ -189,7 +189,7 @@ def test_keys_zero_py_does_not_honour_are_refused_by_path():
         "zero_optimization.contiguous_gradients", "zero_optimization.overlap_comm",
         "zero_optimization.allgather_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
-        "zero_optimization.zero_quantized_weights", "zero_optimization.stage_typo",
+        "zero_optimization.zero_hpz_partition_size", "zero_optimization.stage_typo",
         "optimizer.type", "scheduler.type", "activation_checkpointing", "tensorboard"])
     # stage 3 reduces and gathers by units, not by bucket sizes
     stage3 = _paths(deepspeed.translate({"zero_optimization": {
@@ -509,3 +509,15 @@ def test_config_trains_like_the_explicit_call(name):
             assert res["lr"] == pytest.approx(explicit["rate"](PARITY_STEPS))
         if "fp16" in name:  # the loss scale starts too high: the first steps are skipped
             assert 0 < res["skipped"] < PARITY_STEPS
+
+
+def test_zero_plus_plus_quantization_keys_become_options():
+    plan = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+    assert plan.refusals == []
+    assert plan.zero_kwargs["quantized_weights"] == "int8"
+    assert plan.zero_kwargs["quantized_grads"] == "int4"
+    off = deepspeed.translate({"zero_optimization": {
+        "stage": 2, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": True}})
+    assert "quantized_weights" not in off.zero_kwargs
+    assert _paths(off) == ["zero_optimization.zero_quantized_nontrainable_weights"]

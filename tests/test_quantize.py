@@ -128,3 +128,52 @@ torch.save(torch.cat(out), sys.argv[1])
         os.unlink(path)
     for isa in ("avx2", "avx512"):
         assert torch.equal(torch.nan_to_num(results[isa]), torch.nan_to_num(results["scalar"]))
+
+
+# -- the CUDA kernels' code (csrc/kernels/cuda/quantize.cu), run on the host ---------------------
+
+
+def _emulator_or_skip():
+    from zero_py.kernels import cuda
+    if cuda.native_module() is None:
+        pytest.skip("zero_py._cuda is not built (no nvcc at build time)")
+    return cuda
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(1000, 64), (777, 32), (1, 2), (5000, 4096), (3001, 1000)])
+def test_cuda_kernel_code_equals_the_c_kernels(bits, dtype, n, block):
+    """The CUDA kernels' per-thread code and block reduction, emulated on the host, give the C
+    kernels' bits: quantized bytes, scales, dequantized fp32 / bf16 and the fp32 accumulation."""
+    if bits == 4 and block % 2:
+        block += 1
+    cuda = _emulator_or_skip()
+    x = _data(n, dtype, n % 5)
+    x[: min(block, n)] = 0.0
+    if n > 2 * block:
+        x[block + 3] = float("inf")  # a non-finite block
+    q, s = quantize(x, block, bits)
+    eq, es = cuda.quantize_emulate(x, block, bits)
+    assert torch.equal(eq, q)
+    assert torch.equal(es.view(torch.int32), s.view(torch.int32))  # NaN scales: same bits
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = dequantize(q, s, n, block, bits, dtype=out_dtype)
+        got = cuda.dequantize_emulate(q, s, n, block, bits, torch.empty(n, dtype=out_dtype))
+        assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))
+    acc = torch.randn(n)
+    want = dequantize(q, s, n, block, bits, out=acc.clone(), accumulate=True)
+    got = cuda.dequantize_emulate(q, s, n, block, bits, acc.clone(), accumulate=True)
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def test_cuda_kernel_checks_match_the_c_kernels():
+    cuda = _emulator_or_skip()
+    with pytest.raises(ValueError, match="even"):
+        cuda.quantize_emulate(torch.randn(10), 11, 4)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        cuda.quantize_emulate(torch.randn(10), 10, 3)
+    q, s = quantize(torch.randn(10), 10, 8)
+    with pytest.raises(ValueError, match="accumulate"):
+        cuda.dequantize_emulate(q, s, 10, 10, 8, torch.empty(10, dtype=torch.bfloat16), True)

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero_py.collectives import channel, make_executor, make_hybrid_executor
+from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
 from zero_py.optim import agreement, compat
-from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, ZeroOptimizer, fingerprint
+from zero_py.optim.optimizer import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, ZeroOptimizer,
+                                    fingerprint)
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
@@ -243,6 +244,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if problem is not None:
         raise problem
     gather = channel(dp)  # gathers never interleave with the reductions
+    # qwZ: the gathers carry int8 (a rank's own piece stays exact; collectives/quantized.py)
+    gather = quantized.wrap(gather, quantized.spec(
+        kwargs.get("quantized_weights"), kwargs.get("quantize_block", DEFAULT_QUANTIZE_BLOCK),
+        "quantized_weights", ("bf16", "int8")))
     uninitialized: Set[int] = set()
     if meta:
         before = dict(model.named_parameters(remove_duplicate=False))

@@ -18,6 +18,7 @@
 #include "comm/communicator.h"
 #include "comm/nccl_lib.h"
 #include "kernels/cuda/optim_cuda.h"
+#include "kernels/cuda/quantize_cuda.h"
 
 /* ---- tables: zero_py._C's segment and group rows (binding.h), and copy rows ---- */
 
@@ -250,6 +251,67 @@ static PyObject *zp_py_copy_workspace_bytes(PyObject *self, PyObject *args) {
   return PyLong_FromSize_t(zp_copy_workspace_bytes_cuda(n));
 }
 
+/* quantize(x, x_dtype, n, block, bits, q, scales, stream); stream 0 with emulate=True (the
+ * _emulate variant): the kernels' code on host memory */
+static PyObject *zp_py_quantize_any(PyObject *args, int emulate) {
+  unsigned long long x, q, scales, stream = 0;
+  int dtype, bits;
+  long long n, block;
+  if (!PyArg_ParseTuple(args, emulate ? "KiLLiKK:quantize_emulate" : "KiLLiKKK:quantize", &x,
+                        &dtype, &n, &block, &bits, &q, &scales, &stream))
+    return NULL;
+  zp_status st;
+  if (emulate) {
+    Py_BEGIN_ALLOW_THREADS st = zp_quantize_emulate(ZP_PTR(x), dtype, n, block, bits, ZP_PTR(q),
+                                                    ZP_PTR(scales));
+    Py_END_ALLOW_THREADS
+  } else {
+    st = zp_quantize_cuda(ZP_PTR(x), dtype, n, block, bits, ZP_PTR(q), ZP_PTR(scales),
+                          ZP_PTR(stream));
+  }
+  return st == ZP_OK ? Py_NewRef(Py_None) : zp_raise(st);
+}
+
+static PyObject *zp_py_quantize(PyObject *self, PyObject *args) {
+  (void)self;
+  return zp_py_quantize_any(args, 0);
+}
+
+static PyObject *zp_py_quantize_emulate(PyObject *self, PyObject *args) {
+  (void)self;
+  return zp_py_quantize_any(args, 1);
+}
+
+/* dequantize(q, scales, n, block, bits, out, out_dtype, accumulate, stream) */
+static PyObject *zp_py_dequantize_any(PyObject *args, int emulate) {
+  unsigned long long q, scales, out, stream = 0;
+  int dtype, bits, accumulate;
+  long long n, block;
+  if (!PyArg_ParseTuple(args, emulate ? "KKLLiKip:dequantize_emulate" : "KKLLiKipK:dequantize",
+                        &q, &scales, &n, &block, &bits, &out, &dtype, &accumulate, &stream))
+    return NULL;
+  zp_status st;
+  if (emulate) {
+    Py_BEGIN_ALLOW_THREADS st = zp_dequantize_emulate(ZP_PTR(q), ZP_PTR(scales), n, block, bits,
+                                                      ZP_PTR(out), dtype, accumulate);
+    Py_END_ALLOW_THREADS
+  } else {
+    st = zp_dequantize_cuda(ZP_PTR(q), ZP_PTR(scales), n, block, bits, ZP_PTR(out), dtype,
+                            accumulate, ZP_PTR(stream));
+  }
+  return st == ZP_OK ? Py_NewRef(Py_None) : zp_raise(st);
+}
+
+static PyObject *zp_py_dequantize(PyObject *self, PyObject *args) {
+  (void)self;
+  return zp_py_dequantize_any(args, 0);
+}
+
+static PyObject *zp_py_dequantize_emulate(PyObject *self, PyObject *args) {
+  (void)self;
+  return zp_py_dequantize_any(args, 1);
+}
+
 static PyObject *zp_py_device_count(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
@@ -471,6 +533,14 @@ static PyMethodDef zp_methods[] = {
     {"copy_emulate", zp_py_copy_emulate, METH_VARARGS, "copy_emulate(rows) on host memory"},
     {"copy_workspace_bytes", zp_py_copy_workspace_bytes, METH_VARARGS,
      "copy_workspace_bytes(n_segments)"},
+    {"quantize", zp_py_quantize, METH_VARARGS,
+     "quantize(x, x_dtype, n, block, bits, q, scales, stream)"},
+    {"quantize_emulate", zp_py_quantize_emulate, METH_VARARGS,
+     "quantize_emulate(x, x_dtype, n, block, bits, q, scales) on host memory"},
+    {"dequantize", zp_py_dequantize, METH_VARARGS,
+     "dequantize(q, scales, n, block, bits, out, out_dtype, accumulate, stream)"},
+    {"dequantize_emulate", zp_py_dequantize_emulate, METH_VARARGS,
+     "dequantize_emulate(q, scales, n, block, bits, out, out_dtype, accumulate) on host memory"},
     {"nccl_load", zp_py_nccl_load, METH_VARARGS, "nccl_load([path]) -> NCCL's version code"},
     {"nccl_unique_id", zp_py_nccl_unique_id, METH_NOARGS, "a new ncclUniqueId, as 128 bytes"},
     {NULL, NULL, 0, NULL}};

@@ -17,6 +17,9 @@ depend on arrival order. Other backends get reduce_scatter_tensor and all_gather
 where a backend has no reduce-scatter, the reduction is an all-reduce of the input and a copy of
 this rank's chunk.
 
+all_to_all (equal chunks; the quantized reduce-scatter's exchange, collectives/quantized.py) is
+point-to-point messages on gloo too, all_to_all_single elsewhere.
+
 Every call returns a Work named after the operation ("reduce-scatter of 4096 float32 elements");
 callers that know the bucket or unit rename it. A collective that fails (a peer died, or the
 group's timeout passed: `timeout_s`, what the user gave init_process_group or new_group) raises a
@@ -48,6 +51,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # collectives on slots of their own)
 _P2P_TAG_ALL_GATHER = 0x5A500000
 _P2P_TAG_REDUCE_SCATTER = 0x5A510000
+_P2P_TAG_ALL_TO_ALL = 0x5A520000
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -247,6 +251,28 @@ class TorchDistExecutor:
             if scratch is not None:
                 self._scratch.give(scratch)
         return Work(AllOf(works, group_timeout(self.group)), finish)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Chunk r of `input` goes to rank r; chunk r of `output` comes from rank r (equal
+        chunks; the quantized reduce-scatter's one hop). Point-to-point messages on gloo,
+        all_to_all_single elsewhere."""
+        return issue(f"all-to-all of {self._size(input)}", self._all_to_all, output, input)
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        if self.world_size == 1 or self._p2p:
+            form = self._p2p_all_to_all
+            if self.world_size > 1 and output.device.type != "cpu":
+                return self._through_host(form, output, input)
+            return form(output, input)
+        return Work(dist.all_to_all_single(output, input, group=self.group, async_op=True))
+
+    def _p2p_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        sends, recvs = input.chunk(self.world_size), output.chunk(self.world_size)
+        recvs[self.rank].copy_(sends[self.rank])
+        if self.world_size == 1:
+            return Work(None)
+        return Work(AllOf(self._exchange(list(sends), list(recvs), _P2P_TAG_ALL_TO_ALL),
+                          group_timeout(self.group)))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         work = Work(None) if self.world_size == 1 else issue(

@@ -25,6 +25,8 @@ What each key becomes (docs/tools.md has the full table):
   policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16.
 - gradient_clipping -> optimizer.clip_grad_norm_(value) before every step.
 - communication_data_type -> grad_reduce_dtype.
+- zero_quantized_weights: true -> quantized_weights="int8"; zero_quantized_gradients: true ->
+  quantized_grads="int4" (DeepSpeed's qwZ and qgZ widths; docs/scale-out.md).
 - train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps: checked
   against each other and the world size (train = micro * accumulation * world), and given
   back on optimizer.ds_config; the training loop accumulates (see initialize()).
@@ -266,6 +268,15 @@ def _legacy_offload(plan, path, value, key):
         plan.zero_kwargs[key] = "cpu"
 
 
+def _quantized(option: str, kind: str):
+    """A ZeRO++ switch (true/false) as initialize's option: DeepSpeed's qwZ is int8, its qgZ
+    int4 (initialize's quantized_grads="int8" has no DeepSpeed key)."""
+    def read(plan, path, value):
+        if _flag(path, value):
+            plan.zero_kwargs[option] = kind
+    return read
+
+
 _ZERO_KEYS: Dict[str, Callable] = {
     "stage": _stage,
     "reduce_bucket_size": _reduce_bucket,
@@ -313,10 +324,11 @@ _ZERO_KEYS: Dict[str, Callable] = {
     "cpu_offload_use_pin_memory": lambda plan, path, value: _flag(path, value),
     "memory_efficient_linear": _fixed(False, "zero_py uses torch's own nn.Linear; set it to "
                                              "false or remove it"),
-    "zero_quantized_weights": _off_only("quantized ZeRO++ collectives are not implemented"),
-    "zero_quantized_nontrainable_weights": _off_only("quantized ZeRO++ collectives are not "
-                                                     "implemented"),
-    "zero_quantized_gradients": _off_only("quantized ZeRO++ collectives are not implemented"),
+    "zero_quantized_weights": _quantized("quantized_weights", "int8"),
+    "zero_quantized_nontrainable_weights": _off_only(
+        "zero_py has no separate switch for frozen weights: under stage 3, "
+        "zero_quantized_weights quantizes the gathers of frozen parameters too"),
+    "zero_quantized_gradients": _quantized("quantized_grads", "int4"),
     "zero_hpz_partition_size": _fixed(1, "hierarchical partitioning (ZeRO++ hpZ) is not "
                                          "implemented"),
     "mics_shard_size": lambda plan, path, value: _mics_shard_size(plan, path, value),
@@ -758,6 +770,10 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     if "grad_reduce_dtype" in plan.zero_kwargs:
         take(opt_kwargs, "grad_reduce_dtype", plan.zero_kwargs["grad_reduce_dtype"],
              "communication_data_type")
+    for option, key in (("quantized_weights", "zero_quantized_weights"),
+                        ("quantized_grads", "zero_quantized_gradients")):
+        if option in plan.zero_kwargs:
+            take(opt_kwargs, option, plan.zero_kwargs[option], f"zero_optimization.{key}")
     if plan.loss_scaler is not None:
         take(opt_kwargs, "loss_scaler", plan.loss_scaler(), "fp16")
     model, optimizer = api_initialize(model, **merged, **opt_kwargs)

@@ -204,3 +204,50 @@ def grad_stats_flat(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> to
     from zero_py import kernels  # the face dispatches by device
     return kernels.grad_stats(table.grad_rows(grads, grads[0].device), norm_type,
                               _device_of(grads[0].device))
+
+
+# ---- block quantization (csrc/kernels/cuda/quantize.cu; kernels/quantize.py checks the sizes) ----
+
+_QDTYPES = (torch.float32, torch.bfloat16)
+
+
+def quantize(x: torch.Tensor, block: int, bits: int, q: torch.Tensor, scales: torch.Tensor,
+             *, stream=None) -> None:
+    """The C kernel's quantization of a CUDA tensor into q and scales, on x's current stream."""
+    _check("x", x, None, _QDTYPES)
+    device = _device_of(x.device)
+    with torch.cuda.device(device):
+        native().quantize(x.data_ptr(), table.dtype_code(x.dtype), x.numel(), int(block),
+                          int(bits), q.data_ptr(), scales.data_ptr(), _stream_ptr(device, stream))
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, block: int, bits: int,
+               out: torch.Tensor, accumulate: bool = False, *, stream=None) -> None:
+    """out = (or +=, fp32) the n values of (q, scales) on the device, on the current stream."""
+    device = _device_of(q.device)
+    with torch.cuda.device(device):
+        native().dequantize(q.data_ptr(), scales.data_ptr(), int(n), int(block), int(bits),
+                            out.data_ptr(), table.dtype_code(out.dtype), bool(accumulate),
+                            _stream_ptr(device, stream))
+
+
+def quantize_emulate(x: torch.Tensor, block: int, bits: int):
+    """The CUDA kernel's code on a CPU tensor: (q, scales) as kernels.quantize.quantize gives."""
+    _check("x", x, torch.device("cpu"), _QDTYPES)
+    n = x.numel()
+    q = torch.empty(n if bits == 8 else (n + 1) // 2,
+                    dtype=torch.int8 if bits == 8 else torch.uint8)
+    scales = torch.empty((n + block - 1) // block if block > 0 else 0, dtype=torch.float32)
+    _emulator().quantize_emulate(x.data_ptr(), table.dtype_code(x.dtype), n, int(block),
+                                 int(bits), q.data_ptr(), scales.data_ptr())
+    return q, scales
+
+
+def dequantize_emulate(q: torch.Tensor, scales: torch.Tensor, n: int, block: int, bits: int,
+                       out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """The CUDA kernel's dequantization on CPU tensors."""
+    _check("out", out, torch.device("cpu"), _QDTYPES, n)
+    _emulator().dequantize_emulate(q.data_ptr(), scales.data_ptr(), int(n), int(block),
+                                   int(bits), out.data_ptr(), table.dtype_code(out.dtype),
+                                   bool(accumulate))
+    return out

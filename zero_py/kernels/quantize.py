@@ -38,17 +38,44 @@ def _threads(n_threads: Optional[int]) -> int:
 
 
 def quantize(x: torch.Tensor, block: int = 256, bits: int = 8,
-             n_threads: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             n_threads: Optional[int] = None, q: Optional[torch.Tensor] = None,
+             scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): q int8 of x.numel() values (bits=8) or uint8 of ceil(n/2) packed pairs
-    (bits=4), scales fp32 of one per block. x: a contiguous fp32 or bf16 CPU tensor."""
-    check_tensor("x", x, torch.device("cpu"), _IN_DTYPES)
+    (bits=4), scales fp32 of one per block. x: a contiguous fp32 or bf16 tensor, on the CPU
+    (the C kernels) or a CUDA device (kernels.cuda: the same bits). q= and scales= (both or
+    neither): where to write them, e.g. views of a message buffer."""
     n = x.numel()
-    q = torch.empty(n if bits == 8 else (n + 1) // 2,
-                    dtype=torch.int8 if bits == 8 else torch.uint8)
-    scales = torch.empty(_n_blocks(n, max(int(block), 1)), dtype=torch.float32)
+    if (q is None) != (scales is None):
+        raise ValueError("quantize takes q= and scales= together, or neither")
+    if q is None:
+        q = torch.empty(n if bits == 8 else (n + 1) // 2,
+                        dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+        scales = torch.empty(_n_blocks(n, max(int(block), 1)), dtype=torch.float32,
+                             device=x.device)
+    _check_packed(q, scales, n, block, bits, x.device)
+    if x.is_cuda:
+        from zero_py.kernels import cuda  # CUDA runs only
+        cuda.quantize(x, int(block), int(bits), q, scales)
+        return q, scales
+    check_tensor("x", x, torch.device("cpu"), _IN_DTYPES)
     _C.quantize(x.data_ptr(), dtype_code(x.dtype), n, int(block), int(bits), q.data_ptr(),
                 scales.data_ptr(), _threads(n_threads))
     return q, scales
+
+
+def _check_packed(q: torch.Tensor, scales: torch.Tensor, n: int, block: int, bits: int,
+                  device: torch.device) -> None:
+    want_q = n if bits == 8 else (n + 1) // 2
+    if q.device != device or not q.is_contiguous() or q.numel() != want_q \
+            or q.element_size() != 1:
+        raise ValueError(f"q must be {want_q} contiguous bytes on {device} for {n} values of "
+                         f"{bits} bits, got {q.dtype} x {q.numel()} on {q.device}")
+    want_s = _n_blocks(n, max(int(block), 1))
+    if scales.dtype != torch.float32 or scales.numel() != want_s \
+            or not scales.is_contiguous() or scales.device != device:
+        raise ValueError(f"scales must be {want_s} contiguous float32 on {device} (one per "
+                         f"block of {block}), got {scales.dtype} x {scales.numel()} on "
+                         f"{scales.device}")
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, block: int = 256, bits: int = 8,
@@ -56,22 +83,20 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, block: int = 256, 
                accumulate: bool = False, n_threads: Optional[int] = None) -> torch.Tensor:
     """The n values of (q, scales) as `dtype` (fp32 or bf16), into `out` when given; with
     accumulate=True (fp32 out) they are added to out."""
-    want_q = n if bits == 8 else (n + 1) // 2
-    if q.device.type != "cpu" or not q.is_contiguous() or q.numel() != want_q \
-            or q.element_size() != 1:
-        raise ValueError(f"q must be {want_q} contiguous bytes on the CPU for {n} values of "
-                         f"{bits} bits, got {q.dtype} x {q.numel()}")
-    if scales.dtype != torch.float32 or scales.numel() != _n_blocks(n, max(int(block), 1)) \
-            or not scales.is_contiguous():
-        raise ValueError(f"scales must be {_n_blocks(n, max(int(block), 1))} contiguous float32 "
-                         f"(one per block of {block}), got {scales.dtype} x {scales.numel()}")
+    _check_packed(q, scales, n, block, bits, q.device)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out= (the fp32 tensor to add to)")
-        out = torch.empty(n, dtype=dtype)
-    check_tensor("out", out, torch.device("cpu"), _IN_DTYPES)
+        out = torch.empty(n, dtype=dtype, device=q.device)
+    check_tensor("out", out, q.device, _IN_DTYPES)
     if out.numel() != n:
         raise ValueError(f"out has {out.numel()} elements, not {n}")
+    if q.is_cuda:
+        from zero_py.kernels import cuda
+        if accumulate and out.dtype != torch.float32:
+            raise ValueError("dequantize: accumulate needs a float32 output")
+        cuda.dequantize(q, scales, n, int(block), int(bits), out, bool(accumulate))
+        return out
     _C.dequantize(q.data_ptr(), scales.data_ptr(), n, int(block), int(bits), out.data_ptr(),
                   dtype_code(out.dtype), bool(accumulate), _threads(n_threads))
     return out

@@ -23,6 +23,7 @@ from zero_py.collectives import (HybridExecutor, gather_object, make_executor,
                                  make_hybrid_executor)
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
+from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, regroup
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
@@ -32,6 +33,7 @@ from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
 DEFAULT_ALIGN_BYTES = 64
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
@@ -100,6 +102,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         align_bytes: alignment of every parameter and shard in the flat buffers.
         grad_reduce_dtype: dtype gradients are reduced in (default: the parameters' own);
             torch.float32 gives bf16/fp16 models an fp32 sum.
+        grad_accum_dtype: None (the sum in grad_reduce_dtype) or torch.float32: gradients
+            travel in grad_reduce_dtype (e.g. bf16: half fp32's bytes) and are summed in fp32
+            into an fp32 gradient shard (each value rounded once, to the wire dtype). On
+            executors without all-to-all (the native NCCL executor) the sum is NCCL's, in the
+            wire dtype, widened after.
+        quantized_weights: None, "bf16" or "int8": the parameter all-gathers (stages 1-2's
+            publish after step(), stage 3's gathers) carry fp32 parameters as bf16, or int8
+            values with one fp32 scale per quantize_block values (ZeRO++ qwZ). A rank's own
+            piece is never quantized.
+        quantized_grads: None, "int8" or "int4": the gradient reduce-scatter quantizes each
+            rank's contribution once, exchanges them in one all-to-all and sums in fp32
+            (ZeRO++ qgZ; needs an executor with all_to_all: the torch.distributed one).
+        quantize_block: values per scale (default 256; even for int4). Only the wire is
+            quantized: the fp32 masters and their update are exact (collectives/quantized.py).
         loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
             scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
         stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
@@ -141,6 +157,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  align_bytes: int = DEFAULT_ALIGN_BYTES,
                  grad_reduce_dtype: Optional[torch.dtype] = None,
+                 grad_accum_dtype: Optional[torch.dtype] = None,
+                 quantized_weights: Optional[str] = None, quantized_grads: Optional[str] = None,
+                 quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
                  device_mesh=None, hybrid: Optional[str] = None,
@@ -160,6 +179,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             probe = self.check_arguments(optimizer_class, bucket_bytes=bucket_bytes,
                                          align_bytes=align_bytes,
                                          grad_reduce_dtype=grad_reduce_dtype,
+                                         grad_accum_dtype=grad_accum_dtype,
+                                         quantized_weights=quantized_weights,
+                                         quantized_grads=quantized_grads,
+                                         quantize_block=quantize_block,
                                          loss_scaler=loss_scaler,
                                          offload_optimizer=offload_optimizer,
                                          offload_dir=offload_dir, **optimizer_kwargs)
@@ -194,6 +217,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if problem is None:
                 options = {"bucket_bytes": bucket_bytes, "align_bytes": align_bytes,
                            "grad_reduce_dtype": grad_reduce_dtype, "loss_scaler": loss_scaler,
+                           "grad_accum_dtype": grad_accum_dtype,
+                           "quantized_weights": quantized_weights,
+                           "quantized_grads": quantized_grads, "quantize_block": quantize_block,
                            "stochastic_rounding": bool(stochastic_rounding),
                            "offload_optimizer": offload_optimizer, **optimizer_kwargs}
                 group_of = {id(p): k for k, g in enumerate(self.param_groups)
@@ -233,6 +259,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_coef: Optional[float] = None  # from clip_grad_norm_, for the next step
         self._nonfinite: Optional[bool] = None   # overflow check done for the next step
         self._grad_reduce_dtype = grad_reduce_dtype
+        self._grad_accum_dtype = grad_accum_dtype
+        # the reducer's and the stages 1-2 publish's executor: the wire may be quantized or
+        # widened (collectives/quantized.py); everything else uses self.executor
+        self._wire = quantized.wrap(
+            self.executor, quantized.spec(quantized_weights, quantize_block, "quantized_weights",
+                                          ("bf16", "int8")),
+            quantized.spec(quantized_grads, quantize_block, "quantized_grads"),
+            widening=grad_accum_dtype is not None)
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
         self._kind = kind
         self.uses_fused_kernel = kind is not None
@@ -261,6 +295,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         align_bytes: int = DEFAULT_ALIGN_BYTES,
                         grad_reduce_dtype: Optional[torch.dtype] = None,
+                        grad_accum_dtype: Optional[torch.dtype] = None,
+                        quantized_weights: Optional[str] = None,
+                        quantized_grads: Optional[str] = None,
+                        quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
                         offload_optimizer: Optional[str] = None, offload_dir=None,
                         **optimizer_kwargs) -> dict:
@@ -280,6 +318,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if grad_reduce_dtype not in (None, *_PARAM_DTYPES):
             raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
                              f"torch.float16, got {grad_reduce_dtype!r}")
+        if grad_accum_dtype not in (None, torch.float32):
+            raise ValueError(f"grad_accum_dtype must be None or torch.float32 (sum the "
+                             f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
+        quantized.spec(quantized_weights, quantize_block, "quantized_weights", ("bf16", "int8"))
+        quantized.spec(quantized_grads, quantize_block, "quantized_grads")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         check_offload_optimizer(offload_optimizer, offload_dir)
@@ -297,8 +340,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # whole unit: one reduction in flight (it overlaps the backward of the next unit) keeps
         # the gradient working set at two unit-sized buffers.
         self._reducer, handles = compat.capture_hooks(fp.params, lambda: GradReducer(
-            fp, self.executor, min(stage, 2), self._grad_reduce_dtype,
-            MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1))
+            fp, self._wire, min(stage, 2), self._grad_reduce_dtype,
+            MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1, accum_dtype=self._grad_accum_dtype))
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor
@@ -611,7 +654,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # step's (StreamedUpdate put them back); so are the counts
             self._step_count, self._sr_seed = counts, seed
             raise
-        self._flat.publish(self.executor, touched)
+        self._flat.publish(self._wire, touched)
 
     # -- state dicts ----------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ over param.grad, which it leaves in place. Under no_sync() no pass is opened: gr
 param.grad until the first backward after the block.
 
 Gradients are reduced in the parameters' dtype, or in `reduce_dtype` when given (fp32 for
-bf16/fp16 models that want an exact sum). The gradient shard (the rank's piece of every
+bf16/fp16 models that want an exact sum); with `accum_dtype` (fp32) they travel in the reduce
+dtype and are summed into an fp32 shard. The gradient shard (the rank's piece of every
 bucket, one compact tensor per reduction dtype) accumulates over passes until zero_grad().
 Which parameters got a gradient is tracked per rank and combined with a MAX all-reduce, so a
 parameter that no rank used is skipped by the optimizer exactly as torch.optim skips a None
@@ -107,14 +108,18 @@ class _Count:
 class GradReducer:
     def __init__(self, flat: FlatLayout, executor, stage: int,
                  reduce_dtype: Optional[torch.dtype] = None,
-                 max_in_flight: int = MAX_BUCKETS_IN_FLIGHT):
+                 max_in_flight: int = MAX_BUCKETS_IN_FLIGHT,
+                 accum_dtype: Optional[torch.dtype] = None):
         self.flat = flat
         self.max_in_flight = max_in_flight  # reductions in flight before backward waits
         self.executor = executor
         self.stage = stage
         self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
         device = flat.device
-        self.grads = PieceStore(flat, lambda b: reduce_dtype or flat.bucket_dtype(b), device)
+        # buckets travel in wire_dtype; the shard holds the sum, in accum_dtype when given (a
+        # bf16 wire summed in fp32: the executor's reduce-scatter widens, collectives/quantized.py)
+        self.wire_dtype = [reduce_dtype or flat.bucket_dtype(b) for b in range(flat.n_buckets)]
+        self.grads = PieceStore(flat, lambda b: accum_dtype or self.wire_dtype[b], device)
         self.grad_shard_valid = False  # False: the next reduction overwrites instead of adding
         self.sync_enabled = True       # False inside no_sync()
         self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
@@ -268,7 +273,7 @@ class GradReducer:
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         entry = self._open.get(b)
         if entry is None:
-            view = self._pool.take(self.flat.bucket_numel[b], self.grads.dtype_of[b])
+            view = self._pool.take(self.flat.bucket_numel[b], self.wire_dtype[b])
             for lo, hi in self.flat.bucket_gaps[b]:
                 view[lo:hi].zero_()
             entry = self._open[b] = view
@@ -343,7 +348,7 @@ class GradReducer:
         if b not in self._open and all(self._unused[i] for i in ps):
             # nothing of this bucket on this rank (mark_unused): zeros in, and no wait; one
             # shared zero tensor where the executor's reduce-scatter leaves its input alone
-            numel, dtype = self.flat.bucket_numel[b], self.grads.dtype_of[b]
+            numel, dtype = self.flat.bucket_numel[b], self.wire_dtype[b]
             if getattr(self.executor, "reduce_scatter_keeps_input", False):
                 self._launch_from(b, self._zeros(numel, dtype), pooled=False)
             else:

@@ -1,0 +1,221 @@
+"""Quantized communication on the demo's GPT: wire bytes per step and final loss for fp32, bf16,
+int8 and int4 communication, at 2 and 4 ranks (gloo, CPU), against fp32 communication.
+
+    python benchmarks/quantized_comm.py [--steps 300] [--ranks 2 4] [--plot benchmarks/plots]
+
+runs one torchrun job per world size; each trains the demo's TinyGPT (zero_py/examples/demo.py:
+its corpus, batches, LR schedule and AdamW) once per mode, from the same seed and the same
+batches, with stage 2:
+
+    fp32    everything fp32 on the wire
+    bf16    gradients bf16 on the wire, summed in fp32 (grad_reduce_dtype + grad_accum_dtype);
+            parameters all-gathered as bf16 (quantized_weights="bf16")
+    int8    int8 weights (qwZ) and int8 gradients (qgZ), one fp32 scale per 256 values
+    int4    int8 weights and int4 gradients
+
+Wire bytes are what this rank sends, counted from the buffers handed to the executor (a
+counting executor under zero_py's: a quantized collective hands it the int8/int4 packets with
+their scales): an all-gather sends its input to every peer, a reduce-scatter or all-to-all
+sends each peer its chunk. Counted over the steps after the first, per step; the small
+all-reduces (pass counts, the used mask) are reported apart. The final loss is the mean
+training loss of the last 20 steps on every rank, and the validation loss after training (the
+same batches in every mode). Prints a table and the CPU model, writes the loss curves as a
+PNG into --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+MODES = {
+    "fp32": {},
+    "bf16": {"grad_reduce_dtype": torch.bfloat16, "grad_accum_dtype": torch.float32,
+             "quantized_weights": "bf16"},
+    "int8": {"quantized_weights": "int8", "quantized_grads": "int8"},
+    "int4": {"quantized_weights": "int8", "quantized_grads": "int4"},
+}
+
+
+class CountingExecutor:
+    """An executor that counts the bytes this rank sends through `inner`."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.bytes = {"reduce-scatter": 0, "all-gather": 0, "all-to-all": 0, "other": 0}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _peer_chunks(self, t):
+        ws = self.inner.world_size
+        return t.numel() * t.element_size() * (ws - 1) // ws
+
+    def reduce_scatter(self, output, input):
+        self.bytes["reduce-scatter"] += self._peer_chunks(input)
+        return self.inner.reduce_scatter(output, input)
+
+    def all_gather(self, output, input):
+        self.bytes["all-gather"] += input.numel() * input.element_size() * (
+            self.inner.world_size - 1)
+        return self.inner.all_gather(output, input)
+
+    def all_to_all(self, output, input):
+        self.bytes["all-to-all"] += self._peer_chunks(input)
+        return self.inner.all_to_all(output, input)
+
+    def all_reduce(self, tensor, *args):
+        self.bytes["other"] += 2 * self._peer_chunks(tensor)  # a ring's share
+        return self.inner.all_reduce(tensor, *args)
+
+    def all_reduce_max(self, tensor):
+        self.bytes["other"] += 2 * self._peer_chunks(tensor)
+        return self.inner.all_reduce_max(tensor)
+
+    def broadcast(self, tensor, src=0):
+        return self.inner.broadcast(tensor, src)
+
+    def reset(self):
+        for k in self.bytes:
+            self.bytes[k] = 0
+
+
+def train(mode: str, args, train_tokens, val_tokens, vocab) -> dict:
+    import zero_py
+    from zero_py.collectives import TorchDistExecutor
+    from zero_py.examples.demo import TinyGPT, evaluate, get_batch, learning_rate
+
+    rank = dist.get_rank()
+    block_size = 64
+    torch.manual_seed(args.seed)
+    model = TinyGPT(len(vocab), block_size=block_size)
+    counter = CountingExecutor(TorchDistExecutor())
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, executor=counter,
+                                    bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
+                                    weight_decay=0.1, **MODES[mode])
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    losses = []
+    for step in range(1, args.steps + 1):
+        if step == 2:
+            counter.reset()  # construction's broadcasts and the first step's set-up
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr)
+        _, loss = model(*get_batch(train_tokens, args.batch_size, block_size, gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    per_step = {k: v / max(1, args.steps - 1) for k, v in counter.bytes.items()}
+    val = evaluate(model, val_tokens, args.batch_size, block_size, 20,
+                   torch.Generator().manual_seed(12345))
+    curve = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(curve)
+    curve /= dist.get_world_size()
+    return {"bytes": per_step, "losses": curve.tolist(), "val": val,
+            "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def worker(args) -> None:
+    from zero_py.examples.demo import load_corpus
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    train_tokens, val_tokens, vocab = load_corpus()
+    out = {mode: train(mode, args, train_tokens, val_tokens, vocab) for mode in args.modes}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _row(ws, mode, r, base, bf16):
+    b = r["bytes"]
+    wire = b["reduce-scatter"] + b["all-gather"] + b["all-to-all"]
+    tail = sum(r["losses"][-20:]) / len(r["losses"][-20:])
+    btail = sum(base["losses"][-20:]) / len(base["losses"][-20:])
+    return (f"| {ws} | {mode} | {wire / 1e6:.3f} | {wire / (bf16 or wire):.3f} | "
+            f"{b['other'] / 1e3:.1f} | {tail:.4f} | {100 * (tail / btail - 1):+.2f}% | "
+            f"{r['val']:.4f} | {100 * (r['val'] / base['val'] - 1):+.2f}% |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--bucket-kib", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "plots"))
+    parser.add_argument("--json", help="write every run's numbers here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from zero_py.tools.env import cpu_model
+
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.steps} steps, batch "
+          f"{args.batch_size}x64 per rank, stage 2, gloo")
+    results = {}
+    for ws in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={ws}", os.path.abspath(__file__), "--worker", "--out", out,
+                   "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                   "--bucket-kib", str(args.bucket_kib), "--lr", str(args.lr),
+                   "--seed", str(args.seed), "--modes", *args.modes]
+            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            with open(out) as f:
+                results[ws] = json.load(f)
+    print("\n| ranks | mode | wire MB/step/rank | x bf16 | all-reduce KB/step | final loss "
+          "(last 20) | vs fp32 | val loss | vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ws, runs in results.items():
+        base = runs.get("fp32")
+        bf = runs.get("bf16")
+        bf16 = sum(bf["bytes"][k] for k in ("reduce-scatter", "all-gather", "all-to-all")) \
+            if bf else None
+        for mode, r in runs.items():
+            print(_row(ws, mode, r, base or r, bf16))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(k): v for k, v in results.items()}, f)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    os.makedirs(args.plot, exist_ok=True)
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (ws, runs) in zip(axes[0], results.items()):
+        for mode, r in runs.items():
+            losses = torch.tensor(r["losses"])
+            k = 10  # a running mean: single batches are noisy
+            smooth = torch.nn.functional.avg_pool1d(losses[None, None], k, 1)[0, 0]
+            ax.plot(range(k, len(losses) + 1), smooth.tolist(), label=mode)
+        ax.set_title(f"TinyGPT, stage 2, {ws} ranks (gloo)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (mean over ranks, running mean of 10)")
+        ax.legend()
+    path = os.path.join(args.plot, "quantized_comm_loss.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

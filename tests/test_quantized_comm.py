@@ -1,0 +1,289 @@
+"""Quantized and widened communication (zero_py/collectives/quantized.py; ZeRO++ qwZ / qgZ and
+the bf16 wire with an fp32 sum): the collectives against full-precision torch.distributed
+collectives plus the slow Python quantization reference (tests/test_quantize.py), the
+two-step reduce-scatter's error bound at several world sizes, the options' checks, and
+training parity against the unquantized run (the masters' update exact)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distributed
+import zero_py
+from models import gpt_batch, gpt_loss, tiny_gpt
+from test_quantize import reference_dequantize, reference_quantize
+from zero_py.collectives import TorchDistExecutor
+from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather, packet_bytes,
+                                           quantized_all_gather,
+                                           quantized_reduce_scatter, spec,
+                                           widening_reduce_scatter)
+
+
+def _ref_roundtrip(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    q, s = reference_quantize(x, block, bits)
+    return reference_dequantize(q, s, x.numel(), block, bits)
+
+
+def _data(rank: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return (torch.randn(n, generator=g) * torch.logspace(-2, 2, n)).to(dtype)
+
+
+# -- the collectives against references ------------------------------------------------------
+
+
+def _all_gather_body(rank, ws, n, block, dtype):
+    ex = TorchDistExecutor()
+    x = _data(rank, n, 1, dtype)
+    out = torch.full((ws * n,), float("nan"), dtype=dtype)
+    quantized_all_gather(ex, out, x, block, 8).wait()
+    full = torch.empty(ws * n, dtype=dtype)
+    dist.all_gather_into_tensor(full, x)  # the exact values, to build the reference from
+    want = torch.cat([full[r * n:(r + 1) * n] if r == rank
+                      else _ref_roundtrip(full[r * n:(r + 1) * n], block, 8).to(dtype)
+                      for r in range(ws)])
+    assert torch.equal(out, want), (out - want).abs().max()
+    assert torch.equal(out[rank * n:(rank + 1) * n], x)  # own piece exact
+    # in place: the input is this rank's chunk of the output (the storages' call)
+    out2 = torch.zeros(ws * n, dtype=dtype)
+    out2[rank * n:(rank + 1) * n] = x
+    quantized_all_gather(ex, out2, out2[rank * n:(rank + 1) * n], block, 8).wait()
+    assert torch.equal(out2, want)
+
+
+def _all_gathers(rank, ws):
+    for dtype in (torch.float32, torch.bfloat16):
+        _all_gather_body(rank, ws, 1000, 64, dtype)
+    _all_gather_body(rank, ws, 77, 256, torch.float32)  # one short block
+    # the bf16 wire (the baseline): peers' pieces rounded to bf16 once, this rank's exact
+    n = 500
+    x = _data(rank, n, 4)
+    out = torch.empty(ws * n)
+    bf16_all_gather(TorchDistExecutor(), out, x).wait()
+    full = torch.empty(ws * n)
+    dist.all_gather_into_tensor(full, x)
+    want = full.to(torch.bfloat16).float()
+    want[rank * n:(rank + 1) * n] = x
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_quantized_all_gather_matches_reference(ws):
+    distributed.run(_all_gathers, ws)
+
+
+def _reduce_scatter_body(rank, ws, n, block, bits, dtype):
+    ex = TorchDistExecutor()
+    x = _data(rank, ws * n, 2, dtype)
+    out = torch.full((n,), float("nan"))
+    quantized_reduce_scatter(ex, out, x, block, bits).wait()
+    everyone = [torch.empty(ws * n, dtype=dtype) for _ in range(ws)]
+    dist.all_gather(everyone, x)
+    want = torch.zeros(n)
+    for r in range(ws):  # the reference sums in rank order too, own chunk exact
+        chunk = everyone[r][rank * n:(rank + 1) * n]
+        want = want + (chunk.float() if r == rank else _ref_roundtrip(chunk, block, bits))
+    assert torch.equal(out, want), (out - want).abs().max()
+    # a bf16 output is the fp32 sum rounded once
+    outb = torch.empty(n, dtype=torch.bfloat16)
+    quantized_reduce_scatter(ex, outb, x, block, bits).wait()
+    assert torch.equal(outb, want.to(torch.bfloat16))
+
+
+def _reduce_scatters(rank, ws):
+    for bits in (8, 4):
+        _reduce_scatter_body(rank, ws, 999, 32, bits, torch.float32)
+        _reduce_scatter_body(rank, ws, 512, 64, bits, torch.bfloat16)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_quantized_reduce_scatter_matches_reference(ws):
+    distributed.run(_reduce_scatters, ws)
+
+
+def _error_body(rank, ws, n, block, bits, group):
+    ex = TorchDistExecutor(group)
+    g = torch.Generator().manual_seed(7 + rank)
+    grad = torch.randn(ws * n, generator=g)  # each rank's full gradient
+    grad_max = grad.abs().max().clone()
+    dist.all_reduce(grad_max, dist.ReduceOp.MAX, group=group)
+    averaged = grad / ws  # the reducer's averaging, before the sum
+    out = torch.empty(n)
+    quantized_reduce_scatter(ex, out, averaged, block, bits).wait()
+    exact = averaged.double().clone()
+    dist.all_reduce(exact, group=group)
+    err = (out.double() - exact[rank * n:(rank + 1) * n]).abs().max()
+    dist.all_reduce(err, dist.ReduceOp.MAX, group=group)
+    return float(err), float(grad_max)
+
+
+def _errors(rank, world):
+    """(error, max |g|) per (world size, bits): groups of the first 2, 3 and 4 ranks."""
+    out = {}
+    for ws in (2, 3, 4):
+        group = dist.new_group(list(range(ws)))  # every rank makes every group
+        for bits in (8, 4):
+            if rank < ws:
+                out[ws, bits] = _error_body(rank, ws, 4096, 256, bits, group)
+    return out
+
+
+@pytest.mark.slow  # four processes
+def test_two_step_reduce_scatter_error_does_not_grow_with_world_size():
+    """Each contribution is quantized once, so the error of the mean is at most half a step of
+    the largest gradient's blocks, (N - 1) / N * max|g| / (2 Q), at every N; a ring that
+    requantized its partial sums at each hop would add one such term per hop."""
+    results = distributed.run(_errors, 4)[0]
+    for bits in (8, 4):
+        qmax = 127 if bits == 8 else 7
+        errs = {}
+        for ws in (2, 3, 4):
+            err, gmax = results[ws, bits]
+            bound = (ws - 1) / ws * gmax / (2 * qmax) * (1 + 1e-5) + 1e-6
+            assert err <= bound, (bits, ws, err, bound)
+            errs[ws] = err / gmax
+        assert errs[4] <= 1.5 * errs[2] + 1e-6, errs  # no growth with N (N x would be 2 x)
+
+
+def _widening_body(rank, ws, n):
+    ex = TorchDistExecutor()
+    x = _data(rank, ws * n, 3, torch.bfloat16)
+    out = torch.empty(n)
+    widening_reduce_scatter(ex, out, x).wait()
+    everyone = [torch.empty(ws * n, dtype=torch.bfloat16) for _ in range(ws)]
+    dist.all_gather(everyone, x)
+    want = torch.zeros(n)
+    for r in range(ws):  # an fp32 sum of the bf16 values, in rank order
+        want = want + everyone[r][rank * n:(rank + 1) * n].float()
+    assert torch.equal(out, want)
+    # and it is not the bf16 sum (which rounds at every add): the data makes them differ
+    bf = everyone[0][rank * n:(rank + 1) * n].clone()
+    for r in range(1, ws):
+        bf = bf + everyone[r][rank * n:(rank + 1) * n]
+    assert not torch.equal(bf.float(), want)
+
+
+def _all_to_all_body(rank, ws):
+    ex = TorchDistExecutor()
+    x = torch.arange(ws * 5, dtype=torch.float32) + 100 * rank
+    out = torch.empty_like(x)
+    ex.all_to_all(out, x).wait()
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x)
+    assert torch.equal(out, want)
+
+
+def _widening_and_all_to_all(rank, ws):
+    _all_to_all_body(rank, ws)
+    _widening_body(rank, ws, 777)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_bf16_wire_fp32_sum_is_the_fp32_sum_of_bf16_values(ws):
+    """Also checks the executor's all_to_all (the exchange it runs on) against torch's."""
+    distributed.run(_widening_and_all_to_all, ws)
+
+
+def test_packet_bytes():
+    assert packet_bytes(1000, 256, 8) == 1000 + 4 * 4
+    assert packet_bytes(1001, 256, 4) == 504 + 4 * 4  # 501 bytes padded to 504
+    assert packet_bytes(0, 256, 8) == 0
+
+
+def test_options_are_checked(single_rank_group):
+    p = [torch.nn.Parameter(torch.randn(10))]
+    for kwargs, match in [({"quantized_weights": "int4"}, "quantized_weights must be"),
+                          ({"quantized_weights": "fp8"}, "quantized_weights must be"),
+                          ({"quantized_grads": "fp8"}, "quantized_grads must be"),
+                          ({"quantized_grads": "int4", "quantize_block": 33}, "even"),
+                          ({"quantized_weights": "int8", "quantize_block": 0}, "quantize_block"),
+                          ({"grad_accum_dtype": torch.bfloat16}, "grad_accum_dtype")]:
+        with pytest.raises(ValueError, match=match):
+            zero_py.ZeroOptimizer(p, torch.optim.AdamW, lr=0.1, **kwargs)
+
+
+def test_quantized_grads_need_all_to_all():
+    class NoAllToAll:
+        world_size, rank = 2, 0
+    with pytest.raises(ValueError, match="all_to_all"):
+        QuantizedExecutor(NoAllToAll(), grads=spec("int8", 256, "quantized_grads"))
+
+
+# -- training parity ----------------------------------------------------------------------------
+
+
+def _train(rank, stage, steps, options, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = tiny_gpt().to(dtype)
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=3e-3,
+                                    bucket_bytes=8192, **options)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        loss = gpt_loss(model, gpt_batch(gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    flat = opt._flat
+    masters = torch.cat([t.float().clone() for t in opt._masters.tensors.values()]
+                        + [flat.bucket_piece(b).float().clone() for b in range(flat.n_buckets)
+                           if flat.bucket_dtype(b) == torch.float32])
+    return losses, masters, model, opt
+
+
+def _trainings(rank, ws, stage, steps, runs):
+    return [_train(rank, stage, steps, options)[:2] for options in runs]
+
+
+def test_quantized_weights_keep_the_masters_exact():
+    """Stage 2: with the gradients exact, int8 weights change only what the other ranks'
+    forwards see: after one step (gradients from equal parameters) the masters equal the
+    unquantized run's bit for bit, and the rank's own piece of the parameters is its master."""
+    for (_, m0), (_, m1) in distributed.run(_trainings, 2, 2, 1,
+                                            [{}, {"quantized_weights": "int8"}]):
+        assert torch.equal(m0, m1)
+
+
+def _stage3_gather(rank, ws):
+    _, _, model, opt = _train(rank, 3, 2, {"quantized_weights": "int8", "quantize_block": 64})
+    flat = opt._flat
+    for b in range(flat.n_buckets):
+        piece = flat.shards.piece(b)
+        n = piece.numel()
+        exact = torch.empty(ws * n, dtype=piece.dtype)
+        dist.all_gather_into_tensor(exact, piece)
+        flat.gather(b).wait()
+        got = flat.full_buffer(b).clone()
+        flat.free(b)
+        want = torch.cat([exact[r * n:(r + 1) * n] if r == rank
+                          else _ref_roundtrip(exact[r * n:(r + 1) * n], 64, 8)
+                          for r in range(ws)])
+        assert torch.equal(got, want), b
+
+
+def test_stage3_gathers_are_quantized_and_own_shard_exact():
+    distributed.run(_stage3_gather, 2)
+
+
+@pytest.mark.slow
+def test_quantized_training_tracks_the_unquantized_run():
+    runs = [{}, {"quantized_weights": "int8", "quantized_grads": "int8"},
+            {"quantized_weights": "int8", "quantized_grads": "int4", "quantize_block": 64},
+            {"grad_reduce_dtype": torch.bfloat16, "grad_accum_dtype": torch.float32}]
+    tols = [0.0, 0.01, 0.03, 0.005]
+    for rank_runs in distributed.run(_trainings, 2, 2, 8, runs):
+        base = rank_runs[0][0][-1]
+        for (losses, _), tol in zip(rank_runs[1:], tols[1:]):
+            assert abs(losses[-1] - base) <= tol * abs(base), (base, losses)
+
+
+def _bf16_model(rank, ws):
+    losses, _, _, _ = _train(rank, 2, 3, {"grad_accum_dtype": torch.float32,
+                                          "quantized_grads": "int8"}, torch.bfloat16)
+    return losses
+
+
+def test_bf16_model_with_fp32_sum_and_int8_grads_trains():
+    for losses in distributed.run(_bf16_model, 2):
+        assert all(torch.isfinite(torch.tensor(losses)))

@@ -1,0 +1,252 @@
+"""Fewer bytes on the wire (ZeRO++): quantized all-gather (qwZ), quantized reduce-scatter (qgZ)
+and the bf16 reduction with an fp32 sum, over any executor with all_gather / all_to_all.
+
+Only the wire is quantized; what a rank owns never is:
+
+- quantized_all_gather: each rank quantizes its piece (int8, one fp32 scale per block), the
+  packets are all-gathered as bytes and every peer's piece is dequantized into the output. The
+  rank's own piece is copied exactly, so its fp32 master (or fp32 parameter piece) and the
+  update that reads it stay exact: only the copies other ranks hold are approximations.
+- quantized_reduce_scatter: qgZ's one hop. Each rank quantizes the chunk of its input that
+  every peer owns (int8 or int4), one all-to-all hands each rank every peer's version of its
+  own chunk, and the rank dequantizes and sums them in fp32, in rank order, its own chunk
+  added unquantized. Each contribution is quantized once, whatever the world size, so the
+  error of the sum is at most sum_r scale_r / 2 over the peers' blocks: with the gradients
+  already divided by the world size (the reducer's averaging), that does not grow with N (a
+  ring would quantize again at every hop).
+- bf16_all_gather: the weights' wire in bf16 (quantized_weights="bf16"), the own piece exact:
+  the baseline that int8 is measured against.
+- widening_reduce_scatter: the input travels in its own dtype (bf16) and is summed in fp32
+  (the output's dtype) in rank order; each value is rounded once, to bf16, before it is sent.
+  Executors without all_to_all (the native NCCL executor) reduce in the wire dtype instead and
+  widen the result (NCCL sums in the dtype it carries).
+
+A packet of n values is (q bytes, padded to 4, then the fp32 scales): packet_bytes(n, ...).
+QuantizedExecutor wraps an executor so that the reducer and the storages need not know:
+its reduce_scatter and all_gather of fp32/bf16 tensors go through the forms above, every other
+call (and every other dtype: object exchanges are bytes) goes to the executor it wraps, whose
+messages are then what the wire carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from zero_py.collectives.work import Work
+from zero_py.kernels.quantize import dequantize, quantize
+
+_QUANTIZABLE = (torch.float32, torch.bfloat16)
+_BITS = {"int8": 8, "int4": 4, "bf16": 16}  # 16: a cast to bf16, no scales
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one kind of buffer is quantized on the wire: bits (8 or 4), block (values a scale)."""
+    bits: int  # 8, 4, or 16 (the values cast to bf16: the baseline the others are measured by)
+    block: int
+
+
+def spec(name: Optional[str], block: int, what: str,
+         allowed=("int8", "int4")) -> Optional[QuantSpec]:
+    """The QuantSpec of an option's value (None, "int8", "int4"), checked; `what` names the
+    option in the error."""
+    if name is None:
+        return None
+    if name not in allowed:
+        raise ValueError(f"{what} must be None or one of {', '.join(map(repr, allowed))}, got "
+                         f"{name!r}")
+    bits = _BITS[name]
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 2**24:
+        raise ValueError(f"quantize_block must be an int in [1, 2**24], got {block!r}")
+    if bits == 4 and block % 2:  # int4 packs two values a byte
+        raise ValueError(f"quantize_block must be even with int4 (two values a byte), got "
+                         f"{block}")
+    return QuantSpec(bits, block)
+
+
+def packet_bytes(n: int, block: int, bits: int) -> int:
+    """Bytes of the packet of n quantized values: q (padded to 4 bytes) then the scales."""
+    q = n if bits == 8 else (n + 1) // 2
+    return (q + 3) // 4 * 4 + 4 * ((n + block - 1) // block)
+
+
+def _pack(x: torch.Tensor, packet: torch.Tensor, block: int, bits: int) -> None:
+    q, scales = _views(packet, x.numel(), block, bits)
+    quantize(x, block, bits, q=q, scales=scales)
+
+
+def _views(packet: torch.Tensor, n: int, block: int, bits: int):
+    """(q, scales) inside a packet of n values."""
+    nq = n if bits == 8 else (n + 1) // 2
+    lo = (nq + 3) // 4 * 4
+    q = packet[:nq] if bits == 4 else packet[:nq].view(torch.int8)
+    return q, packet[lo:].view(torch.float32)
+
+
+def _unpack(packet: torch.Tensor, n: int, block: int, bits: int, out: torch.Tensor,
+            accumulate: bool = False) -> None:
+    q, scales = _views(packet, n, block, bits)
+    dequantize(q, scales, n, block, bits, out=out, accumulate=accumulate)
+
+
+def quantized_all_gather(executor, output: torch.Tensor, input: torch.Tensor,
+                         block: int, bits: int = 8) -> Work:
+    """output = every rank's `input`, each peer's quantized on the wire, this rank's exact."""
+    ws, me, n = executor.world_size, executor.rank, input.numel()
+    if output.numel() != ws * n:
+        raise ValueError(f"all-gather output has {output.numel()} elements, not {ws} x {n}")
+    mine = output[me * n:(me + 1) * n]
+    if ws == 1 or n == 0:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        return Work(None)
+    p = packet_bytes(n, block, bits)
+    send = torch.empty(p, dtype=torch.uint8, device=input.device)
+    _pack(input, send, block, bits)
+    recv = torch.empty(ws * p, dtype=torch.uint8, device=input.device)
+    work = executor.all_gather(recv, send)
+
+    def finish() -> None:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        for r in range(ws):
+            if r != me:
+                _unpack(recv[r * p:(r + 1) * p], n, block, bits, output[r * n:(r + 1) * n])
+    return Work(work, finish, keep=(send, recv))
+
+
+def bf16_all_gather(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
+    """output = every rank's fp32 `input`, each peer's rounded to bf16 on the wire (half the
+    bytes), this rank's exact."""
+    ws, me, n = executor.world_size, executor.rank, input.numel()
+    mine = output[me * n:(me + 1) * n]
+    if ws == 1 or n == 0:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        return Work(None)
+    send = input.to(torch.bfloat16)
+    recv = torch.empty(ws * n, dtype=torch.bfloat16, device=input.device)
+    work = executor.all_gather(recv, send)
+
+    def finish() -> None:
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        for r in range(ws):
+            if r != me:
+                output[r * n:(r + 1) * n].copy_(recv[r * n:(r + 1) * n])
+    return Work(work, finish, keep=(send, recv))
+
+
+def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor,
+                             block: int, bits: int = 8) -> Work:
+    """output = this rank's chunk of the sum over ranks of `input`, the peers' chunks
+    quantized once on the wire (one all-to-all), summed in fp32 in rank order."""
+    ws, me, n = executor.world_size, executor.rank, output.numel()
+    if input.numel() != ws * n:
+        raise ValueError(f"reduce-scatter input has {input.numel()} elements, not {ws} x {n}")
+    own = input[me * n:(me + 1) * n]
+    if ws == 1 or n == 0:
+        output.copy_(own)
+        return Work(None)
+    p = packet_bytes(n, block, bits)
+    send = torch.empty(ws * p, dtype=torch.uint8, device=input.device)
+    for r in range(ws):
+        if r != me:  # this rank's own chunk never leaves it: its slot goes unsent
+            _pack(input[r * n:(r + 1) * n], send[r * p:(r + 1) * p], block, bits)
+    recv = torch.empty(ws * p, dtype=torch.uint8, device=input.device)
+    work = executor.all_to_all(recv, send)
+
+    def finish() -> None:
+        acc = output if output.dtype == torch.float32 and not _overlaps(output, input) \
+            else torch.empty(n, dtype=torch.float32, device=output.device)
+        for r in range(ws):
+            if r == me:
+                if r == 0:
+                    acc.copy_(own)
+                else:
+                    acc.add_(own)
+            else:
+                _unpack(recv[r * p:(r + 1) * p], n, block, bits, acc, accumulate=r > 0)
+        if acc is not output:
+            output.copy_(acc)
+    return Work(work, finish, keep=(send, recv))
+
+
+def widening_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
+    """output (fp32) = this rank's chunk of the sum of `input` (bf16 or fp16 on the wire),
+    summed in fp32 in rank order; without all_to_all, reduced in the wire dtype and widened."""
+    ws, me, n = executor.world_size, executor.rank, output.numel()
+    if ws == 1:
+        output.copy_(input[me * n:(me + 1) * n])
+        return Work(None)
+    if not hasattr(executor, "all_to_all"):
+        tmp = torch.empty(n, dtype=input.dtype, device=input.device)
+        work = executor.reduce_scatter(tmp, input)
+        return Work(work, lambda: output.copy_(tmp), keep=(tmp,))
+    recv = torch.empty_like(input)
+    work = executor.all_to_all(recv, input)
+
+    def finish() -> None:
+        output.copy_(recv[:n])
+        for r in range(1, ws):
+            output.add_(recv[r * n:(r + 1) * n])
+    return Work(work, finish, keep=(recv,))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
+
+
+class QuantizedExecutor:
+    """`inner` with its reduce_scatter and all_gather of fp32/bf16 tensors on a smaller wire:
+    weights (QuantSpec or None) for all-gathers, grads (QuantSpec or None) for reduce-scatters;
+    a reduce-scatter into a wider output than its input (bf16 in, fp32 out) sums in fp32.
+    Everything else is `inner`'s."""
+
+    def __init__(self, inner, weights: Optional[QuantSpec] = None,
+                 grads: Optional[QuantSpec] = None):
+        if grads is not None and inner.world_size > 1 and not hasattr(inner, "all_to_all"):
+            raise ValueError(
+                f"quantized_grads needs an executor with all_to_all (the qgZ exchange); "
+                f"{type(inner).__name__} has none (the native NCCL executor has no all-to-all "
+                "yet): pass executor='torch' to use torch.distributed's all_to_all_single")
+        self.inner = inner
+        self.weights = weights
+        self.grads = grads
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        w = self.weights
+        if w is None or input.dtype not in _QUANTIZABLE or output.dtype != input.dtype:
+            return self.inner.all_gather(output, input)
+        if w.bits == 16:
+            if input.dtype != torch.float32:  # bf16 already
+                return self.inner.all_gather(output, input)
+            return bf16_all_gather(self.inner, output, input)
+        return quantized_all_gather(self.inner, output, input, w.block, w.bits)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        g = self.grads
+        if g is not None and input.dtype in _QUANTIZABLE and output.dtype in _QUANTIZABLE:
+            return quantized_reduce_scatter(self.inner, output, input, g.block, g.bits)
+        if output.dtype != input.dtype:
+            return widening_reduce_scatter(self.inner, output, input)
+        return self.inner.reduce_scatter(output, input)
+
+    @property
+    def reduce_scatter_keeps_input(self) -> bool:
+        return self.grads is not None or getattr(self.inner, "reduce_scatter_keeps_input", False)
+
+
+def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
+         widening: bool = False):
+    """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""
+    if weights is None and grads is None and not widening:
+        return executor
+    return QuantizedExecutor(executor, weights, grads)
