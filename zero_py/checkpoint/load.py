@@ -258,11 +258,12 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
         with torch.no_grad():
             _commit(ck, model, opt, held, groups, plan)
             if not flat.params_sharded:
-                _read_replicas(ck, opt, held)
-    except (CheckpointError, OSError, ValueError) as exc:
-        error = (f"the optimizer state and this rank's parameter slices are loaded, but "
-                 f"reading the other ranks' parameter values from {ck.path} failed ({exc}); "
-                 "load the checkpoint again")
+                try:
+                    _read_replicas(ck, opt, held)
+                except (CheckpointError, OSError, ValueError) as exc:
+                    error = (f"the optimizer state and this rank's parameter slices are "
+                             f"loaded, but reading the other ranks' parameter values from "
+                             f"{ck.path} failed ({exc}); load the checkpoint again")
     finally:
         ck.close()
     if flat.params_sharded:  # stage 3: refresh the units held whole
