@@ -8,18 +8,21 @@ step with AdamW two ways: zero_py stage 2 and DDP + torch.optim.AdamW. Both chec
 the same bytes (parameters and two fp32 states: 12 bytes per parameter). Each round takes turns:
 
     disk       every rank writes a new file of its share of those bytes (write + fsync), reads
-               it; "disk save (direct)": the same bytes with O_DIRECT through zero_py's I/O
-               engine (8 MiB requests, 4 in flight), the best this disk does
+               it back (read() into one reused 64 MiB buffer); "(direct)": the same with
+               O_DIRECT through zero_py's I/O engine (8 MiB requests, 4 in flight, reused
+               buffers). All ranks at once, as a load reads: the disk is shared
     zero_py    zero_py.save_checkpoint / load_checkpoint (checksums verified on load)
     dcp        torch.distributed.checkpoint.save / load of DDP's model and optimizer state
                dicts (get_state_dict / set_state_dict; replicated tensors are written once)
 
 Before every read the files are evicted from the page cache (posix_fadvise DONTNEED after
 fsync), so loads read the disk. Throughput = checkpoint bytes / wall time of the call on the
-slowest rank (a barrier before and after). The three saves take turns going first, round
+slowest rank (a barrier before and after); "vs disk" is against the faster of the disk's two
+ways (buffered or direct) of the same kind. The three saves take turns going first, round
 by round (this disk slows down during a burst of writes); a zero_py save that replaces a
 checkpoint removes the old one on a thread, which is waited for, untimed, before the next
-measurement. Rank 0 prints the medians and the ratios; then `python -m zero_py
+measurement. Rank 0 prints the medians, ranges and ratios, the CPU model and the load
+average (the machine may be shared); then `python -m zero_py
 consolidate` runs on the zero_py checkpoint and its peak RSS is printed beside the largest
 tensor.
 """
@@ -107,6 +110,26 @@ def disk_write_direct(path: str, nbytes: int) -> None:
         f.fsync()
 
 
+def disk_read_direct(path: str) -> None:
+    """The file with O_DIRECT through zero_py's I/O engine, 8 MiB requests, 4 in flight, into
+    4 reused buffers (the last request may end short of the buffer: the file's tail)."""
+    engine = default_engine()
+    size = os.path.getsize(path)
+    bufs = [aligned_empty(8 << 20) for _ in range(4)]
+    with DirectFile(path) as f:
+        tickets = []
+        for k, off in enumerate(range(0, size, 8 << 20)):
+            if len(tickets) == 4:
+                engine.wait(tickets.pop(0))
+            n = -(-min(8 << 20, size - off) // 4096) * 4096
+            tickets.append(engine.read(f, bufs[k % 4][:n], off))
+        for t in tickets:
+            try:
+                engine.wait(t)
+            except IndexError:  # the file's last block: shorter than the aligned request
+                pass
+
+
 def disk_read(path: str) -> None:
     buf = bytearray(64 * 2**20)
     with open(path, "rb", buffering=0) as f:
@@ -146,9 +169,10 @@ def main() -> None:
     zpath, dpath = os.path.join(root, "zero_py"), os.path.join(root, "dcp")
     raw = os.path.join(root, f"raw{rank}.bin")
     times = {k: [] for k in ("disk save", "disk save (direct)", "zero_py save", "dcp save",
-                             "disk load",
+                             "disk load", "disk load (direct)",
                              "zero_py load", "zero_py load (no verify)", "dcp load")}
     ck_bytes = None
+    load_avg = [os.getloadavg()]  # the machine is shared: said beside the numbers
     for r in range(args.rounds):
         if rank == 0:
             shutil.rmtree(dpath, ignore_errors=True)
@@ -172,6 +196,8 @@ def main() -> None:
         ck_bytes = dir_bytes(zpath)
         evict([raw, zpath, dpath])
         times["disk load"].append(timed(lambda: disk_read(raw)))
+        evict([raw])
+        times["disk load (direct)"].append(timed(lambda: disk_read_direct(raw)))
         evict([zpath])
         times["zero_py load"].append(timed(lambda: zero_py.load_checkpoint(zpath, zmodel, zopt)))
         evict([zpath])
@@ -188,22 +214,36 @@ def main() -> None:
         evict([dpath])
         times["dcp load"].append(timed(dcp_load))
     dcp_bytes = dir_bytes(dpath) if rank == 0 else 0
+    load_avg.append(os.getloadavg())
     if rank == 0:
         gb = ck_bytes / 1e9
-        print(f"# checkpoint I/O, {world} ranks, {cpu_model()}, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}")
+        print(f"# checkpoint I/O, {world} ranks, {cpu_model()} ({os.cpu_count()} logical "
+              f"cores), torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
         print(f"# {n_params / 1e6:.1f}M fp32 parameters + AdamW: zero_py checkpoint "
               f"{ck_bytes / 1e6:.1f} MB, DCP checkpoint {dcp_bytes / 1e6:.1f} MB; "
-              f"median of {args.rounds} rounds, page cache evicted before loads\n")
-        print("| what | median s | GB/s | vs disk | zero_py / dcp |")
-        print("|---|---:|---:|---:|---:|")
+              f"median and range of {args.rounds} rounds, page cache evicted before loads; "
+              "load average (1/5/15 min) "
+              + " at the start, ".join("/".join(f"{x:.2f}" for x in a) for a in load_avg)
+              + " at the end\n")
+        print("| what | median s | range s | GB/s | vs disk | zero_py / dcp |")
+        print("|---|---:|---:|---:|---:|---:|")
         med = {k: statistics.median(v) for k, v in times.items()}
+        # against the faster of the disk's two ways (buffered or direct) of the same bytes
+        best = {kind: min(med[f"disk {kind}"], med[f"disk {kind} (direct)"])
+                for kind in ("save", "load")}
         for k, t in med.items():
             kind = "save" if "save" in k else "load"
-            vs_disk = med[f"disk {kind}"] / t  # the plain write + fsync, or read
+            vs_disk = best[kind] / t
             vs_dcp = (f"{med[f'dcp {kind}'] / t:.2f}x faster" if k.startswith("zero_py")
                       else "")
-            print(f"| {k} | {t:.3f} | {gb / t:.2f} | {100 * vs_disk:.0f}% | {vs_dcp} |")
+            spread = f"{min(times[k]):.3f}-{max(times[k]):.3f}"
+            print(f"| {k} | {t:.3f} | {spread} | {gb / t:.2f} | {100 * vs_disk:.0f}% | "
+                  f"{vs_dcp} |")
+        ratios = [min(d, e) / z for d, e, z in zip(times["disk load"],
+                                                    times["disk load (direct)"],
+                                                    times["zero_py load"])]
+        print("\nzero_py load against the disk read of the same round: "
+              + ", ".join(f"{100 * x:.0f}%" for x in ratios))
         largest = max(p.numel() * p.element_size() for p in zmodel.parameters())
         out = os.path.join(root, "full.safetensors")
         res = subprocess.run([sys.executable, "-m", "zero_py", "consolidate", zpath, out],

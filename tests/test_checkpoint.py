@@ -215,6 +215,20 @@ def run_second_2(rank, world, tmp):
     out["unchanged"] = (all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
                         and opt.param_groups[0]["lr"] == lr and opt.optimizer_state_bytes()
                         == opt._masters.nbytes())
+    # stages 1-2 read the other ranks' parameter values after the commit: a read failing there
+    # on one rank raises on every rank too
+    from zero_py.checkpoint import reader
+
+    real = reader.Checkpoint.read_into
+    if rank == 1:
+        def failing(self, *args, **kwargs):
+            raise OSError(5, "injected read error")
+        reader.Checkpoint.read_into = failing
+    try:
+        out["replicas_failed"] = _refusal(
+            lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
+    finally:
+        reader.Checkpoint.read_into = real
     return out
 
 
@@ -321,6 +335,13 @@ def test_mismatched_model_or_optimizer_is_refused_and_nothing_changes(runs):
         assert "SGD" in rank_out["wrong_class"] and "AdamW" in rank_out["wrong_class"]
         assert "shape" in rank_out["wrong_shape"], rank_out["wrong_shape"]
         assert rank_out["unchanged"]
+
+
+def test_a_failed_read_of_the_other_ranks_parameters_raises_on_every_rank(runs):
+    for rank_out in runs["second"]:
+        msg = rank_out["replicas_failed"]
+        assert msg is not None and "rank 1" in msg and "injected read error" in msg, msg
+        assert "other ranks' parameter values" in msg and "load the checkpoint again" in msg
 
 
 def test_async_save_writes_the_state_of_its_call(runs):

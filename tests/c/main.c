@@ -47,6 +47,7 @@
   X(test_limits_parallel_and_flags)  \
   X(test_checksum_known_values)      \
   X(test_checksum_paths_agree)       \
+  X(test_checksum_three_chains)      \
   X(test_io_engine_round_trip)       \
   X(test_io_engine_errors)
 

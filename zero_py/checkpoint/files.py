@@ -9,8 +9,9 @@ writes in flight on the C engine's threads), which this machine's disk takes at 
 the speed of buffered writes and an fsync; consolidation declares every tensor first and
 then writes them one at a time, so it holds one tensor in memory. The files are read back with
 the safetensors package (safe_open, which reads only the byte ranges asked for). The checksum
-is CRC-32C (zero_py._C.crc32c: the SSE4.2 instruction where the CPU has it; about twice the
-speed of zlib's CRC-32 on this project's machines, 4.7 against 2.3 GB/s).
+is CRC-32C (zero_py._C.crc32c: the SSE4.2 instruction where the CPU has it, three chains at
+once; in CPU time 30 GB/s on cached data and 11 GB/s from memory on this project's machine,
+where zlib's CRC-32 does 2.3 GB/s).
 """
 
 from __future__ import annotations
