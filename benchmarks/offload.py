@@ -83,12 +83,14 @@ def raw_bandwidth(store, rounds: int = 2) -> dict:
         os.posix_fallocate(f.fd, 0, n * block)
         for _ in range(rounds):
             t = time.perf_counter()
-            tickets = [engine.write(f, bufs[i % 4], i * block) for i in range(n)]
-            for tk in tickets:
-                engine.wait(tk)
-            tickets = [engine.read(f, bufs[i % 4], i * block) for i in range(n)]
-            for tk in tickets:
-                engine.wait(tk)
+            for op in (engine.write, engine.read):
+                inflight = []
+                for i in range(n):  # 4 requests in flight, one per buffer
+                    if len(inflight) == 4:
+                        engine.wait(inflight.pop(0))
+                    inflight.append(op(f, bufs[i % 4], i * block))
+                for tk in inflight:
+                    engine.wait(tk)
             seq.append(2 * n * block / (time.perf_counter() - t))
     finally:
         f.close()
