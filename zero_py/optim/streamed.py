@@ -271,32 +271,30 @@ class StreamedUpdate(FusedUpdate):
             self._restore_params(done)
             raise
 
+    def _master_pairs(self, k: int, buf: torch.Tensor):
+        """(master slice in the record `buf` of chunk k, the parameter piece it belongs to)."""
+        master = self.store.arrays(buf)[0]
+        c = self.store.chunk_range(k)
+        for b, lo, hi in self._parts(k):
+            off = self.flat.bucket_shard_offset[b]
+            yield (master[lo - c.start:hi - c.start],
+                   self.flat.bucket_piece(b)[lo - off:hi - off])
+
     def _restore_params(self, chunks: Sequence[int]) -> None:
         """After a failed step: the parameters of `chunks` (already updated) from the last good
         step's masters, still current on disk (rounded to nearest)."""
-        store, flat = self.store, self.flat
-
         def put(k: int, buf: torch.Tensor) -> None:
-            master = store.arrays(buf)[0]
-            c = store.chunk_range(k)
-            for b, lo, hi in self._parts(k):
-                off = flat.bucket_shard_offset[b]
-                flat.bucket_piece(b)[lo - off:hi - off].copy_(master[lo - c.start:hi - c.start])
+            for master, param in self._master_pairs(k, buf):
+                param.copy_(master)
         with torch.no_grad():
-            store.read_chunks(list(chunks), put)
+            self.store.read_chunks(list(chunks), put)
 
     def pull_masters(self) -> None:
         """The masters from the parameters (sync_master_from_params outside resident())."""
-        store, flat = self.store, self.flat
-
         def fill(k: int, buf: torch.Tensor) -> None:
-            master = store.arrays(buf)[0]
-            c = store.chunk_range(k)
-            for b, lo, hi in self._parts(k):
-                off = flat.bucket_shard_offset[b]
-                master[lo - c.start:hi - c.start].copy_(
-                    self._host(flat.bucket_piece(b)[lo - off:hi - off]))
-        store.stream(list(range(store.n_chunks)), fill)
+            for master, param in self._master_pairs(k, buf):
+                master.copy_(self._host(param))
+        self.store.stream(list(range(self.store.n_chunks)), fill)
 
     def close(self) -> None:
         self.store.close()
