@@ -14,9 +14,18 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: all deps build test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: peers all deps build test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
+
+# DeepSpeed, the benchmarks' peer (pyproject's `peers` extra): installed without its dependencies
+# so that pip never touches torch, then those it needs; libaio-dev for its aio op (NVMe).
+# DeepSpeed builds its CPU ops itself at first use (minutes).
+peers: deps
+	$(PYTHON) -m pip install --no-deps "deepspeed>=0.15"
+	$(PYTHON) -m pip install hjson ninja py-cpuinfo "pydantic>=2" msgpack einops psutil
+	@$(PYTHON) -c "import torch; print('torch', torch.__version__, '(unchanged)')"
+	-@command -v apt-get >/dev/null && apt-get install -y -q libaio-dev >/dev/null
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_PIN)"
