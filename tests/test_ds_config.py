@@ -75,7 +75,7 @@ HF_AUTO_TEMPLATE = {
 
 OFFLOAD = {
     "zero_optimization": {"stage": 3,
-                          "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                          "offload_optimizer": {"device": "nvme"},  # no nvme_path
                           "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
 }
@@ -141,7 +141,13 @@ def test_nvme_offload_is_refused_as_not_implemented():
     reasons = dict(plan.refusals)
     assert set(reasons) == {"zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"}
-    assert all("not implemented" in r for r in reasons.values())
+    assert "needs nvme_path" in reasons["zero_optimization.offload_optimizer.device"]
+    assert "not implemented" in reasons["zero_optimization.offload_param.device"]
+    nvme = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/local_nvme"}}})
+    assert nvme.refusals == []
+    assert nvme.zero_kwargs["offload_optimizer"] == "nvme"
+    assert nvme.zero_kwargs["offload_dir"] == "/local_nvme"
     off = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "none", "pin_memory": True}}})
     assert off.refusals == []

@@ -15,7 +15,8 @@ What each key becomes (docs/tools.md has the full table):
   stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) -> prefetch_bytes.
   Keys that state what zero_py always does (contiguous_gradients, reduce_scatter, ...) are
   accepted with that value and refused with the other. offload_optimizer / offload_param with
-  device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; "nvme" is refused.
+  device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; offload_optimizer "nvme" with
+  nvme_path -> offload_optimizer="nvme", offload_dir=nvme_path; offload_param "nvme" refused.
 - optimizer: Adam/AdamW/SGD/Adagrad/Lion -> torch.optim.Adam/AdamW/SGD/Adagrad, zero_py.Lion
   and its params. DeepSpeed's "Adam" decouples weight decay (adam_w_mode, default true), so
   it becomes AdamW unless adam_w_mode is false.
@@ -56,8 +57,8 @@ from zero_py.optim.loss_scaler import LossScaler
 
 __all__ = ["DeepSpeedPlan", "load", "translate", "initialize"]
 
-_NO_OFFLOAD = ("zero_py offloads to the CPU ('cpu'); NVMe offload is not implemented yet: "
-               "use 'cpu' or 'none'")
+_NO_OFFLOAD = ("zero_py offloads the optimizer to 'cpu' or 'nvme' and parameters to 'cpu'; "
+               "parameters on NVMe are not implemented yet: use 'cpu' or 'none'")
 _AUTO = ("'auto' is filled in by Hugging Face's Trainer from its own arguments; zero_py "
          "reads the config as it is: put the value")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
@@ -256,6 +257,14 @@ def _offload(plan, path, value):
         if ratio != 1.0:
             plan.refuse(f"{path}.ratio", f"{ratio!r}: zero_py offloads the whole optimizer "
                                          "(ratio 1.0), not a part of it")
+    elif device == "nvme" and path.endswith("offload_optimizer"):
+        nvme_path = section.get("nvme_path")
+        if not isinstance(nvme_path, str) or not nvme_path:
+            plan.refuse(f"{path}.device", "'nvme' needs nvme_path: the directory on the drive "
+                                          "for the optimizer's offload files")
+        else:
+            plan.zero_kwargs["offload_optimizer"] = "nvme"
+            plan.zero_kwargs["offload_dir"] = nvme_path
     elif device not in ("none", None):
         plan.refuse(f"{path}.device", f"{device!r}: {_NO_OFFLOAD}")
     # with device "none" the other keys (pin_memory, nvme_path, buffer_count, ...) configure an
@@ -762,6 +771,9 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     if "offload_optimizer" in plan.zero_kwargs:
         take(opt_kwargs, "offload_optimizer", plan.zero_kwargs["offload_optimizer"],
              "zero_optimization.offload_optimizer.device")
+    if "offload_dir" in plan.zero_kwargs:
+        take(opt_kwargs, "offload_dir", plan.zero_kwargs["offload_dir"],
+             "zero_optimization.offload_optimizer.nvme_path")
     if "offload_params" in plan.zero_kwargs:
         take(merged, "offload_params", plan.zero_kwargs["offload_params"],
              "zero_optimization.offload_param.device")
