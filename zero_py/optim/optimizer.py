@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 from zero_py import kernels
-from zero_py.collectives import (HybridExecutor, gather_object, make_executor,
+from zero_py.collectives import (HybridExecutor, make_executor,
                                  make_hybrid_executor)
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, regroup
-from zero_py.optim import state_dict as sd_util
 from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
-from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind, state_keys
+from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -36,7 +36,6 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
 DEFAULT_ALIGN_BYTES = 64
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
 
 def _first_tensor(params: list) -> Optional[torch.Tensor]:
@@ -51,11 +50,6 @@ def _first_tensor(params: list) -> Optional[torch.Tensor]:
             if isinstance(q, torch.Tensor):
                 return q
     return None
-
-
-def _rounding_seed_base_of(rank: int) -> int:
-    """Rank `rank`'s stochastic-rounding seed before its first step (the seed counts steps)."""
-    return 0x5EED + 7919 * rank
 
 
 def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
@@ -77,7 +71,7 @@ def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
     return entries
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer under data parallelism (ZeRO 1-2).
 
     Use it instead of DDP + torch.optim: build the model on every rank, then
@@ -655,221 +649,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._step_count, self._sr_seed = counts, seed
             raise
         self._flat.publish(self._wire, touched)
-
-    # -- state dicts ----------------------------------------------------------------------------
-
-    def _slice_state(self, s, copy: bool = True) -> Optional[dict]:
-        """Managed parameter s.param's state on this rank (its slice, flattened), or None
-        before its first step. Non-fp32 parameters carry their fp32 master as master_param.
-        copy=False gives views of the live tensors (a checkpoint writes them out at once)."""
-        step = self._step_count[s.param]
-        if step == 0:
-            return None
-        state = self._update.slice_state(s, copy)
-        if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
-            state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
-        if "master_param" in state:  # read from NVMe with the slice's state
-            return state
-        master = self._masters.piece(s.bucket)
-        if master is not None:
-            view = master[s.piece_lo:s.piece_hi]
-            state["master_param"] = view.clone() if copy else view
-        return state
-
-    def _install_slice(self, s, state: dict) -> None:
-        """Slice s's state from `state` (as _slice_state gives it: per-element tensors of the
-        slice, a step, optionally master_param); the fp32 master follows the parameter unless
-        master_param is given."""
-        self._update.install(s, state)
-        self._step_count[s.param] = int(float(state.get("step", 1)))
-        master = self._masters.piece(s.bucket)
-        if master is not None and "master_param" in state:
-            master[s.piece_lo:s.piece_hi].copy_(state["master_param"].reshape(-1))
-
-    def _allocate_states(self, filled) -> None:
-        """Fresh optimizer state for a load that is about to fill the slices `filled` through
-        _state_views (fused path; the torch.optim path allocates as it installs)."""
-        if self.uses_fused_kernel:
-            self._update.allocate(filled)
-
-    def _state_views(self, s) -> Optional[Dict[str, torch.Tensor]]:
-        """Live views of slice s's per-element state and its fp32 master ("master_param", when
-        the parameter has one), for a loader to fill in place; None on the torch.optim path,
-        whose state goes through _install_slice."""
-        if not self.uses_fused_kernel:
-            return None
-        views = self._update.state_views(s)
-        master = self._masters.piece(s.bucket)
-        if master is not None:
-            views["master_param"] = master[s.piece_lo:s.piece_hi]
-        return views
-
-    def _rounding_seed_base(self) -> int:
-        """The stochastic-rounding seed of this rank before its first step (it counts steps)."""
-        return _rounding_seed_base_of(self.executor.rank)
-
-    def _groups_for_dict(self) -> List[dict]:
-        index = {id(p): k for k, p in enumerate(self._all_params)}
-        return [{**{k: v for k, v in g.items() if k != "params"},
-                 "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
-
-    def resident(self):
-        """A context in which the optimizer's masters and states are in memory: a no-op, except
-        under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it)."""
-        if isinstance(self._update, StreamedUpdate):
-            return self._update.resident()
-        return contextlib.nullcontext()
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state, in torch's format plus a "zero_py" entry
-        saying which slice of each parameter it holds. Every rank saves its own. Hooks
-        registered with register_state_dict_pre_hook / _post_hook run as in torch.optim."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        with self.resident():
-            shard = self._shard_state_dict()
-        return self._run_post_hooks(shard)
-
-    def _run_post_hooks(self, state_dict: dict) -> dict:
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def _shard_state_dict(self) -> dict:
-        state, slices = {}, {}
-        for s in self._flat.slices:
-            index = self._managed_index[s.param]
-            slices[index] = (s.param_lo, s.param_hi)
-            st = self._slice_state(s)
-            if st is not None:
-                state[index] = st
-        meta = {"format": sd_util.FORMAT_VERSION, "stage": self.stage,
-                "world_size": self.executor.world_size, "rank": self.executor.rank,
-                "optimizer": self.optimizer_class.__name__, "slices": slices,
-                "rounding_seed": self._sr_seed}
-        return {"state": state, "param_groups": self._groups_for_dict(), "zero_py": meta,
-                "loss_scaler": self._scaler_state()}
-
-    def _scaler_state(self) -> Optional[dict]:
-        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
-
-    def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
-        """The full optimizer state dict, in torch.optim's own format (loadable by
-        optimizer_class), returned on group rank `to` and None elsewhere. Collective: every rank
-        must call it. State-dict pre hooks run on every rank, post hooks on the full dict."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        with self.resident():
-            shard = self._shard_state_dict()
-        gathered = gather_object(self.executor, shard, to)
-        if gathered is None:
-            return None
-        shapes = {self._managed_index[i]: torch.Size(shape)
-                  for i, shape in enumerate(self._flat.param_shapes)}
-        shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
-        full = sd_util.merge_shards(gathered, shapes)
-        full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
-        full["loss_scaler"] = self._scaler_state()
-        return self._run_post_hooks(full)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Loads either this rank's shard dict (from state_dict() of a run with the same world
-        size and layout) or a full torch-format dict (from consolidate_state_dict(), or from a
-        plain torch.optim optimizer of the same class), at any world size. Everything is checked
-        before anything changes: a dict that does not fit (missing entries, a tensor of another
-        shape, another optimizer class, a bad loss-scaler state) is an error naming what differs,
-        and the optimizer stays as it was. Collective: every rank loads, and the ranks check that
-        they agree (a dict refused on one rank, or shard dicts saved at different steps, raise
-        on every rank). Load hooks run as in torch.optim."""
-        if not isinstance(state_dict, dict):
-            raise TypeError("load_state_dict takes the dict that state_dict() or "
-                            "consolidate_state_dict() returned (or a torch.optim optimizer's "
-                            f"state_dict()), got {type(state_dict).__name__}")
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        try:
-            groups, shard, saved_state, scaler = sd_util.check_loadable(self, state_dict)
-            problem = None
-        except (TypeError, ValueError) as exc:
-            problem = exc
-        # every rank loads, or none: a rank whose dict is refused, or that resumes from another
-        # step than its peers, makes every rank raise (one small collective)
-        agreement.check(self.executor, [
-            ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
-            *(() if problem else self._load_entries(state_dict, shard))],
-            "ZeroOptimizer.load_state_dict")
-        if problem is not None:
-            raise problem
-        with self.resident():
-            self._load_checked(state_dict, groups, shard, saved_state, scaler)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load_checked(self, state_dict: dict, groups: List[dict], shard: bool,
-                      saved_state: dict, scaler: Optional[dict]) -> None:
-        """load_state_dict's changes, once every rank accepted the dict."""
-        self._set_hyperparameters(groups)
-        if shard:
-            self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
-        if scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
-        self._step_count = [0] * len(self._step_count)
-        self._had_grad = [0] * len(self._had_grad)
-        self._update.reset()
-        self.sync_master_from_params()
-        for s in self._flat.slices:
-            st = saved_state.get(self._managed_index[s.param])
-            if not st:
-                continue
-            if not shard:
-                st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
-                                              self._flat.param_numel[s.param])
-            self._install_slice(s, st)
-
-    def _load_entries(self, state_dict: dict, shard: bool) -> List[tuple]:
-        """What must match across ranks in a loaded dict: its kind, the hyperparameters, the
-        loss-scaler state and, for shard dicts (one file per rank), the number of updates the
-        saving rank had applied (its rounding seed counts them)."""
-        entries = [("the loaded dict's kind", "shard" if shard else "full"),
-                   ("the loaded param groups", [{k: v for k, v in g.items() if k != "params"}
-                                                for g in state_dict["param_groups"]]),
-                   ("the loaded loss scaler", state_dict.get("loss_scaler")
-                    if self.loss_scaler is not None else None)]
-        if shard:
-            meta = state_dict["zero_py"]
-            base = _rounding_seed_base_of(int(meta["rank"]))
-            seed = meta.get("rounding_seed")
-            entries.append(("updates applied before the save",
-                            None if seed is None else int(seed) - base))
-        return entries
-
-    def _check_hyperparameters(self, saved_groups: List[dict]) -> List[dict]:
-        """The param groups with `saved_groups`' hyperparameters (params kept), checked to fit
-        this optimizer's update path and state; changes nothing."""
-        new = [{**group, **{k: v for k, v in saved.items() if k != "params"}}
-               for group, saved in zip(self.param_groups, saved_groups)]
-        if (fused_kind(self.optimizer_class, new) is None) == self.uses_fused_kernel:
-            raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
-                             "another update path than this optimizer was built with; construct "
-                             "ZeroOptimizer with the same options as the saved run")
-        keys = state_keys(self._kind, new) if self.uses_fused_kernel else None
-        if keys is not None and keys != self._update.keys:
-            raise ValueError("the loaded hyperparameters need other optimizer state than this "
-                             "optimizer keeps (e.g. amsgrad or momentum switched on); construct "
-                             "ZeroOptimizer with the same options as the saved run")
-        return new
-
-    def _set_hyperparameters(self, groups: List[dict]) -> None:
-        """Takes checked groups (_check_hyperparameters); the group dicts stay the same objects
-        (LR schedulers and the updaters hold them)."""
-        for group, new in zip(self.param_groups, groups):
-            group.update({k: v for k, v in new.items() if k != "params"})
 
     # -- accounting -------------------------------------------------------------------------
 
