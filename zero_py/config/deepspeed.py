@@ -765,27 +765,19 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     if plan.live_numel is not None:
         take(merged, "prefetch_bytes", plan.live_numel * param_dtype.itemsize,
              "zero_optimization.stage3_prefetch_bucket_size / stage3_max_live_parameters")
-    if "persistence_threshold" in plan.zero_kwargs:
-        take(merged, "persistence_threshold", plan.zero_kwargs["persistence_threshold"],
-             "zero_optimization.stage3_param_persistence_threshold")
-    if "offload_optimizer" in plan.zero_kwargs:
-        take(opt_kwargs, "offload_optimizer", plan.zero_kwargs["offload_optimizer"],
-             "zero_optimization.offload_optimizer.device")
-    if "offload_dir" in plan.zero_kwargs:
-        take(opt_kwargs, "offload_dir", plan.zero_kwargs["offload_dir"],
-             "zero_optimization.offload_optimizer.nvme_path")
-    if "offload_params" in plan.zero_kwargs:
-        take(merged, "offload_params", plan.zero_kwargs["offload_params"],
-             "zero_optimization.offload_param.device")
-    if "hybrid" in plan.zero_kwargs:
-        take(merged, "hybrid", plan.zero_kwargs["hybrid"], "zero_optimization.mics_shard_size")
-    if "grad_reduce_dtype" in plan.zero_kwargs:
-        take(opt_kwargs, "grad_reduce_dtype", plan.zero_kwargs["grad_reduce_dtype"],
-             "communication_data_type")
-    for option, key in (("quantized_weights", "zero_quantized_weights"),
-                        ("quantized_grads", "zero_quantized_gradients")):
+    # (option, initialize's own keyword or the optimizer's, the config path it came from)
+    for option, own, path in (
+            ("persistence_threshold", True, "stage3_param_persistence_threshold"),
+            ("offload_optimizer", False, "offload_optimizer.device"),
+            ("offload_dir", False, "offload_optimizer.nvme_path"),
+            ("offload_params", True, "offload_param.device"),
+            ("hybrid", True, "mics_shard_size"),
+            ("grad_reduce_dtype", False, None),
+            ("quantized_weights", False, "zero_quantized_weights"),
+            ("quantized_grads", False, "zero_quantized_gradients")):
         if option in plan.zero_kwargs:
-            take(opt_kwargs, option, plan.zero_kwargs[option], f"zero_optimization.{key}")
+            take(merged if own else opt_kwargs, option, plan.zero_kwargs[option],
+                 f"zero_optimization.{path}" if path else "communication_data_type")
     if plan.loss_scaler is not None:
         take(opt_kwargs, "loss_scaler", plan.loss_scaler(), "fp16")
     model, optimizer = api_initialize(model, **merged, **opt_kwargs)
