@@ -68,7 +68,6 @@ class HostShard:
         self.copies = CopyQueue(self.device)
         self.threads = host_threads()
         self._grad_copy: List[Copy] = [DONE] * flat.n_buckets  # the last D2H copy of each
-        self._reduced = bytearray(flat.n_buckets)  # its device piece changed since that copy
 
     # -- the updater's view (optim/update.py) ------------------------------------------------
 

@@ -36,6 +36,17 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_RING = 4
 
 
+def record_geometry(shard_numel: int, n_states: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """(chunk_numel, n_chunks, record_bytes) of a shard of `shard_numel` elements with
+    `n_states` state arrays: each array of a record a multiple of IO_ALIGN, the record at most
+    chunk_bytes (at least one aligned block per array), no larger than the shard needs."""
+    width = 1 + n_states
+    align = IO_ALIGN // 4  # elements per aligned block of one array
+    per_array = max(align, chunk_bytes // 4 // width // align * align)
+    chunk_numel = min(per_array, -(-max(1, shard_numel) // align) * align)
+    return chunk_numel, -(-shard_numel // chunk_numel), chunk_numel * 4 * width
+
+
 def check_offload_dir(offload_dir) -> str:
     """offload_dir as a path, or a clear error: it must be an existing writable directory."""
     if offload_dir is None:
@@ -89,11 +100,8 @@ class NvmeStore:
         directory = check_offload_dir(offload_dir)
         self.flat = flat
         self.width = 1 + n_states  # fp32 arrays per element in a record
-        align = IO_ALIGN // 4  # elements per aligned block of one array
-        per_array = max(align, chunk_bytes // 4 // self.width // align * align)
-        self.chunk_numel = min(per_array, -(-max(1, flat.shard_numel) // align) * align)
-        self.n_chunks = -(-flat.shard_numel // self.chunk_numel)
-        self.record_bytes = self.chunk_numel * 4 * self.width
+        self.chunk_numel, self.n_chunks, self.record_bytes = record_geometry(
+            flat.shard_numel, n_states, chunk_bytes)
         self.engine = engine or IoEngine(n_threads=min(4, max(2, os.cpu_count() or 2)))
         self._own_engine = engine is None
         name = f"zero_py-optimizer-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"

@@ -278,7 +278,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         if not storage.shards_frozen:
             self._broadcast_frozen(managed)
         self._build(storage, [0] * len(managed))
-        self.sync_master_from_params()
+        if not isinstance(self._update, StreamedUpdate):  # its file was written from them
+            self.sync_master_from_params()
         self._sr_seed = self._rounding_seed_base()
         compat.claim(self, managed)
         self._release = compat.release_on_collect(self, self._hook_handles)

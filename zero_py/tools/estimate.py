@@ -246,12 +246,11 @@ def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.
         host += 0 if dtype == torch.float32 else shard * dtype.itemsize
         states = 0
     elif offload == "nvme":
-        width = 1 + state_bytes // 4
-        chunk = max(1024, (8 << 20) // 4 // width // 1024 * 1024)
-        chunk = min(chunk, _round_up(max(1, shard), 1024))
-        record = chunk * 4 * width
-        host = 4 * record
-        nvme = 2 * _round_up(shard, chunk) // chunk * record
+        from zero_py.offload.nvme import DEFAULT_RING, record_geometry
+
+        _, n_chunks, record = record_geometry(shard, state_bytes // 4)
+        host = DEFAULT_RING * record
+        nvme = 2 * n_chunks * record
         states = 0
     params = est.params
     if params_on_host:
