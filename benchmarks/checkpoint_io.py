@@ -18,8 +18,9 @@ the same bytes (parameters and two fp32 states: 12 bytes per parameter). Each ro
 Before every read the files are evicted from the page cache (posix_fadvise DONTNEED after
 fsync), so loads read the disk. Throughput = checkpoint bytes / wall time of the call on the
 slowest rank (a barrier before and after); "vs disk" is against the faster of the disk's two
-ways (buffered or direct) of the same kind. The three saves take turns going first, round
-by round (this disk slows down during a burst of writes); a zero_py save that replaces a
+ways (buffered or direct) of the same kind. The saves take turns going first, round by
+round (this disk slows down during a burst of writes), and so do the loads, after a pause
+(--settle) that lets the disk finish with the saves; a zero_py save that replaces a
 checkpoint removes the old one on a thread, which is waited for, untimed, before the next
 measurement. Rank 0 prints the medians, ranges and ratios, the CPU model and the load
 average (the machine may be shared); then `python -m zero_py
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument("--params-m", type=float, default=64.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/zp_ckpt_bench")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds between the last save and the first load of a round")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,15 +197,6 @@ def main() -> None:
             times[name].append(timed(fn))
             wait_for_removals()  # zero_py removes a replaced checkpoint on a thread: untimed
         ck_bytes = dir_bytes(zpath)
-        evict([raw, zpath, dpath])
-        times["disk load"].append(timed(lambda: disk_read(raw)))
-        evict([raw])
-        times["disk load (direct)"].append(timed(lambda: disk_read_direct(raw)))
-        evict([zpath])
-        times["zero_py load"].append(timed(lambda: zero_py.load_checkpoint(zpath, zmodel, zopt)))
-        evict([zpath])
-        times["zero_py load (no verify)"].append(
-            timed(lambda: zero_py.load_checkpoint(zpath, zmodel, zopt, verify=False)))
 
         def dcp_load():
             msd, osd = get_state_dict(ddp, dopt)
@@ -211,8 +205,21 @@ def main() -> None:
             set_state_dict(ddp, dopt, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
 
-        evict([dpath])
-        times["dcp load"].append(timed(dcp_load))
+        loads = [("disk load", [raw], lambda: disk_read(raw)),
+                 ("disk load (direct)", [raw], lambda: disk_read_direct(raw)),
+                 ("zero_py load", [zpath], lambda: zero_py.load_checkpoint(zpath, zmodel, zopt)),
+                 ("zero_py load (no verify)", [zpath],
+                  lambda: zero_py.load_checkpoint(zpath, zmodel, zopt, verify=False)),
+                 ("dcp load", [dpath], dcp_load)]
+        # the disk is still busy for a while after a burst of writes (the first read after the
+        # saves was up to 6x slower than the same read later): let it settle, then the loads
+        # take turns going first, round by round, like the saves
+        os.sync()
+        time.sleep(args.settle)
+        for k in range(len(loads)):
+            name, files, fn = loads[(k + r) % len(loads)]
+            evict(files)
+            times[name].append(timed(fn))
     dcp_bytes = dir_bytes(dpath) if rank == 0 else 0
     load_avg.append(os.getloadavg())
     if rank == 0:
@@ -239,11 +246,12 @@ def main() -> None:
             spread = f"{min(times[k]):.3f}-{max(times[k]):.3f}"
             print(f"| {k} | {t:.3f} | {spread} | {gb / t:.2f} | {100 * vs_disk:.0f}% | "
                   f"{vs_dcp} |")
-        ratios = [min(d, e) / z for d, e, z in zip(times["disk load"],
-                                                    times["disk load (direct)"],
-                                                    times["zero_py load"])]
-        print("\nzero_py load against the disk read of the same round: "
-              + ", ".join(f"{100 * x:.0f}%" for x in ratios))
+        for name in ("zero_py load", "zero_py load (no verify)"):
+            ratios = [min(d, e) / z for d, e, z in zip(times["disk load"],
+                                                        times["disk load (direct)"],
+                                                        times[name])]
+            print(f"\n{name} against the disk read of the same round: "
+                  + ", ".join(f"{100 * x:.0f}%" for x in ratios))
         largest = max(p.numel() * p.element_size() for p in zmodel.parameters())
         out = os.path.join(root, "full.safetensors")
         res = subprocess.run([sys.executable, "-m", "zero_py", "consolidate", zpath, out],
