@@ -20,7 +20,7 @@ DEV = torch.device("cuda", 0)
 STEPS = 6
 
 
-def _train(stage, dtype, seed=0, **kw):
+def _train(stage, dtype, seed=0, clip=0.5, **kw):
     torch.manual_seed(seed)
     model = models.TiedGPT(n_layer=2).to(DEV).to(dtype)
     extra = {"wrap_policy": 1000} if stage == 3 else {"bucket_bytes": 4096}
@@ -32,7 +32,8 @@ def _train(stage, dtype, seed=0, **kw):
     for _ in range(STEPS):
         idx, tgt = models.gpt_batch(gen, batch=4)
         model(idx.to(DEV), tgt.to(DEV)).float().backward()
-        opt.clip_grad_norm_(0.5)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
     return {k: v.float().cpu() for k, v in zero_py.full_state_dict(model).items()}, opt
@@ -64,3 +65,17 @@ def test_parameter_offload_on_gpu_needs_optimizer_offload(single_rank_group):
     with pytest.raises(ValueError, match="needs offload_optimizer='cpu'"):
         zero_py.initialize(copy.deepcopy(models.MLP()).to(DEV), torch.optim.AdamW, stage=3,
                            lr=1e-3, offload_params="cpu")
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlap_step_on_gpu_matches_the_offloaded_step_to_the_bit(single_rank_group, stage,
+                                                                    dtype, clip):
+    """overlap_step: buckets updated on the host during backward (kept when unclipped, put
+    back and redone when clipped) give the offloaded step's results exactly."""
+    reference, _ = _train(stage, dtype, clip=clip, offload_optimizer="cpu")
+    got, opt = _train(stage, dtype, clip=clip, offload_optimizer="cpu", overlap_step=1.0)
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    assert opt._early.early_last_step > 0
+    assert opt._early.kept_last_step == (opt._early.early_last_step if clip is None else 0)

@@ -99,14 +99,16 @@ class HostShard:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self, update, buckets: Sequence[int], *args) -> None:
+    def step(self, update, buckets: Sequence[int], *args, done=()) -> None:
         """Updates `buckets` one at a time on the host (update.step(*args, buckets=[b])) and
         copies each back to its device piece while the next is updated; returns when every
-        device piece holds its new values (the caller then publishes them)."""
+        device piece holds its new values (the caller then publishes them). Buckets in `done`
+        were updated during backward (overlap_step, offload/early.py): only copied back."""
         back: List[Copy] = []
         for b in buckets:
-            self.grads_ready(b)
-            update.step(*args, buckets=[b])
+            if b not in done:
+                self.grads_ready(b)
+                update.step(*args, buckets=[b])
             back.append(self.copies.submit(self.flat.bucket_piece(b), self._new_values(b)))
         for c in back:
             c.order_device()

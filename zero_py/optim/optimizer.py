@@ -23,6 +23,7 @@ from zero_py.collectives import (HybridExecutor, make_executor,
                                  make_hybrid_executor)
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
+from zero_py.offload.early import EarlyStep, check_overlap_step
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, regroup
 from zero_py.optim.loss_scaler import LossScaler
@@ -123,6 +124,13 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             "nvme" keeps them in a file under `offload_dir` and streams them through a small
             ring of host buffers at each step (ZeRO-Infinity; fused optimizers only).
         offload_dir: the directory (on a fast local drive) for offload_optimizer="nvme".
+        overlap_step: with offload_optimizer="cpu" (stages 2-3, fused optimizers), the share
+            of this rank's shard, in [0, 1] (True: all of it), that may be updated during
+            backward, as soon as each bucket's gradient is on the host, before the total norm
+            and the overflow check are known; a step that turns out clipped, skipped or
+            otherwise different puts those buckets back and updates them as usual, so results
+            are the same to the bit. Costs (1 + states) fp32 values of host memory per element
+            of that share (offload/early.py). Off (0) by default.
         **optimizer_kwargs: hyperparameters for optimizer_class (lr, betas, weight_decay, ...).
 
     Parameters may be float32, bfloat16 or float16 (several dtypes in one model are fine);
@@ -157,7 +165,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
                  device_mesh=None, hybrid: Optional[str] = None,
-                 offload_optimizer: Optional[str] = None, offload_dir=None, storage=None,
+                 offload_optimizer: Optional[str] = None, offload_dir=None,
+                 overlap_step: float = 0.0, storage=None,
                  _param_names: Optional[Dict[int, str]] = None,
                  _agreement: Sequence[Tuple[str, Any]] = (), **optimizer_kwargs):
         self._names = dict(_param_names or {})  # id(param) -> name, for messages
@@ -179,7 +188,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                                          quantize_block=quantize_block,
                                          loss_scaler=loss_scaler,
                                          offload_optimizer=offload_optimizer,
-                                         offload_dir=offload_dir, **optimizer_kwargs)
+                                         offload_dir=offload_dir, overlap_step=overlap_step,
+                                         **optimizer_kwargs)
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
@@ -191,6 +201,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                 raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
                                  "Adam, SGD, Adagrad, zero_py.Lion), not "
                                  f"{optimizer_class.__name__}; use offload_optimizer='cpu'")
+            overlap_step = check_overlap_step(overlap_step, offload_optimizer, stage)
+            if overlap_step and kind is None:
+                raise ValueError("overlap_step runs the fused kernels (AdamW, Adam, SGD, Adagrad, "
+                                 f"zero_py.Lion) during backward, not {optimizer_class.__name__}")
         except (TypeError, ValueError) as exc:
             problem = exc
         self.optimizer_class = optimizer_class
@@ -215,7 +229,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                            "quantized_weights": quantized_weights,
                            "quantized_grads": quantized_grads, "quantize_block": quantize_block,
                            "stochastic_rounding": bool(stochastic_rounding),
-                           "offload_optimizer": offload_optimizer, **optimizer_kwargs}
+                           "offload_optimizer": offload_optimizer,
+                           "overlap_step": overlap_step, **optimizer_kwargs}
                 group_of = {id(p): k for k, g in enumerate(self.param_groups)
                             for p in g["params"]}
                 all_params = [p for g in self.param_groups for p in g["params"]]
@@ -267,6 +282,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         self.offload_optimizer = check_offload_optimizer(offload_optimizer, offload_dir)
         self._offload_dir = offload_dir
         self._host: Optional[HostShard] = None
+        self._overlap_step = float(overlap_step) if problem is None else 0.0
+        self._early: Optional[EarlyStep] = None
         self._hook_handles: list = []
         if storage is None:
             storage = FlatParams(managed, groups_of, self.executor.world_size,
@@ -296,7 +313,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                         quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
                         offload_optimizer: Optional[str] = None, offload_dir=None,
-                        **optimizer_kwargs) -> dict:
+                        overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
         """Checks the constructor's arguments (zero_py.initialize does it before it shards a
         stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
         if not (isinstance(optimizer_class, type)
@@ -321,6 +338,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         check_offload_optimizer(offload_optimizer, offload_dir)
+        check_overlap_step(overlap_step, offload_optimizer, stage=2)  # the stage: __init__
         # The optimizer class validates its own keyword arguments and supplies the defaults.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
         return dict(probe.defaults)
@@ -343,6 +361,9 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         # for (one since the last zero_grad(set_to_none=True)), so that they are updated as
         # torch.optim updates a zeroed gradient
         self._had_grad = [0] * len(fp.params)
+        if self._early is not None:
+            self._early.close()
+            self._early = None
         if self._host is not None:
             self._host.close()
         if isinstance(getattr(self, "_update", None), StreamedUpdate):
@@ -365,6 +386,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         elif self._kind is not None:
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
                                        self.param_groups, self._host)
+            if self._host is not None and self._overlap_step:
+                # ahead of the host side as the reducer's mirror: it starts the early updates
+                self._early = self._reducer.mirror = EarlyStep(
+                    self._host, self._update, self._overlap_step, self._early_guess)
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host)
@@ -514,6 +539,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                 if mask is not None:
                     self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
         super().zero_grad(set_to_none=set_to_none)
+        if self._early is not None:
+            self._early.discard()  # the gradients they used are gone: no step will use them
         self._clip_coef, self._nonfinite = None, None
         self._reducer.zero_grad(set_to_none)
 
@@ -596,8 +623,12 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             if self.loss_scaler is not None and self._nonfinite is None:
                 self._nonfinite = self._grad_stats(2.0)[1]
             skip = bool(self._nonfinite) and self.loss_scaler is not None
-            if not skip:
-                self._apply_update(used)
+            try:
+                if not skip:
+                    self._apply_update(used)
+            finally:
+                if self._early is not None:
+                    self._early.end_step()  # what the step did not take (all when skipped)
             self.last_step_skipped = skip
             self.skipped_steps += int(skip)
             if self.loss_scaler is not None:
@@ -639,8 +670,11 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                    if any(used[i] for i in self._flat.bucket_params[b])]
         try:
             if self._host is not None and self.uses_fused_kernel:
-                self._host.step(self._update, touched, used, self._step_count, grad_scale,
-                                self._sr_seed, self.stochastic_rounding)
+                args = (used, self._step_count, grad_scale, self._sr_seed,
+                        self.stochastic_rounding)
+                done = (self._early.settle(args, self._early_hyper)
+                        if self._early is not None else ())
+                self._host.step(self._update, touched, *args, done=done)
             else:
                 self._update.step(used, self._step_count, grad_scale, self._sr_seed,
                                   self.stochastic_rounding)
@@ -650,6 +684,25 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             self._step_count, self._sr_seed = counts, seed
             raise
         self._flat.publish(self._wire, touched)
+
+    def _early_guess(self, b: int):
+        """overlap_step: the inputs of the coming step for bucket b as they stand while its
+        gradient reaches the host (offload/early.py), guessing no clipping and no overflow;
+        None before the first step (the step makes the states)."""
+        if self._update.states is None:
+            return None
+        params = self._flat.bucket_params[b]
+        used = {i: 1 for i in params}
+        counts = {i: self._step_count[i] + 1 for i in params}
+        args = (used, counts, 1.0 / self.loss_scale, self._sr_seed + 1,
+                self.stochastic_rounding)
+        return args, self._early_hyper(b)
+
+    def _early_hyper(self, b: int) -> tuple:
+        """Bucket b's group's hyperparameters, comparable with == (tensors as numbers)."""
+        g = self.param_groups[self._flat.bucket_group[b]]
+        return tuple(sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v)
+                            for k, v in g.items() if k != "params"))
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -663,8 +716,9 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         reduce-scatter receive buffers (and, in stage 1, the full param.grad);
         optimizer_states: state tensors of this rank's shard and its fp32 masters, on the
         device (0 under offload_optimizer="cpu"); host_optimizer_states: the same in host memory
-        under offload (fp32 masters of every bucket, fp32 ones included); host_grads: the host
-        copy of the gradient shard and the staging of updated bf16/fp16 values (offload).
+        under offload (fp32 masters of every bucket, fp32 ones included, and overlap_step's
+        backup); host_grads: the host copy of the gradient shard and the staging of updated
+        bf16/fp16 values (offload).
         Under offload_optimizer="nvme": host_optimizer_states is the ring of host buffers and
         nvme_optimizer_states the offload file (both slots of every record).
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
@@ -682,6 +736,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             grads += param_bytes
         states = self._update.state_bytes()
         host = self._host.nbytes() if self._host is not None else None
+        if host is not None and self._early is not None:  # overlap_step's backup
+            host = {**host, "host_masters": host["host_masters"] + self._early.nbytes()}
         store = getattr(self._update, "store", None)  # offload_optimizer="nvme"
         if store is not None:
             host = {"host_masters": store.host_bytes(), "host_grads": 0}

@@ -91,7 +91,10 @@ class StateDicts:
     def resident(self):
         """A context in which the optimizer's masters and states are in memory: a no-op, except
         under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it)."""
+        written back on exit (state dicts and checkpoints run inside it). Early updates of
+        overlap_step not yet taken by a step are put back first: they are guesses."""
+        if getattr(self, "_early", None) is not None:
+            self._early.discard()
         if isinstance(self._update, StreamedUpdate):
             return self._update.resident()
         return contextlib.nullcontext()

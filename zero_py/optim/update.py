@@ -180,10 +180,12 @@ class FusedUpdate(_Update):
                                      g.get("eps", 0.0), g["weight_decay"], grad_scale, seed)
 
     def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
-             seed: int, stochastic_rounding: bool, buckets: Optional[Sequence[int]] = None
-             ) -> None:
-        """One update of `buckets` (default: all) of the shard."""
+             seed: int, stochastic_rounding: bool, buckets: Optional[Sequence[int]] = None,
+             param_groups: Optional[Dict[int, dict]] = None) -> None:
+        """One update of `buckets` (default: all) of the shard; `param_groups` ({group index:
+        hyperparameters}) stands in for the live groups (overlap_step's guess)."""
         flat = self.flat
+        groups = self.param_groups if param_groups is None else param_groups
         states = self._ensure_states()
         state_base = [t.data_ptr() for t in states] + [0] * (3 - len(states))
         rows = array("q")
@@ -197,7 +199,7 @@ class FusedUpdate(_Update):
             key = (flat.bucket_group[b], grad.dtype, param_dtype)
             if key not in row_of:
                 row_of[key] = len(group_rows)
-                group_rows.append(self._group_row(self.param_groups[key[0]], grad.dtype,
+                group_rows.append(self._group_row(groups[key[0]], grad.dtype,
                                                   param_dtype, grad_scale, seed,
                                                   stochastic_rounding))
             g_size, p_size = grad.element_size(), param_dtype.itemsize
