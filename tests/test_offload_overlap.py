@@ -21,6 +21,7 @@ import torch
 import distributed
 import models
 import zero_py
+from test_offload import full, worst  # the same comparisons as the offload tests
 
 STEPS = 4
 
@@ -70,19 +71,6 @@ def train(model, opt, rank, clip=None, no_sync=True, lr_change=False, zero_betwe
         counts.append((early.early_last_step, early.kept_last_step) if early else (0, 0))
         opt.zero_grad()
     return counts, shards
-
-
-def full(model):
-    sd = zero_py.full_state_dict(model)
-    return None if sd is None else {k: v.float() for k, v in sd.items()}
-
-
-def worst(a, b) -> float:
-    if a is None:
-        assert b is None
-        return 0.0
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def shard_worst(a, b) -> float:
