@@ -13,11 +13,19 @@ next wait, synchronize or collective on the host then raises a CollectiveError n
 operation and the reason instead of hanging. (Untested on a GPU so far: written to the same
 contract as the CPU path, whose tests run.)
 
-CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
-through the device: copied in, reduced, and copied back when wait() is called.
+all_to_all (equal chunks: the quantized reduce-scatter's exchange, collectives/quantized.py) is
+one NCCL group of an ncclSend of chunk r and an ncclRecv into chunk r per rank r, enqueued,
+ordered and watched like the others. Those calls came in NCCL 2.7: with an older library the
+executor still loads, and all_to_all_unavailable says why all_to_all cannot run (quantized
+grads are then refused, and a bf16 wire summed in fp32 reduces in bf16 instead).
+
+CPU tensors handed to all_reduce, broadcast and all_to_all (small bookkeeping: the "used" mask,
+statistics) go through the device: copied in, exchanged, and copied back when wait() is
+called.
 
 Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
-model, NCCL's own) once it has been issued; a CPU tensor's is counted once, as its device copy's.
+model, NCCL's own; the all-to-all's (N-1)/N of its input each way) once it has been issued; a
+CPU tensor's is counted once, as its device copy's.
 """
 
 from __future__ import annotations
