@@ -132,8 +132,8 @@ def _stage_3(rank, world_size, dtype, persistence_threshold=0):
 
 
 def _p2p_counts(rank, world_size):
-    """Random reduce-scatters and all-gathers through the point-to-point forms, with every
-    isend and irecv tallied; all-reduces and broadcasts through gloo's own."""
+    """Random reduce-scatters, all-gathers and all-to-alls through the point-to-point forms,
+    with every isend and irecv tallied; all-reduces and broadcasts through gloo's own."""
     tally = {"sent": 0, "received": 0}
     isend, irecv = dist.isend, dist.irecv
 
@@ -154,7 +154,7 @@ def _p2p_counts(rank, world_size):
         for _ in range(6):
             chunk = rng.randint(1, 3000)
             dtype = rng.choice([torch.float32, torch.bfloat16])
-            for kind in ("reduce_scatter", "all_gather"):
+            for kind in ("reduce_scatter", "all_gather", "all_to_all"):
                 sent0, recv0 = tally["sent"], tally["received"]
                 counted0 = ex.stats.snapshot().get(kind, {"bytes_sent": 0, "bytes_received": 0})
                 if kind == "reduce_scatter":
@@ -164,6 +164,13 @@ def _p2p_counts(rank, world_size):
                     ref = full.float()
                     dist.all_reduce(ref)
                     ref = ref[rank * chunk:(rank + 1) * chunk]
+                elif kind == "all_to_all":
+                    full = torch.randn(world_size * chunk, generator=gen).to(dtype)
+                    got = torch.empty_like(full)
+                    ex.all_to_all(got, full).wait()
+                    ref = torch.empty_like(full)
+                    dist.all_to_all_single(ref, full)
+                    ref = ref.float()
                 else:
                     mine = torch.randn(chunk, generator=gen).to(dtype)
                     got = torch.empty(world_size * chunk, dtype=dtype)
@@ -238,6 +245,8 @@ def test_ring_rule_per_collective():
         for rank in range(n):
             assert ring_bytes("reduce_scatter", 96 * n, n, rank) == (96 * (n - 1),) * 2
             assert ring_bytes("all_gather", 96 * n, n, rank) == (96 * (n - 1),) * 2
+            # a chunk of 96 bytes to and from each peer
+            assert ring_bytes("all_to_all", 96 * n, n, rank) == (96 * (n - 1),) * 2
             assert ring_bytes("all_reduce", 96 * n, n, rank) == (2 * 96 * (n - 1),) * 2
     # a broadcast moves B to every rank but the root, each rank forwarding it once down the ring
     for n in (2, 3, 5):
@@ -315,13 +324,18 @@ def test_nccl_executor_counts_what_it_issues(monkeypatch):
     ex.all_reduce_max(torch.empty(6, dtype=torch.uint8, **meta))
     ex.broadcast(torch.empty(5, **meta), src=2)  # rank 1 is the root's predecessor: sends none
     ex.broadcast(torch.empty(5, **meta), src=1)  # the root: receives none
+    # one meta buffer, so the halves have distinct (fake) addresses and do not overlap
+    both = torch.empty(80, dtype=torch.bfloat16, **meta)
+    ex.all_to_all(both[40:], both[:40])  # 10 elements to and from each of 4 ranks
     assert ex.stats.snapshot() == {
         "reduce_scatter": {"calls": 1, "bytes_sent": 120, "bytes_received": 120},
         "all_gather": {"calls": 1, "bytes_sent": 60, "bytes_received": 60},
         "all_reduce": {"calls": 2, "bytes_sent": 36 + 8, "bytes_received": 36 + 8},
-        "broadcast": {"calls": 2, "bytes_sent": 20, "bytes_received": 20}}
-    assert [c for c, _ in issued] == [nccl.REDUCE_SCATTER, nccl.ALL_GATHER, nccl.ALL_REDUCE,
-                                      nccl.ALL_REDUCE, nccl.BROADCAST, nccl.BROADCAST]
+        "broadcast": {"calls": 2, "bytes_sent": 20, "bytes_received": 20},
+        "all_to_all": {"calls": 1, "bytes_sent": 60, "bytes_received": 60}}
+    assert issued == [(nccl.REDUCE_SCATTER, 10), (nccl.ALL_GATHER, 10), (nccl.ALL_REDUCE, 6),
+                      (nccl.ALL_REDUCE, 6), (nccl.BROADCAST, 5), (nccl.BROADCAST, 5),
+                      (nccl.ALL_TO_ALL, 10)]
 
     def failing(*args, **kwargs):
         raise CollectiveError("all-reduce", "the communicator was aborted")

@@ -260,6 +260,10 @@ def _errors(rank, world_size):
         "cpu", (2, 2), mesh_dim_names=("replicate", "shard")), replicate_group=column)
     out["replicate alone"] = refused(stage=2, replicate_group=column)
     out["mode"] = refused(stage=2, hybrid="rack")
+    # qgZ's all-to-all would run in the shard group only, the replicas' all-reduce skipped
+    # (before the refusal their models drifted apart: 0.018 after 3 steps)
+    out["quantized grads"] = refused(stage=2, process_group=shard, replicate_group=column,
+                                     quantized_grads="int8")
     torch.manual_seed(0)
     other = nn.Linear(4, 5) if rank == 3 else nn.Linear(4, 4)  # one replica's model differs
     out["replica model"] = refused(stage=2, model=other, hybrid="node")
@@ -279,6 +283,7 @@ EXPECTED = {
     "mesh and groups": "either device_mesh or process_group",
     "replicate alone": "replicate_group= needs process_group=",
     "mode": "hybrid must be None or 'node'",
+    "quantized grads": "hybrid sharding reduces across the replicas too",
     "replica model": "the ranks disagree on parameter",
 }
 

@@ -1,15 +1,17 @@
 """The executor choice and the NCCL executor's Python side, on a machine of any kind: what
 make_executor and ZeroOptimizer pick or refuse, the NCCL codes of torch's ops and dtypes, and
 that a machine without a GPU or NCCL gets an error that says why (tests/gpu/ runs the executor
-itself)."""
+itself), and the NCCL all-to-all's checks, counting and call through a stand-in for the
+communicator."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import zero_py
-from zero_py.collectives import nccl
-from zero_py.collectives import TorchDistExecutor, make_executor
+from zero_py.collectives import TorchDistExecutor, make_executor, nccl, quantized
+from zero_py.collectives.stats import CommStats
+from zero_py.collectives.work import Work
 
 
 def test_ops_and_dtypes_map_to_nccls_codes():
@@ -62,3 +64,102 @@ def test_without_a_gpu_the_nccl_executor_says_why(single_rank_group):
     with pytest.raises(RuntimeError, match="NCCL executor is unavailable") as err:
         nccl.NcclExecutor(single_rank_group)
     assert why in str(err.value) and "executor='torch'" in str(err.value)
+
+
+def _stand_in(world_size=4, rank=1):
+    """An NcclExecutor without a GPU: its Python checks and counting, with the native call
+    (_issue) recorded instead of made."""
+    ex = nccl.NcclExecutor.__new__(nccl.NcclExecutor)
+    ex.stats, ex.world_size, ex.rank = CommStats("shard"), world_size, rank
+    ex.device = torch.device("meta")
+    ex.issued = []
+
+    def fake_issue(coll, send, recv, count, op=0, root=0):
+        ex.issued.append((coll, send, recv, count))
+        return Work(None)
+    ex._issue = fake_issue
+    return ex
+
+
+def test_nccl_all_to_all_issues_one_grouped_exchange(monkeypatch):
+    ex = _stand_in()
+    buf = torch.empty(2 * 48, dtype=torch.bfloat16, device="meta")  # distinct fake addresses
+    output, input = buf[:48], buf[48:]
+    ex.all_to_all(output, input)
+    (coll, send, recv, count), = ex.issued
+    assert (coll, count) == (nccl.ALL_TO_ALL, 12)  # elements to and from each of 4 ranks
+    assert send is input and recv is output
+    assert ex.stats.snapshot() == {"all_to_all": {"calls": 1, "bytes_sent": 72,
+                                                  "bytes_received": 72}}
+    # CPU tensors go through the device: the device copies are what is issued and counted
+    # (two meta tensors share the fake address 0: the overlap check would refuse them)
+    monkeypatch.setattr(nccl, "_overlaps", lambda a, b: False)
+    ex.all_to_all(torch.empty(8), torch.arange(8, dtype=torch.float32))
+    coll, send, recv, count = ex.issued[-1]
+    assert (coll, count, send.device.type, recv.device.type) == (nccl.ALL_TO_ALL, 2, "meta",
+                                                                 "meta")
+    assert ex.stats.snapshot()["all_to_all"] == {"calls": 2, "bytes_sent": 72 + 24,
+                                                 "bytes_received": 72 + 24}
+
+
+def test_nccl_all_to_all_checks_its_arguments():
+    ex = _stand_in()
+    meta = dict(device="meta")
+    buf = torch.empty(200, **meta)
+    bad = [
+        ((buf[:40], buf[40:80].to(torch.bfloat16)), ValueError, "one dtype"),
+        ((buf[:40], buf[40:84]), ValueError, "same number of elements"),
+        ((buf[:42], buf[100:142]), ValueError, r"multiple of world_size \(4\)"),
+        ((buf[:40], buf[20:60]), ValueError, "overlap"),
+        ((buf[:40], torch.empty(40)), ValueError, "input is on cpu; this NCCL executor runs on"),
+        ((buf[:40], buf[40:120:2]), ValueError, "input must be contiguous"),
+        ((buf[:40], [0.0] * 40), TypeError, "input must be a torch.Tensor"),
+        ((torch.empty(8, dtype=torch.complex64, **meta),
+          torch.empty(8, dtype=torch.complex64, **meta)), ValueError, "not torch.complex64"),
+    ]
+    for (output, input), exc, match in bad:
+        with pytest.raises(exc, match=match):
+            ex.all_to_all(output, input)
+    assert ex.issued == [] and ex.stats.snapshot() == {}  # nothing refused went out
+
+
+def test_nccl_all_to_all_on_a_library_without_send_recv():
+    """NCCL older than 2.7 loads (every other collective runs); all_to_all says why it cannot
+    run, quantized_grads is refused with that reason, and a bf16 wire summed in fp32 reduces
+    in the wire dtype instead."""
+    ex = _stand_in()
+    ex.all_to_all_unavailable = "the loaded NCCL (version code 2604) has no ncclSend/ncclRecv"
+    buf = torch.empty(80, **dict(device="meta"))
+    with pytest.raises(RuntimeError, match="no all_to_all here: the loaded NCCL .* 2604"):
+        ex.all_to_all(buf[:40], buf[40:])
+    assert quantized.all_to_all_unavailable(ex) == ex.all_to_all_unavailable
+    grads = quantized.spec("int8", 256, "quantized_grads")
+    with pytest.raises(ValueError, match="quantized_grads needs .*version code 2604"):
+        quantized.QuantizedExecutor(ex, grads=grads)
+    wire = quantized.QuantizedExecutor(ex)  # widening only
+    wire.reduce_scatter(torch.empty(10, device="meta"),
+                        torch.empty(40, dtype=torch.bfloat16, device="meta"))
+    assert [i[0] for i in ex.issued] == [nccl.REDUCE_SCATTER]
+
+
+def test_quantized_collectives_use_the_nccl_all_to_all(monkeypatch):
+    """With NCCL >= 2.7 the NCCL executor takes quantized_grads (qgZ) and sums a bf16 wire in
+    fp32 through its all_to_all (the data path runs on a GPU: tests/gpu/test_nccl_gpu.py)."""
+    ex = _stand_in()
+    assert quantized.all_to_all_unavailable(ex) is None
+    quantized.QuantizedExecutor(ex, grads=quantized.spec("int4", 64, "quantized_grads"))
+    monkeypatch.setattr(nccl, "_overlaps", lambda a, b: False)  # meta tensors share address 0
+    quantized.QuantizedExecutor(ex).reduce_scatter(
+        torch.empty(10, device="meta"), torch.empty(40, dtype=torch.bfloat16, device="meta"))
+    (coll, send, recv, count), = ex.issued
+    assert (coll, count, send.dtype, recv.numel()) == (nccl.ALL_TO_ALL, 10, torch.bfloat16, 40)
+
+
+def test_hybrid_executor_has_no_all_to_all_of_its_own():
+    """A hybrid mesh reduces across its replicas after the shard group: the shard executor's
+    all_to_all (reached through HybridExecutor.__getattr__) would leave them out."""
+    from zero_py.collectives.hybrid import HybridExecutor
+
+    hybrid = HybridExecutor.__new__(HybridExecutor)
+    hybrid.shard = _stand_in()
+    assert "replicas" in quantized.all_to_all_unavailable(hybrid)

@@ -45,7 +45,7 @@ struct zp_comm {
 };
 
 static const char *const zp_coll_names[] = {"all_reduce", "reduce_scatter", "all_gather",
-                                            "broadcast"};
+                                            "broadcast", "all_to_all"};
 
 static double zp_now_s(void) {
   struct timespec t;
@@ -295,9 +295,33 @@ int zp_comm_rank(const zp_comm *c) { return c->rank; }
 int zp_comm_size(const zp_comm *c) { return c->nranks; }
 int zp_comm_device(const zp_comm *c) { return c->device; }
 
+/* The all-to-all's own conditions: the library has the point-to-point calls, the buffers' size
+ * is a size_t, and they do not overlap (the peers' writes into recv would race with the reads
+ * of send: NCCL runs the group's transfers concurrently). */
+static zp_status zp_check_all_to_all(const zp_comm *c, const void *send, void *recv,
+                                     size_t count, int dtype) {
+  if (!zp_nccl_has_p2p(c->lib))
+    return zp_fail(ZP_ERR_STATE, "nccl all_to_all: the loaded NCCL (version code %d) has no "
+                   "ncclSend/ncclRecv/ncclGroupStart/ncclGroupEnd; they came in NCCL 2.7",
+                   c->lib->version);
+  const size_t elem = zp_nccl_dtype_size(dtype);
+  if (count > SIZE_MAX / elem / (size_t)c->nranks)
+    return zp_fail(ZP_ERR_INVALID, "nccl all_to_all: %zu elements to each of %d ranks "
+                   "overflow a size_t of bytes", count, c->nranks);
+  const size_t bytes = count * elem * (size_t)c->nranks;
+  const uintptr_t s = (uintptr_t)send, r = (uintptr_t)recv;
+  if (s > UINTPTR_MAX - bytes || r > UINTPTR_MAX - bytes)
+    return zp_fail(ZP_ERR_INVALID, "nccl all_to_all: a buffer of %zu bytes wraps the address "
+                   "space", bytes);
+  if (s < r + bytes && r < s + bytes)
+    return zp_fail(ZP_ERR_INVALID, "nccl all_to_all: send and recv overlap (it cannot run in "
+                   "place)");
+  return ZP_OK;
+}
+
 static zp_status zp_check_args(const zp_comm *c, zp_coll coll, const void *send, void *recv,
                                size_t count, int dtype, int op, int root) {
-  const char *name = coll >= ZP_COLL_ALL_REDUCE && coll <= ZP_COLL_BROADCAST
+  const char *name = coll >= ZP_COLL_ALL_REDUCE && coll <= ZP_COLL_ALL_TO_ALL
                          ? zp_coll_names[coll] : NULL;
   if (name == NULL)
     return zp_fail(ZP_ERR_INVALID, "nccl: unknown collective %d", (int)coll);
@@ -314,7 +338,42 @@ static zp_status zp_check_args(const zp_comm *c, zp_coll coll, const void *send,
   if (send == NULL || recv == NULL)
     return zp_fail(ZP_ERR_INVALID, "nccl %s: NULL %s buffer", name, send == NULL ? "send"
                                                                                   : "recv");
+  if (coll == ZP_COLL_ALL_TO_ALL)
+    return zp_check_all_to_all(c, send, recv, count, dtype);
   return ZP_OK;
+}
+
+/* The all-to-all as NCCL builds it: inside one ncclGroupStart/End, an ncclSend of chunk p of
+ * `send` and an ncclRecv into chunk p of `recv` for every rank p (this one included: NCCL copies
+ * that pair locally). Grouped, the 2 * nranks calls are launched together, so no rank waits on a
+ * peer that posts its pairs in another order. Called with `enqueue` held, like every NCCL call.
+ * Returns NCCL's result and, on failure, names the call that failed in *failed_call. */
+static int zp_enqueue_all_to_all(zp_comm *c, const void *send, void *recv, size_t count,
+                                 int dtype, cudaStream_t stream, const char **failed_call) {
+  const size_t chunk = count * zp_nccl_dtype_size(dtype); /* checked by zp_check_all_to_all */
+  int rc = c->lib->group_start();
+  if (rc != ZP_NCCL_SUCCESS) {
+    *failed_call = "ncclGroupStart";
+    return rc;
+  }
+  for (int peer = 0; peer < c->nranks && rc == ZP_NCCL_SUCCESS; peer++) {
+    rc = c->lib->send((const char *)send + (size_t)peer * chunk, count, dtype, peer, c->handle,
+                      stream);
+    if (rc != ZP_NCCL_SUCCESS) {
+      *failed_call = "ncclSend";
+      break;
+    }
+    rc = c->lib->recv((char *)recv + (size_t)peer * chunk, count, dtype, peer, c->handle,
+                      stream);
+    if (rc != ZP_NCCL_SUCCESS)
+      *failed_call = "ncclRecv";
+  }
+  /* the group is closed even after a failed call: left open, it would swallow this thread's
+   * next NCCL call into a group that never launches */
+  int end = c->lib->group_end();
+  if (rc == ZP_NCCL_SUCCESS && end != ZP_NCCL_SUCCESS)
+    *failed_call = "ncclGroupEnd";
+  return rc != ZP_NCCL_SUCCESS ? rc : end;
 }
 
 zp_status zp_comm_collective(zp_comm *c, zp_coll coll, const void *send, void *recv,
@@ -347,6 +406,7 @@ zp_status zp_comm_collective(zp_comm *c, zp_coll coll, const void *send, void *r
       e = cudaStreamWaitEvent(comm_stream, c->ready, 0);
   }
   int rc = ZP_NCCL_SUCCESS;
+  const char *failed_call = NULL; /* within an all-to-all's group: which NCCL call failed */
   if (e == cudaSuccess) {
     pthread_mutex_lock(&c->state);
     int failed = c->failed;
@@ -365,6 +425,9 @@ zp_status zp_comm_collective(zp_comm *c, zp_coll coll, const void *send, void *r
         break;
       case ZP_COLL_ALL_GATHER:
         rc = c->lib->all_gather(send, recv, count, dtype, c->handle, comm_stream);
+        break;
+      case ZP_COLL_ALL_TO_ALL:
+        rc = zp_enqueue_all_to_all(c, send, recv, count, dtype, comm_stream, &failed_call);
         break;
       default:
         rc = c->lib->broadcast(send, recv, count, dtype, root, c->handle, comm_stream);
@@ -403,8 +466,10 @@ zp_status zp_comm_collective(zp_comm *c, zp_coll coll, const void *send, void *r
       return zp_cuda_error("nccl: ordering events", e);
     if (rc == -1)
       return zp_comm_status(c);
-    st = zp_nccl_fail(zp_coll_names[coll], rc, c->handle);
-    return st;
+    char what[64];
+    snprintf(what, sizeof what, "%s%s%s%s", zp_coll_names[coll], failed_call ? " (" : "",
+             failed_call ? failed_call : "", failed_call ? ")" : "");
+    return zp_nccl_fail(what, rc, c->handle);
   }
   *out = w;
   return ZP_OK;

@@ -33,7 +33,10 @@ typedef enum {
   ZP_COLL_ALL_REDUCE = 0,     /* count elements, in place when send == recv */
   ZP_COLL_REDUCE_SCATTER = 1, /* count = elements each rank receives; send has nranks * count */
   ZP_COLL_ALL_GATHER = 2,     /* count = elements each rank sends; recv has nranks * count */
-  ZP_COLL_BROADCAST = 3       /* count elements from rank `root` */
+  ZP_COLL_BROADCAST = 3,      /* count elements from rank `root` */
+  ZP_COLL_ALL_TO_ALL = 4      /* count = elements sent to (and received from) each rank, self
+                                 included: send and recv have nranks * count each and must not
+                                 overlap. NCCL >= 2.7 (zp_nccl_has_p2p), else ZP_ERR_STATE */
 } zp_coll;
 
 /* Joins rank `rank` of `nranks` to the communicator named by `id` on CUDA device `device`
@@ -47,8 +50,10 @@ zp_status zp_comm_create(const zp_nccl_id *id, int nranks, int rank, int device,
 void zp_comm_destroy(zp_comm *comm);
 
 /* Enqueues one collective (see zp_coll) on `comm_stream`, ordered after `after`'s work so far.
- * dtype: ZP_NCCL_*; op: ZP_NCCL_SUM/PROD/MAX/MIN (ignored by all-gather and broadcast). On
- * success *work holds a reference the caller releases with zp_work_release. */
+ * dtype: ZP_NCCL_*; op: ZP_NCCL_SUM/PROD/MAX/MIN (ignored by all-gather, broadcast and
+ * all-to-all). The all-to-all is one ncclGroupStart/End of an ncclSend and an ncclRecv per
+ * rank, so it is one operation to the events and the watchdog like the others. On success
+ * *work holds a reference the caller releases with zp_work_release. */
 zp_status zp_comm_collective(zp_comm *comm, zp_coll coll, const void *send, void *recv,
                              size_t count, int dtype, int op, int root, cudaStream_t comm_stream,
                              cudaStream_t after, zp_work **work);

@@ -89,6 +89,10 @@ zp_status zp_nccl_load(const char *path, const zp_nccl_lib **out) {
     return zp_fail(ZP_ERR_SYSTEM, "%s has no %s: NCCL 2.7 or newer is needed", name, missing);
   }
   (void)ZP_SYM(get_last_error, "ncclGetLastError"); /* optional */
+  /* optional as a set: a library older than 2.7 runs every collective but the all-to-all */
+  if (!(ZP_SYM(send, "ncclSend") && ZP_SYM(recv, "ncclRecv") &&
+        ZP_SYM(group_start, "ncclGroupStart") && ZP_SYM(group_end, "ncclGroupEnd")))
+    lib.send = NULL, lib.recv = NULL, lib.group_start = NULL, lib.group_end = NULL;
   int rc = lib.get_version(&lib.version);
   if (rc != ZP_NCCL_SUCCESS) {
     pthread_mutex_unlock(&zp_lib_mutex);
@@ -118,6 +122,11 @@ zp_status zp_nccl_fail(const char *what, int result, zp_nccl_handle comm) {
   return zp_fail(ZP_ERR_SYSTEM, "%s: NCCL error %d (%s)%s%s", what, result,
                  text != NULL ? text : "unknown", detail != NULL && detail[0] ? ": " : "",
                  detail != NULL ? detail : "");
+}
+
+int zp_nccl_has_p2p(const zp_nccl_lib *lib) {
+  return lib != NULL && lib->send != NULL && lib->recv != NULL && lib->group_start != NULL &&
+         lib->group_end != NULL;
 }
 
 size_t zp_nccl_dtype_size(int dtype) {

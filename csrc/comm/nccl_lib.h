@@ -11,7 +11,8 @@
  * ZP_HAVE_NCCL_H and nccl_lib.c checks every value and size below against it at compile time.
  *
  * Invariant: every entry of zp_nccl_lib is non-NULL once zp_nccl_load() succeeded, except
- * get_last_error (NCCL >= 2.13). */
+ * get_last_error (NCCL >= 2.13) and the point-to-point four (send, recv, group_start,
+ * group_end: NCCL >= 2.7), which are all set or all NULL (zp_nccl_has_p2p). */
 #ifndef ZP_NCCL_LIB_H
 #define ZP_NCCL_LIB_H
 
@@ -64,6 +65,13 @@ typedef struct {
                     zp_nccl_handle comm, cudaStream_t stream);
   int (*broadcast)(const void *send, void *recv, size_t count, int dtype, int root,
                    zp_nccl_handle comm, cudaStream_t stream);
+  /* point-to-point, for the all-to-all; NULL before NCCL 2.7 */
+  int (*send)(const void *send, size_t count, int dtype, int peer, zp_nccl_handle comm,
+              cudaStream_t stream);
+  int (*recv)(void *recv, size_t count, int dtype, int peer, zp_nccl_handle comm,
+              cudaStream_t stream);
+  int (*group_start)(void);
+  int (*group_end)(void);
   int version; /* NCCL's version code, e.g. 22703 for 2.27.3 */
 } zp_nccl_lib;
 
@@ -79,6 +87,11 @@ const zp_nccl_lib *zp_nccl_loaded(void);
 /* NCCL's text for a result code (and, when a communicator is given and the library has it,
  * ncclGetLastError's detail) into a zp_fail message: "<what>: NCCL error <n> (<text>): <detail>". */
 zp_status zp_nccl_fail(const char *what, int result, zp_nccl_handle comm);
+
+/* 1 when the loaded library has ncclSend, ncclRecv, ncclGroupStart and ncclGroupEnd (NCCL >= 2.7:
+ * what the all-to-all is made of), else 0. A library without them still loads: only the
+ * all-to-all is refused. */
+int zp_nccl_has_p2p(const zp_nccl_lib *lib);
 
 /* Element size of a ZP_NCCL_* data type, 0 for an unknown one. */
 size_t zp_nccl_dtype_size(int dtype);

@@ -347,6 +347,15 @@ static PyObject *zp_py_nccl_unique_id(PyObject *self, PyObject *args) {
   return PyBytes_FromStringAndSize(id.bytes, sizeof id.bytes);
 }
 
+static PyObject *zp_py_nccl_has_p2p(PyObject *self, PyObject *args) {
+  (void)self;
+  (void)args;
+  const zp_nccl_lib *lib = zp_nccl_loaded();
+  if (lib == NULL)
+    return PyErr_Format(PyExc_RuntimeError, "nccl_has_p2p: NCCL is not loaded (nccl_load)");
+  return PyBool_FromLong(zp_nccl_has_p2p(lib));
+}
+
 typedef struct {
   PyObject_HEAD zp_comm *comm;
 } zp_py_comm;
@@ -543,6 +552,9 @@ static PyMethodDef zp_methods[] = {
      "dequantize_emulate(q, scales, n, block, bits, out, out_dtype, accumulate) on host memory"},
     {"nccl_load", zp_py_nccl_load, METH_VARARGS, "nccl_load([path]) -> NCCL's version code"},
     {"nccl_unique_id", zp_py_nccl_unique_id, METH_NOARGS, "a new ncclUniqueId, as 128 bytes"},
+    {"nccl_has_p2p", zp_py_nccl_has_p2p, METH_NOARGS,
+     "whether the loaded NCCL has ncclSend/ncclRecv/ncclGroupStart/ncclGroupEnd (2.7+): the "
+     "all-to-all (collective 4)"},
     {NULL, NULL, 0, NULL}};
 
 static int zp_exec(PyObject *module) {

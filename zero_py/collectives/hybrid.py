@@ -120,6 +120,13 @@ class HybridExecutor:
         self.mesh_ranks = [list(g) for g in mesh_ranks]
         self._relay = relay if relay is not None else _Relay()
 
+    # the mesh's reduction is the shard group's reduce-scatter then the replicas' all-reduce: an
+    # all-to-all of the shard executor (reached through __getattr__) would skip the replicas,
+    # so quantized_grads is refused and a bf16 wire summed in fp32 takes reduce_scatter
+    # (collectives/quantized.py reads this)
+    all_to_all_unavailable = ("hybrid sharding reduces across the replicas too, and an "
+                              "all-to-all within the shard group would leave them out")
+
     def __getattr__(self, name: str) -> Any:
         # what callers ask of an executor beyond the collectives (timeout_s, shared_bytes,
         # scratch_peak_bytes, reduce_scatter_keeps_input, ...) is the shard executor's

@@ -13,11 +13,19 @@ next wait, synchronize or collective on the host then raises a CollectiveError n
 operation and the reason instead of hanging. (Untested on a GPU so far: written to the same
 contract as the CPU path, whose tests run.)
 
-CPU tensors handed to these collectives (small bookkeeping: the "used" mask, statistics) go
-through the device: copied in, reduced, and copied back when wait() is called.
+all_to_all (equal chunks: the quantized reduce-scatter's exchange, collectives/quantized.py) is
+one NCCL group of an ncclSend of chunk r and an ncclRecv into chunk r per rank r, enqueued,
+ordered and watched like the others. Those calls came in NCCL 2.7: with an older library the
+executor still loads, and all_to_all_unavailable says why all_to_all cannot run (quantized
+grads are then refused, and a bf16 wire summed in fp32 reduces in bf16 instead).
+
+CPU tensors handed to all_reduce, broadcast and all_to_all (small bookkeeping: the "used" mask,
+statistics) go through the device: copied in, exchanged, and copied back when wait() is
+called.
 
 Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
-model, NCCL's own) once it has been issued; a CPU tensor's is counted once, as its device copy's.
+model, NCCL's own; the all-to-all's (N-1)/N of its input each way) once it has been issued; a
+CPU tensor's is counted once, as its device copy's.
 """
 
 from __future__ import annotations
@@ -35,14 +43,20 @@ from zero_py.collectives.work import CollectiveError, Work
 from zero_py.kernels import cuda
 
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3  # zp_coll
-_COLL_NAMES = ("all-reduce", "reduce-scatter", "all-gather", "broadcast")
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL = 0, 1, 2, 3, 4  # zp_coll
+_COLL_NAMES = ("all-reduce", "reduce-scatter", "all-gather", "broadcast", "all-to-all")
 # ncclDataType_t values (csrc/comm/nccl_lib.h)
 _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                 torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 
 _id_counter = itertools.count()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the memory of the two (contiguous) tensors overlaps."""
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 def nccl_op(op) -> int:
@@ -136,6 +150,9 @@ class NcclExecutor:
     (`stats`, ZeroOptimizer.comm_stats())."""
 
     reduce_scatter_keeps_input = True  # NCCL's reduce-scatter reads its input only
+    # None when all_to_all can run, else why not (a library older than NCCL 2.7, found at
+    # construction); collectives/quantized.py reads it before it relies on all_to_all
+    all_to_all_unavailable: Optional[str] = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, timeout: Optional[float] = None,
@@ -166,6 +183,10 @@ class NcclExecutor:
         self.device = device
         self.timeout = float(timeout)
         self.version = load_nccl()
+        if not cuda.native().nccl_has_p2p():
+            self.all_to_all_unavailable = (
+                f"the loaded NCCL (version code {self.version}) has no ncclSend/ncclRecv, which "
+                "came in NCCL 2.7: use a newer NCCL (ZP_NCCL_LIBRARY) or executor='torch'")
         unique_id = self._exchange_id()
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
@@ -268,6 +289,41 @@ class NcclExecutor:
         work = self._issue(ALL_GATHER, input, output, input.numel())
         self._count("all_gather", output)
         return work
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Chunk r of `input` goes to rank r; chunk r of `output` comes from rank r (equal
+        chunks; the quantized reduce-scatter's one hop). One ncclSend and ncclRecv per rank in
+        one NCCL group. CPU tensors (both) go through the device."""
+        if self.all_to_all_unavailable is not None:
+            raise RuntimeError(f"the NCCL executor has no all_to_all here: "
+                               f"{self.all_to_all_unavailable}")
+        if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and \
+                output.device.type == "cpu" and input.device.type == "cpu":
+            return self._all_to_all_through_device(output, input)
+        self._tensor("output", output)
+        self._tensor("input", input)
+        ws = self.world_size
+        if input.dtype != output.dtype or input.numel() != output.numel() or \
+                input.numel() % ws:
+            raise ValueError(f"all_to_all: input and output must have the same number of "
+                             f"elements, a multiple of world_size ({ws}), and one dtype; got "
+                             f"input {input.numel()} of {input.dtype}, output {output.numel()} "
+                             f"of {output.dtype}")
+        if input.numel() and _overlaps(output, input):
+            raise ValueError("all_to_all: output and input overlap; an all-to-all cannot run in "
+                             "place (give output its own memory)")
+        work = self._issue(ALL_TO_ALL, input, output, input.numel() // ws)
+        self._count("all_to_all", input)
+        return work
+
+    def _all_to_all_through_device(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        dev_out = torch.empty(output.shape, dtype=output.dtype, device=self.device)
+        work = self.all_to_all(dev_out, input.to(self.device))
+
+        def back():
+            work.synchronize()
+            output.copy_(dev_out)
+        return Work(None, back, what=work.what)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
         code = nccl_op(op)

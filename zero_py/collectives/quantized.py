@@ -18,8 +18,13 @@ Only the wire is quantized; what a rank owns never is:
   the baseline that int8 is measured against.
 - widening_reduce_scatter: the input travels in its own dtype (bf16) and is summed in fp32
   (the output's dtype) in rank order; each value is rounded once, to bf16, before it is sent.
-  Executors without all_to_all (the native NCCL executor) reduce in the wire dtype instead and
-  widen the result (NCCL sums in the dtype it carries).
+  An executor without a usable all_to_all (all_to_all_unavailable: a native NCCL executor on a
+  library older than NCCL 2.7, or an executor object of the user's without one) reduces in the
+  wire dtype instead and widens the result.
+
+Both executors of zero_py have all_to_all: torch.distributed's (point-to-point messages on
+gloo, all_to_all_single elsewhere) and the native NCCL one (an ncclSend and ncclRecv per rank
+in one NCCL group, NCCL >= 2.7).
 
 A packet of n values is (q bytes, padded to 4, then the fp32 scales): packet_bytes(n, ...).
 QuantizedExecutor wraps an executor so that the reducer and the storages need not know:
@@ -175,14 +180,24 @@ def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor
     return Work(work, finish, keep=(send, recv))
 
 
+def all_to_all_unavailable(executor) -> Optional[str]:
+    """None when `executor` can run all_to_all (the qgZ exchange), else why not: it has no such
+    method, or it says it cannot run one here (NcclExecutor.all_to_all_unavailable)."""
+    if not callable(getattr(executor, "all_to_all", None)):
+        return f"{type(executor).__name__} has no all_to_all"
+    why = getattr(executor, "all_to_all_unavailable", None)
+    return why if isinstance(why, str) else None
+
+
 def widening_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
     """output (fp32) = this rank's chunk of the sum of `input` (bf16 or fp16 on the wire),
-    summed in fp32 in rank order; without all_to_all, reduced in the wire dtype and widened."""
+    summed in fp32 in rank order; without a usable all_to_all, reduced in the wire dtype and
+    widened."""
     ws, me, n = executor.world_size, executor.rank, output.numel()
     if ws == 1:
         output.copy_(input[me * n:(me + 1) * n])
         return Work(None)
-    if not hasattr(executor, "all_to_all"):
+    if all_to_all_unavailable(executor) is not None:
         tmp = torch.empty(n, dtype=input.dtype, device=input.device)
         work = executor.reduce_scatter(tmp, input)
         return Work(work, lambda: output.copy_(tmp), keep=(tmp,))
@@ -209,11 +224,13 @@ class QuantizedExecutor:
 
     def __init__(self, inner, weights: Optional[QuantSpec] = None,
                  grads: Optional[QuantSpec] = None):
-        if grads is not None and inner.world_size > 1 and not hasattr(inner, "all_to_all"):
+        why = all_to_all_unavailable(inner) if grads is not None and inner.world_size > 1 \
+            else None
+        if why is not None:
             raise ValueError(
-                f"quantized_grads needs an executor with all_to_all (the qgZ exchange); "
-                f"{type(inner).__name__} has none (the native NCCL executor has no all-to-all "
-                "yet): pass executor='torch' to use torch.distributed's all_to_all_single")
+                f"quantized_grads needs an executor with all_to_all (the qgZ exchange), and "
+                f"here it has none: {why}. zero_py's executors ('torch', and 'nccl' on NCCL "
+                "2.7 or newer) have one")
         self.inner = inner
         self.weights = weights
         self.grads = grads

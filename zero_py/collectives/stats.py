@@ -4,22 +4,24 @@ Every executor holds one (`executor.stats`, labelled after its group: "shard", "
 for stage 3's gather channel, "replicate" for a hybrid-sharding replicate group) and records
 each public collective when it is issued: one call, and the bytes this rank sends and receives
 under the ring model below. The model is what a bandwidth-optimal (ring) algorithm moves per
-rank, whatever the transport did: gloo's point-to-point all-gather and reduce-scatter
-(torch_dist.py) send and receive exactly this; NCCL's rings do; the shared-memory all-gather
-copies the same bytes through /dev/shm instead of a network. Counters only grow; a window
-(StepWindow: ZeroOptimizer.comm_stats()) is the difference of two snapshots.
+rank, whatever the transport did: gloo's point-to-point all-gather, reduce-scatter and
+all-to-all (torch_dist.py) send and receive exactly this; NCCL's rings (and its grouped sends
+and receives for the all-to-all) do; the shared-memory all-gather copies the same bytes through
+/dev/shm instead of a network. Counters only grow; a window (StepWindow:
+ZeroOptimizer.comm_stats()) is the difference of two snapshots.
 
 For a full buffer of B bytes over N ranks (the reduce-scatter's input, the all-gather's output,
-the all-reduced or broadcast tensor):
+the all-to-all's input, the all-reduced or broadcast tensor):
 
     reduce_scatter, all_gather   sent = received = B(N-1)/N
+    all_to_all                   sent = received = B(N-1)/N  (a chunk to and from each peer)
     all_reduce                   sent = received = 2 B(N-1)/N  (a reduce-scatter, an all-gather)
     broadcast                    a ring from the root: every rank but the root receives B;
                                  every rank but the root's predecessor, (root - 1) mod N, sends B
 
-B(N-1)/N is rounded down to whole bytes (exact for reduce-scatter and all-gather, whose buffers
-split into N equal chunks; an all-reduce of 6 bytes over 4 ranks counts 2 x 4). all_reduce_max
-counts as an all_reduce. At N = 1 a call moves 0 bytes and is still counted.
+B(N-1)/N is rounded down to whole bytes (exact for reduce-scatter, all-gather and all-to-all,
+whose buffers split into N equal chunks; an all-reduce of 6 bytes over 4 ranks counts 2 x 4).
+all_reduce_max counts as an all_reduce. At N = 1 a call moves 0 bytes and is still counted.
 
 Control: the small bookkeeping messages (the ranks' pass and step counts, the mask of which
 parameters got a gradient, the gradient statistics, stage 3's unit order, the ranks' agreement
@@ -36,7 +38,7 @@ import contextlib
 import threading
 from typing import Dict, Iterable, List, Optional
 
-KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "all_to_all")
 CONTROL = "control"
 FIELDS = ("calls", "bytes_sent", "bytes_received")
 

@@ -256,7 +256,9 @@ class TorchDistExecutor:
         """Chunk r of `input` goes to rank r; chunk r of `output` comes from rank r (equal
         chunks; the quantized reduce-scatter's one hop). Point-to-point messages on gloo,
         all_to_all_single elsewhere."""
-        return issue(f"all-to-all of {self._size(input)}", self._all_to_all, output, input)
+        work = issue(f"all-to-all of {self._size(input)}", self._all_to_all, output, input)
+        self._count("all_to_all", input)
+        return work
 
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         if self.world_size == 1 or self._p2p:

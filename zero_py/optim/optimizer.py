@@ -100,15 +100,16 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         grad_accum_dtype: None (the sum in grad_reduce_dtype) or torch.float32: gradients
             travel in grad_reduce_dtype (e.g. bf16: half fp32's bytes) and are summed in fp32
             into an fp32 gradient shard (each value rounded once, to the wire dtype). On
-            executors without all-to-all (the native NCCL executor) the sum is NCCL's, in the
-            wire dtype, widened after.
+            executors without all-to-all (NCCL older than 2.7, hybrid sharding) the sum is
+            the executor's reduce-scatter, in the wire dtype, widened after.
         quantized_weights: None, "bf16" or "int8": the parameter all-gathers (stages 1-2's
             publish after step(), stage 3's gathers) carry fp32 parameters as bf16, or int8
             values with one fp32 scale per quantize_block values (ZeRO++ qwZ). A rank's own
             piece is never quantized.
         quantized_grads: None, "int8" or "int4": the gradient reduce-scatter quantizes each
             rank's contribution once, exchanges them in one all-to-all and sums in fp32
-            (ZeRO++ qgZ; needs an executor with all_to_all: the torch.distributed one).
+            (ZeRO++ qgZ; needs an executor with all_to_all: the torch.distributed one, or the
+            native NCCL one on NCCL 2.7 or newer; refused under hybrid sharding).
         quantize_block: values per scale (default 256; even for int4). Only the wire is
             quantized: the fp32 masters and their update are exact (collectives/quantized.py).
         loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
