@@ -141,8 +141,17 @@ def run_failed_write(rank, world, tmp):
 
 def run_memory(rank, world, tmp):
     """The host bytes the library holds for the parameters (memory_report's host_params: the
-    rings) do not grow with the number of layers; the files do."""
+    rings) do not grow with the number of layers; the files do. Training never holds the
+    whole shard (resident() is not entered by a forward, backward or step)."""
+    from zero_py.sharding.storage import ShardedParams
+
     out = {}
+    entered = []
+    resident = ShardedParams.resident
+
+    def counting(self):
+        entered.append(self)
+        return resident(self)
     for n_layer in (2, 6):
         torch.manual_seed(0)
         model = models.TiedGPT(n_layer=n_layer)
@@ -150,11 +159,15 @@ def run_memory(rank, world, tmp):
                                         wrap_policy=1000, persistence_threshold=64,
                                         offload_params="nvme", offload_optimizer="nvme",
                                         offload_dir=tmp)
-        train(model, opt, rank, 0, 1)
+        ShardedParams.resident = counting
+        try:
+            train(model, opt, rank, 0, 2)
+        finally:
+            ShardedParams.resident = resident
         rep = opt.memory_report()
         rings = opt._flat.nvme.host_bytes()
         out[n_layer] = (rep["host_params"], rep["nvme_params"], rings,
-                        opt._flat.shards.nbytes(), opt._flat.persistent_bytes())
+                        opt._flat.shards.nbytes(), len(entered))
     return out
 
 
@@ -249,8 +262,9 @@ def test_failed_parameter_write_keeps_the_last_good_step(runs):
 def test_host_memory_for_params_is_the_ring_whatever_the_depth(runs):
     for r in runs:
         small, large = r["memory"][2], r["memory"][6]
-        for host, disk, rings, in_memory, persistent in (small, large):
+        for host, _, rings, in_memory, resident_calls in (small, large):
             assert in_memory == 0  # no shard in memory between steps
+            assert resident_calls == 0  # nor during them
             assert host == rings > 0
         assert small[0] == large[0], (small, large)  # same ring at 2 and 6 layers
         assert large[1] > 2 * small[1]  # the file grows with the model

@@ -285,9 +285,10 @@ class ParamStore:
                 self._forget(b)  # reads ahead of the discarded slots
             self._txn = None
             raise
-        for b in self._txn["written"]:
+        written, self._txn = self._txn["written"], None
+        for b in written:
+            self._forget(b)  # a read ahead of the slot that is no longer current
             self.slot[b] ^= 1
-        self._txn = None
 
     def open(self, b: int) -> torch.Tensor:
         """Inside a transaction: bucket b's piece in a ring buffer, to update in place; the next

@@ -91,8 +91,10 @@ class StateDicts:
     def resident(self):
         """A context in which the optimizer's masters and states are in memory: a no-op, except
         under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it). Early updates of
-        overlap_step not yet taken by a step are put back first: they are guesses."""
+        written back on exit (state dicts and checkpoints run inside it), and under
+        offload_params="nvme", where the stage-3 parameter shards are read in and written back
+        the same way (ShardedParams.resident). Early updates of overlap_step not yet taken by a
+        step are put back first: they are guesses."""
         if getattr(self, "_early", None) is not None:
             self._early.discard()
         return self._resident_both()
