@@ -85,6 +85,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         offload_params: "cpu" keeps this rank's parameter shards in host memory; each unit's
             shard is copied to the device as its (prefetched) gather starts. On a GPU it needs
             offload_optimizer="cpu" (the step then reads and writes the host shards).
+            "nvme" keeps them in a file under offload_dir, read for each gather (ahead, as
+            the prefetch schedule goes) through a small ring of host buffers and updated
+            bucket by bucket by the step; it needs offload_optimizer="nvme" (both files flip
+            together after a step, so a failed write keeps the last good step).
     offload_optimizer="cpu" (every stage; a ZeroOptimizer keyword) keeps the fp32 masters and
     optimizer states in host memory and runs the step there (docs/offload.md).
     A model whose parameters are on the meta device (built under `with torch.device("meta")`)

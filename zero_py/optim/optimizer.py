@@ -729,7 +729,9 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         backup); host_grads: the host copy of the gradient shard and the staging of updated
         bf16/fp16 values (offload).
         Under offload_optimizer="nvme": host_optimizer_states is the ring of host buffers and
-        nvme_optimizer_states the offload file (both slots of every record).
+        nvme_optimizer_states the offload file (both slots of every record). Stage 3:
+        host_params is the parameter shards in host memory (offload_params="cpu") or the ring
+        of the parameter file (offload_params="nvme"), and nvme_params that file.
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat
