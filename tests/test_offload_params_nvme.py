@@ -98,6 +98,29 @@ def run_resume(rank, world, tmp):
     return out
 
 
+def run_other_paths(rank, world, tmp):
+    """A model built on the meta device (filled with its shards resident, then written out),
+    trained; and a no_grad forward in eval mode: both as in memory."""
+    out = {}
+    runs = {}
+    for nvme in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = models.TiedGPT(n_layer=2)
+        kw = ({"offload_params": "nvme", "offload_optimizer": "nvme", "offload_dir": tmp}
+              if nvme else {})
+        model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=3e-3,
+                                        wrap_policy=1000, persistence_threshold=64, **kw)
+        train(model, opt, rank, 0, 2)
+        model.eval()
+        with torch.no_grad():
+            logits = model(models.gpt_batch(torch.Generator().manual_seed(5), batch=2)[0])
+        runs[nvme] = (full(model), logits)
+    out["meta"] = worst(runs[True][0], runs[False][0])
+    out["eval"] = float((runs[True][1] - runs[False][1]).abs().max())
+    return out
+
+
 def run_failed_write(rank, world, tmp):
     """A step whose parameter writes fail (the file turned read-only under it): an error on
     every rank, the last good step kept (parameters and optimizer states); the same step
@@ -212,7 +235,7 @@ def run_all(rank, world, tmp):
     os.environ["ZP_OFFLOAD_CHUNK_BYTES"] = "12288"  # many optimizer records per bucket
     os.environ["ZP_OFFLOAD_RING"] = "3"
     out = {}
-    for name, fn in (("parity", run_parity), ("resume", run_resume),
+    for name, fn in (("parity", run_parity), ("resume", run_resume), ("other", run_other_paths),
                      ("failed write", run_failed_write), ("memory", run_memory),
                      ("refusals", run_refusals)):
         # the default ring (reads ahead in the step too) for parity, the tightest elsewhere
@@ -249,6 +272,12 @@ def test_state_dicts_and_checkpoints_move_between_nvme_and_memory(runs):
         for key in keys:
             assert res[key] == 0.0, (key, res[key])
         assert res["modified"]
+
+
+def test_meta_device_model_and_eval_forward_on_nvme(runs):
+    for r in runs:
+        assert r["other"]["meta"] == 0.0, r["other"]["meta"]
+        assert r["other"]["eval"] == 0.0, r["other"]["eval"]
 
 
 def test_failed_parameter_write_keeps_the_last_good_step(runs):
