@@ -122,43 +122,45 @@ def run_other_paths(rank, world, tmp):
 
 
 def run_failed_write(rank, world, tmp):
-    """A step whose parameter writes fail (the file turned read-only under it): an error on
-    every rank, the last good step kept (parameters and optimizer states); the same step
-    retried once the disk is back gives what the run that never failed gives."""
+    """A step whose writes fail (the parameter file, or the optimizer's, turned read-only under
+    it): an error on every rank, the last good step kept (parameters and optimizer states);
+    the same step retried once the disk is back gives what the run that never failed gives."""
     out = {}
     model, opt = memory_build(torch.bfloat16)
     train(model, opt, rank, 0, STEPS)
     reference = full(model)
-    model, opt = nvme_build(torch.bfloat16, tmp)
-    train(model, opt, rank, 0, 2)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    state_before = opt.state_dict()["state"]
-    gen = torch.Generator().manual_seed(100 + 7 * 2 + rank)
-    for k in range(2):
-        batch = models.gpt_batch(gen, batch=3)
-        with opt.no_sync() if k == 0 else contextlib.nullcontext():
-            (model(*batch).float() / 2).backward()
-    opt.clip_grad_norm_(0.5)
-    store = opt._flat.nvme
-    good = store.file
-    store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
-    try:
-        opt.step()
-        out["failed step"] = "no error"
-    except OSError as exc:
-        out["failed step"] = str(exc)
-    finally:
-        store.file.close()
-        store.file = good
-    out["kept params"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    after = opt.state_dict()["state"]
-    out["kept state"] = all(torch.equal(state_before[i][key], after[i][key])
-                            for i in state_before for key in ("exp_avg", "exp_avg_sq",
-                                                              "master_param"))
-    opt.step()  # the disk is back: the same gradients, the same step
-    opt.zero_grad()
-    train(model, opt, rank, 3, STEPS)
-    out["retried"] = worst(full(model), reference)
+    for which in ("params", "optimizer"):
+        model, opt = nvme_build(torch.bfloat16, tmp)
+        train(model, opt, rank, 0, 2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        state_before = opt.state_dict()["state"]
+        gen = torch.Generator().manual_seed(100 + 7 * 2 + rank)
+        for k in range(2):
+            batch = models.gpt_batch(gen, batch=3)
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                (model(*batch).float() / 2).backward()
+        opt.clip_grad_norm_(0.5)
+        store = opt._flat.nvme if which == "params" else opt._update.store
+        good = store.file
+        store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
+        try:
+            opt.step()
+            out[(which, "failed step")] = "no error"
+        except OSError as exc:
+            out[(which, "failed step")] = str(exc)
+        finally:
+            store.file.close()
+            store.file = good
+        out[(which, "kept params")] = all(torch.equal(before[k], v)
+                                          for k, v in model.state_dict().items())
+        after = opt.state_dict()["state"]
+        out[(which, "kept state")] = all(
+            torch.equal(state_before[i][key], after[i][key])
+            for i in state_before for key in ("exp_avg", "exp_avg_sq", "master_param"))
+        opt.step()  # the disk is back: the same gradients, the same step
+        opt.zero_grad()
+        train(model, opt, rank, 3, STEPS)
+        out[(which, "retried")] = worst(full(model), reference)
     return out
 
 
@@ -280,13 +282,16 @@ def test_meta_device_model_and_eval_forward_on_nvme(runs):
         assert r["other"]["eval"] == 0.0, r["other"]["eval"]
 
 
-def test_failed_parameter_write_keeps_the_last_good_step(runs):
+@pytest.mark.parametrize("which", ["params", "optimizer"])
+def test_failed_write_keeps_the_last_good_step(runs, which):
     for r in runs:
         res = r["failed write"]
-        assert "NVMe offload file of the parameters" in res["failed step"], res["failed step"]
-        assert "last good step" in res["failed step"]
-        assert res["kept params"] and res["kept state"]
-        assert res["retried"] == 0.0, res["retried"]
+        said = res[(which, "failed step")]
+        assert ("NVMe offload file of the parameters" if which == "params"
+                else "NVMe offload file in") in said, said
+        assert "last good step" in said
+        assert res[(which, "kept params")] and res[(which, "kept state")]
+        assert res[(which, "retried")] == 0.0, res[(which, "retried")]
 
 
 def test_host_memory_for_params_is_the_ring_whatever_the_depth(runs):

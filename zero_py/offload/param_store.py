@@ -99,6 +99,7 @@ class ParamStore:
         self._free = list(range(ring))
         self._reads: Dict[int, tuple] = {}  # bucket -> (ticket, buffer): read ahead, not taken
         self._txn: Optional[dict] = None    # the open transaction (begin .. commit/abort)
+        self._plain_writes: list = []       # (ticket, buffer) of a write outside one
 
     # -- geometry and errors ----------------------------------------------------------------
 
@@ -166,9 +167,13 @@ class ParamStore:
             if b in self._reads or self.piece_bytes[b] == 0:
                 continue
             i = self._free.pop(0)
-            ticket = self._call(f"reading the {self.what} ahead", self.engine.read, self.file,
-                                self.ring[i][:self.record_bytes[b]],
-                                self._offset(b, self._current(b)))
+            try:
+                ticket = self._call(f"reading the {self.what} ahead", self.engine.read,
+                                    self.file, self.ring[i][:self.record_bytes[b]],
+                                    self._offset(b, self._current(b)))
+            except BaseException:
+                self._free.append(i)
+                raise
             self._reads[b] = (ticket, i)
 
     def _load(self, b: int) -> int:
@@ -237,11 +242,8 @@ class ParamStore:
             self._txn["written"].add(b)
 
     def _writes(self) -> list:
-        if self._txn is not None:
-            return self._txn["writes"]
-        if not hasattr(self, "_plain_writes"):
-            self._plain_writes: list = []
-        return self._plain_writes
+        """The writes in flight: the transaction's, or a single write's."""
+        return self._txn["writes"] if self._txn is not None else self._plain_writes
 
     def _finish_writes(self) -> None:
         """Waits for every write in flight; the first error is raised once all are done."""
@@ -297,8 +299,10 @@ class ParamStore:
         # a buffer for the read ahead: the oldest write behind must finish first
         while len(self._free) < 2 and txn["writes"]:
             ticket, i = txn["writes"].pop(0)
-            self._call(f"writing the {self.what}", self.engine.wait, ticket)
-            self._free.append(i)
+            try:
+                self._call(f"writing the {self.what}", self.engine.wait, ticket)
+            finally:
+                self._free.append(i)
         i = self._load(b)
         txn["open"][b] = i
         order = txn["order"]

@@ -430,14 +430,17 @@ class ShardedParams(FlatLayout):
         its record in the ring, read ahead), written back behind; the records flip when every
         write has landed, and none does if anything fails (ParamStore.transaction)."""
         self._cache.clear()
-        with self.nvme.transaction(buckets):
-            for b in buckets:
-                self._open[b] = self.nvme.open(b)
-                try:
-                    update(b)
-                finally:
-                    del self._open[b]
-                self.nvme.close(b)
+        try:
+            with self.nvme.transaction(buckets):
+                for b in buckets:
+                    self._open[b] = self.nvme.open(b)
+                    try:
+                        update(b)
+                    finally:
+                        del self._open[b]
+                    self.nvme.close(b)
+        finally:
+            self._cache.clear()  # copies read during the step may predate its records
 
     @contextlib.contextmanager
     def resident(self):
@@ -475,6 +478,7 @@ class ShardedParams(FlatLayout):
                 self._release_shards()
 
     def _release_shards(self) -> None:
+        self._cache.clear()
         self.shards.tensors = {dtype: torch.empty(0, dtype=dtype) for dtype in self.shards.sizes}
         self._build_local()
         self._show_local()
