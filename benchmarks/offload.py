@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N benchmarks/offload.py steps [--params-m 64] [--dtype bf16]
              [--dir DIR] [--rounds 5]
     python benchmarks/offload.py rss --params-m 400 [--dir DIR]
+    torchrun --nproc-per-node N benchmarks/offload.py params [--params-m 64] [--dir DIR]
 
 `steps`: the modes None, "cpu", "cpu+overlap" (overlap_step=1.0: buckets updated on the host
 during backward) and "nvme", on a stack of bias-free Linear(1024, 1024) layers (params-m of
@@ -18,6 +19,12 @@ no arithmetic (the ring's pattern) and large sequential direct reads and writes.
 
 `rss`: one rank whose optimizer (fp32 masters and AdamW states: 12 bytes per parameter) lives on
 NVMe, bf16 parameters: the resident memory after each step beside the optimizer's bytes on disk.
+
+`params`: stage 3 (each Linear a unit), three modes taking turns as in `steps`: everything in
+memory; the optimizer on NVMe; the optimizer and the parameter shards on NVMe
+(offload_params="nvme"). Per mode: the median fwd+bwd and step times, memory_report()'s host
+and disk bytes, the parameter file's bytes moved per iteration (the gathers' reads and the
+step's read and write) and the resident memory the mode added.
 
 Every run prints the CPU model and the load average; record results in benchmarks/RESULTS.md.
 """
@@ -244,16 +251,84 @@ def rss(args) -> None:
         sys.stdout.flush()
 
 
+PARAM_MODES = [("memory", {}), ("opt nvme", {"offload_optimizer": "nvme"}),
+               ("opt+params nvme", {"offload_optimizer": "nvme", "offload_params": "nvme"})]
+
+
+def params(args) -> None:
+    if "RANK" not in os.environ:  # a plain `python benchmarks/offload.py params`: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29534")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    offload_dir = args.dir or tempfile.mkdtemp(prefix="zp-offload-")
+    runs = {}
+    for name, kw in PARAM_MODES:
+        rss0 = proc_status_kib("VmRSS")
+        model = make_model(args.params_m, dtype)
+        kw = dict(kw)
+        if kw:
+            kw["offload_dir"] = offload_dir
+        if dtype != torch.float32:
+            kw["grad_reduce_dtype"] = torch.float32
+        model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4,
+                                        wrap_policy={torch.nn.Linear}, **kw)
+        gen = torch.Generator().manual_seed(rank)
+        train_step(model, opt, gen, dtype)  # warm-up: the states exist
+        runs[name] = {"model": model, "opt": opt, "gen": gen, "fb": [], "step": [],
+                      "rss_kib": proc_status_kib("VmRSS") - rss0}
+    names = [name for name, _ in PARAM_MODES]
+    for r in range(args.rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            run = runs[name]
+            dist.barrier()
+            for _ in range(args.steps):
+                fb, st = train_step(run["model"], run["opt"], run["gen"], dtype)
+                run["fb"].append(fb)
+                run["step"].append(st)
+    if rank != 0:
+        return
+    files = runs["opt+params nvme"]["opt"]._flat.nvme
+    print(f"# stage-3 parameters on NVMe: {args.params_m}M parameters ({args.dtype}), "
+          f"{world} rank(s), each Linear({WIDTH}, {WIDTH}) a unit, AdamW")
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; offload_dir "
+          f"{offload_dir} (direct I/O: {files.file.direct}); torch {torch.__version__}; "
+          f"host kernel threads {zero_py.offload.host_threads()}")
+    print()
+    print("| mode | fwd+bwd (s) | step (s) | iteration / memory | host MB (offload) | disk MB "
+          "| RSS added MB |")
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for name in names:
+        run = runs[name]
+        rep = run["opt"].memory_report()
+        host = rep["host_optimizer_states"] + rep["host_grads"] + rep["host_params"]
+        disk = rep["nvme_optimizer_states"] + rep["nvme_params"]
+        fb, st = statistics.median(run["fb"]), statistics.median(run["step"])
+        base = base or fb + st
+        print(f"| {name} | {fb:.3f} | {st:.3f} | {(fb + st) / base:.2f}x | {host / 1e6:.1f} | "
+              f"{disk / 1e6:.1f} | {run['rss_kib'] / 1024:.1f} |")
+    shard = sum(files.piece_bytes)
+    print()
+    print(f"parameter file: {shard / 1e6:.1f} MB of shards per rank, records of up to "
+          f"{files.buffer_bytes >> 10} KiB, ring of {len(files.ring)} "
+          f"({files.host_bytes() / 1e6:.1f} MB); an iteration reads them twice for the gathers "
+          f"(forward, backward) and reads and writes them once in the step: "
+          f"{4 * shard / 1e6:.0f} MB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["steps", "rss"])
+    ap.add_argument("what", choices=["steps", "rss", "params"])
     ap.add_argument("--params-m", type=int, default=64)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--dir", default=None, help="offload_dir (default: a new temp directory)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
-    steps(args) if args.what == "steps" else rss(args)
+    {"steps": steps, "rss": rss, "params": params}[args.what](args)
 
 
 if __name__ == "__main__":

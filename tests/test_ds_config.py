@@ -76,7 +76,7 @@ HF_AUTO_TEMPLATE = {
 OFFLOAD = {
     "zero_optimization": {"stage": 3,
                           "offload_optimizer": {"device": "nvme"},  # no nvme_path
-                          "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}},
+                          "offload_param": {"device": "nvme"}},  # nor here
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
 }
 
@@ -136,13 +136,25 @@ def test_hf_auto_values_are_refused_with_the_reason():
     assert "Trainer" in reasons["optimizer.params.lr"]
 
 
-def test_nvme_offload_is_refused_as_not_implemented():
+def test_nvme_offload_needs_nvme_path():
     plan = deepspeed.translate(OFFLOAD)
     reasons = dict(plan.refusals)
     assert set(reasons) == {"zero_optimization.offload_optimizer.device",
                             "zero_optimization.offload_param.device"}
     assert "needs nvme_path" in reasons["zero_optimization.offload_optimizer.device"]
-    assert "not implemented" in reasons["zero_optimization.offload_param.device"]
+    assert "needs nvme_path" in reasons["zero_optimization.offload_param.device"]
+    both = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
+    assert both.refusals == []
+    assert both.zero_kwargs["offload_params"] == "nvme"
+    assert both.zero_kwargs["offload_optimizer"] == "nvme"
+    assert both.zero_kwargs["offload_dir"] == "/local_nvme"
+    apart = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+        "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
+    assert "give both the same nvme_path" in dict(apart.refusals)[
+        "zero_optimization.offload_param.nvme_path"]
     nvme = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "nvme", "nvme_path": "/local_nvme"}}})
     assert nvme.refusals == []

@@ -102,6 +102,8 @@ VARIANTS = {
     "bf16-s3-offload-cpu-params": dict(stage=3, dtype=torch.bfloat16, offload_optimizer="cpu",
                                        offload_params="cpu"),
     "s1-offload-nvme": dict(stage=1, offload_optimizer="nvme"),
+    "bf16-s3-offload-nvme-params": dict(stage=3, dtype=torch.bfloat16, offload_optimizer="nvme",
+                                        offload_params="nvme"),
 }
 
 
@@ -154,7 +156,7 @@ def _check_terms(est, rep, where):
              "optimizer_states": (est.optimizer_states, rep["optimizer_states"])}
     offloaded = {"host": (est.host, rep["host_optimizer_states"] + rep["host_grads"]
                           + rep["host_params"]),
-                 "nvme": (est.nvme, rep["nvme_optimizer_states"])}
+                 "nvme": (est.nvme, rep["nvme_optimizer_states"] + rep["nvme_params"])}
     for term, (e, r) in offloaded.items():
         assert abs(e - r) <= TOLERANCE * max(r, 1), (
             f"{where}: estimated {term} {e / 1e6:.3f} MB, memory_report() says {r / 1e6:.3f} MB")

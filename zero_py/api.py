@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
+from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
 from zero_py.optim.optimizer import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, ZeroOptimizer,
                                     fingerprint)
@@ -84,6 +85,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         offload_params: "cpu" keeps this rank's parameter shards in host memory; each unit's
             shard is copied to the device as its (prefetched) gather starts. On a GPU it needs
             offload_optimizer="cpu" (the step then reads and writes the host shards).
+            "nvme" keeps them in a file under offload_dir, read for each gather (ahead, as
+            the prefetch schedule goes) through a small ring of host buffers and updated
+            bucket by bucket by the step; it needs offload_optimizer="nvme" (both files flip
+            together after a step, so a failed write keeps the last good step).
     offload_optimizer="cpu" (every stage; a ZeroOptimizer keyword) keeps the fp32 masters and
     optimizer states in host memory and runs the step there (docs/offload.md).
     A model whose parameters are on the meta device (built under `with torch.device("meta")`)
@@ -162,10 +167,12 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                          f"{persistence_threshold!r}")
     if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
         raise ValueError(f"prefetch_bytes must be None or an int >= 0, got {prefetch_bytes!r}")
-    if offload_params not in (None, "none", "cpu"):
-        raise ValueError(f"offload_params must be None, 'none' or 'cpu' (the parameter shards "
-                         f"in host memory), got {offload_params!r}")
+    if offload_params not in (None, "none", "cpu", "nvme"):
+        raise ValueError(f"offload_params must be None, 'none', 'cpu' (the parameter shards "
+                         f"in host memory) or 'nvme' (in a file under offload_dir), got "
+                         f"{offload_params!r}")
     host_shards = offload_params == "cpu"
+    params_on_nvme = offload_params == "nvme"
     meta = any(p.is_meta for p in model.parameters())
     if meta and params is not None:
         raise ValueError("param groups cannot be given for a meta-device model (its "
@@ -201,6 +208,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     problem: Optional[Exception] = None
     groups = None
     try:
+        if params_on_nvme:
+            _check_params_on_nvme(kwargs)
         defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
         groups = None if meta else _param_groups(model.parameters() if params is None
                                                  else params)
@@ -240,7 +249,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     _agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
         "reshard_after_forward": bool(reshard_after_forward),
         "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
-        "meta": meta, "init_fn": init_fn, "offload_params": host_shards}, problem)
+        "meta": meta, "init_fn": init_fn,
+        "offload_params": offload_params if offload_params != "none" else None}, problem)
     if problem is not None:
         raise problem
     gather = channel(dp)  # gathers never interleave with the reductions
@@ -270,12 +280,19 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     meter = GatherMeter()
     n_units = len(units)
     frozen_storage = None
+    files = {}
+    if params_on_nvme:
+        files = {"param_file": _param_file(kwargs["offload_dir"], dp.rank, "parameters"),
+                 "on_made": lambda flat: _agree_param_file(dp, flat)}
     storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
-                               persistence_threshold, uninitialized, host_shards)
+                               persistence_threshold, uninitialized, host_shards, **files)
     if frozen:
+        if params_on_nvme:
+            files["param_file"] = _param_file(kwargs["offload_dir"], dp.rank,
+                                              "frozen parameters")
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
                                           align, meter, persistence_threshold, uninitialized,
-                                          host_shards)
+                                          host_shards, **files)
     opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
                         executor=dp, storage=storage, **kwargs)
     storage.frozen_storage = frozen_storage
@@ -283,8 +300,12 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)
     opt._engine = engine
     if meta:
-        replay_init(model, engine, uninitialized, init_fn)
-        opt.sync_master_from_params()
+        # on NVMe the shards are filled module by module in memory, then written back
+        with contextlib.ExitStack() as stack:
+            for s in engine.storages:
+                stack.enter_context(s.resident())
+            replay_init(model, engine, uninitialized, init_fn)
+            opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
     _start_buffers(model, opt, broadcast_buffers)
     if dp.world_size > 1 and _takes_synced_gpus(model):
@@ -292,6 +313,42 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     model._zero_py = opt
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
+
+
+def _check_params_on_nvme(kwargs: dict) -> None:
+    """offload_params="nvme" needs the optimizer on NVMe too, with an offload_dir."""
+    if kwargs.get("offload_optimizer") != "nvme":
+        raise ValueError(
+            "offload_params='nvme' needs offload_optimizer='nvme' (with the same offload_dir): "
+            "the step updates each bucket's parameters and optimizer states together and flips "
+            "both files only when every write has landed, so a failed write keeps the last good "
+            f"step; got offload_optimizer={kwargs.get('offload_optimizer')!r}. Pass "
+            "offload_optimizer='nvme', or offload_params='cpu'")
+    if kwargs.get("offload_dir") is None:
+        raise ValueError("offload_params='nvme' needs offload_dir=PATH: a directory on the NVMe "
+                         "drive for the parameter and optimizer files")
+    check_offload_dir(kwargs["offload_dir"], "offload_params")
+
+
+def _param_file(offload_dir, rank: int, what: str):
+    """The factory of a ShardedParams' ParamStore (offload_params="nvme")."""
+    return lambda flat: ParamStore(flat, offload_dir, rank, what)
+
+
+def _agree_param_file(executor, flat) -> None:
+    """After each rank tried to make its parameter file: every rank goes on, or every rank
+    raises (the rank that failed its own OSError, the others an error naming it)."""
+    problem = getattr(flat, "param_file_error", None)
+    try:
+        agreement.check(executor, [("the NVMe parameter file", f"failed: {problem}"
+                                    if problem else "made")],
+                        "zero_py.initialize(offload_params='nvme')")
+    except ValueError:
+        if problem is not None:
+            raise problem from None
+        raise
+    if problem is not None:
+        raise problem
 
 
 def _takes_synced_gpus(model: nn.Module) -> bool:

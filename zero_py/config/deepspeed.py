@@ -15,8 +15,9 @@ What each key becomes (docs/tools.md has the full table):
   stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) -> prefetch_bytes.
   Keys that state what zero_py always does (contiguous_gradients, reduce_scatter, ...) are
   accepted with that value and refused with the other. offload_optimizer / offload_param with
-  device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; offload_optimizer "nvme" with
-  nvme_path -> offload_optimizer="nvme", offload_dir=nvme_path; offload_param "nvme" refused.
+  device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; device "nvme" with nvme_path
+  -> offload_optimizer="nvme" / offload_params="nvme" and offload_dir=nvme_path (one directory:
+  two different nvme_paths are refused).
 - optimizer: Adam/AdamW/SGD/Adagrad/Lion -> torch.optim.Adam/AdamW/SGD/Adagrad, zero_py.Lion
   and its params. DeepSpeed's "Adam" decouples weight decay (adam_w_mode, default true), so
   it becomes AdamW unless adam_w_mode is false.
@@ -57,8 +58,8 @@ from zero_py.optim.loss_scaler import LossScaler
 
 __all__ = ["DeepSpeedPlan", "load", "translate", "initialize"]
 
-_NO_OFFLOAD = ("zero_py offloads the optimizer to 'cpu' or 'nvme' and parameters to 'cpu'; "
-               "parameters on NVMe are not implemented yet: use 'cpu' or 'none'")
+_NO_OFFLOAD = ("zero_py offloads the optimizer and the parameters to 'cpu' or 'nvme'; use one "
+               "of them or 'none'")
 _AUTO = ("'auto' is filled in by Hugging Face's Trainer from its own arguments; zero_py "
          "reads the config as it is: put the value")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
@@ -257,13 +258,20 @@ def _offload(plan, path, value):
         if ratio != 1.0:
             plan.refuse(f"{path}.ratio", f"{ratio!r}: zero_py offloads the whole optimizer "
                                          "(ratio 1.0), not a part of it")
-    elif device == "nvme" and path.endswith("offload_optimizer"):
+    elif device == "nvme":
+        key = "offload_optimizer" if path.endswith("offload_optimizer") else "offload_params"
         nvme_path = section.get("nvme_path")
+        earlier = plan.zero_kwargs.get("offload_dir")
         if not isinstance(nvme_path, str) or not nvme_path:
             plan.refuse(f"{path}.device", "'nvme' needs nvme_path: the directory on the drive "
-                                          "for the optimizer's offload files")
+                                          "for the offload files")
+        elif earlier is not None and earlier != nvme_path:
+            plan.refuse(f"{path}.nvme_path", f"{nvme_path!r}: zero_py keeps the optimizer's "
+                                             f"and the parameters' files in one offload_dir, "
+                                             f"and the other section gives {earlier!r}; give "
+                                             "both the same nvme_path")
         else:
-            plan.zero_kwargs["offload_optimizer"] = "nvme"
+            plan.zero_kwargs[key] = "nvme"
             plan.zero_kwargs["offload_dir"] = nvme_path
     elif device not in ("none", None):
         plan.refuse(f"{path}.device", f"{device!r}: {_NO_OFFLOAD}")
@@ -769,7 +777,7 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     for option, own, path in (
             ("persistence_threshold", True, "stage3_param_persistence_threshold"),
             ("offload_optimizer", False, "offload_optimizer.device"),
-            ("offload_dir", False, "offload_optimizer.nvme_path"),
+            ("offload_dir", False, "offload_optimizer.nvme_path / offload_param.nvme_path"),
             ("offload_params", True, "offload_param.device"),
             ("hybrid", True, "mics_shard_size"),
             ("grad_reduce_dtype", False, None),

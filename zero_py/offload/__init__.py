@@ -5,6 +5,9 @@
                optimizer, and its bucket-by-bucket step
     nvme.py    NvmeStore: fp32 masters and states in a file under offload_dir, streamed
                through a ring of aligned buffers by the direct-I/O engine
+    param_store.py  ParamStore: stage-3 parameter shards in a file under offload_dir
+               (offload_params="nvme"), a record per bucket, read for gathers and updated
+               bucket by bucket by the step, through a small ring
 
 ZeroOptimizer(offload_optimizer="cpu") builds a HostShard; offload_optimizer="nvme" an
 NvmeStore (through optim/streamed.py); see docs/offload.md.
@@ -17,10 +20,11 @@ from typing import Optional
 from zero_py.offload.copies import Copy, CopyQueue
 from zero_py.offload.host import HostShard, host_threads
 from zero_py.offload.nvme import NvmeStore, check_offload_dir
+from zero_py.offload.param_store import ParamStore
 
 OFFLOAD_OPTIMIZER = (None, "none", "cpu", "nvme")
 
-__all__ = ["Copy", "CopyQueue", "HostShard", "NvmeStore", "OFFLOAD_OPTIMIZER",
+__all__ = ["Copy", "CopyQueue", "HostShard", "NvmeStore", "OFFLOAD_OPTIMIZER", "ParamStore",
            "check_offload_dir", "check_offload_optimizer", "host_threads"]
 
 

@@ -20,6 +20,7 @@ descriptor keeps it, and nothing is left behind when the process ends, however i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -47,11 +48,12 @@ def record_geometry(shard_numel: int, n_states: int, chunk_bytes: int = DEFAULT_
     return chunk_numel, -(-shard_numel // chunk_numel), chunk_numel * 4 * width
 
 
-def check_offload_dir(offload_dir) -> str:
-    """offload_dir as a path, or a clear error: it must be an existing writable directory."""
+def check_offload_dir(offload_dir, who: str = "offload_optimizer") -> str:
+    """offload_dir as a path, or a clear error: it must be an existing writable directory.
+    `who`: the keyword that needs it, for the error."""
     if offload_dir is None:
-        raise ValueError("offload_optimizer='nvme' needs offload_dir=PATH: a directory on the "
-                         "NVMe drive for the optimizer's files")
+        raise ValueError(f"{who}='nvme' needs offload_dir=PATH: a directory on the NVMe drive "
+                         "for the offload files")
     path = os.fspath(offload_dir)
     if not os.path.isdir(path):
         raise ValueError(f"offload_dir {path!r} is not a directory: create it first (it should "
@@ -123,6 +125,8 @@ class NvmeStore:
                                      "another offload_dir") from None
         self.ring = [aligned_empty(self.record_bytes) for _ in range(ring)]
         self.slot = bytearray(self.n_chunks)  # which slot of each record is current
+        # inside transaction(): the chunks written so far (their other slot holds them)
+        self._dirty: Optional[set] = None
 
     # -- geometry -------------------------------------------------------------------------------
 
@@ -151,6 +155,32 @@ class NvmeStore:
     def host_bytes(self) -> int:
         return sum(b.numel() for b in self.ring)
 
+    def _read_slot(self, k: int) -> int:
+        """The slot a step reads chunk k from: the current one, or inside a transaction the one
+        an earlier stream of the same transaction wrote."""
+        if self._dirty is not None and k in self._dirty:
+            return 1 - self.slot[k]
+        return self.slot[k]
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """Several stream() calls as one step (offload_params="nvme" updates bucket by bucket):
+        inside, the slots do not flip; a chunk streamed again is read from the slot this
+        transaction wrote. On a clean exit every chunk written flips; on an error none does,
+        and the file still holds the last good step."""
+        if self._dirty is not None:
+            raise RuntimeError("zero_py: an NVMe optimizer transaction is already open; this is "
+                               "a bug, please report it")
+        self._dirty = set()
+        try:
+            yield
+        except BaseException:
+            self._dirty = None
+            raise
+        dirty, self._dirty = self._dirty, None
+        for k in dirty:
+            self.slot[k] ^= 1
+
     # -- streaming ------------------------------------------------------------------------------
 
     def stream(self, chunks: Sequence[int], work: Callable[[int, torch.Tensor], None],
@@ -175,7 +205,7 @@ class NvmeStore:
             nonlocal ahead
             while ahead < len(chunks) and free:
                 k, i = chunks[ahead], free.pop(0)
-                reads[k] = (engine.read(self.file, ring[i], self._offset(k, self.slot[k]))
+                reads[k] = (engine.read(self.file, ring[i], self._offset(k, self._read_slot(k)))
                             if read else None, i)
                 ahead += 1
 
@@ -199,6 +229,9 @@ class NvmeStore:
         except BaseException:
             self._drain(reads, writes)
             raise
+        if self._dirty is not None:  # a transaction flips them at its end
+            self._dirty.update(chunks)
+            return
         for k in chunks:
             self.slot[k] ^= 1
 

@@ -670,7 +670,15 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
         try:
-            if self._host is not None and self.uses_fused_kernel:
+            if getattr(self._flat, "nvme", None) is not None:
+                # offload_params="nvme": bucket by bucket, each bucket's parameter record open
+                # while its optimizer chunks stream; both files flip only when every write of
+                # the step has landed (a failed write leaves both at the last good step)
+                with self._update.store.transaction():
+                    self._flat.update_pieces(touched, lambda b: self._update.step(
+                        used, self._step_count, grad_scale, self._sr_seed,
+                        self.stochastic_rounding, buckets=[b]))
+            elif self._host is not None and self.uses_fused_kernel:
                 args = (used, self._step_count, grad_scale, self._sr_seed,
                         self.stochastic_rounding)
                 done = (self._early.settle(args, self._early_hyper)
@@ -681,7 +689,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                                   self.stochastic_rounding)
         except OSError:
             # an NVMe write failed: the state on disk and the parameters are the last good
-            # step's (StreamedUpdate put them back); so are the counts
+            # step's (StreamedUpdate put them back, or their file did not flip); so are the
+            # counts
             self._step_count, self._sr_seed = counts, seed
             raise
         self._flat.publish(self._wire, touched)
@@ -721,7 +730,9 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         backup); host_grads: the host copy of the gradient shard and the staging of updated
         bf16/fp16 values (offload).
         Under offload_optimizer="nvme": host_optimizer_states is the ring of host buffers and
-        nvme_optimizer_states the offload file (both slots of every record).
+        nvme_optimizer_states the offload file (both slots of every record). Stage 3:
+        host_params is the parameter shards in host memory (offload_params="cpu") or the ring
+        of the parameter file (offload_params="nvme"), and nvme_params that file.
         ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
         default (gradient_as_bucket_view=False)."""
         fp = self._flat

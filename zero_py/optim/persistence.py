@@ -91,13 +91,27 @@ class StateDicts:
     def resident(self):
         """A context in which the optimizer's masters and states are in memory: a no-op, except
         under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it). Early updates of
-        overlap_step not yet taken by a step are put back first: they are guesses."""
+        written back on exit (state dicts and checkpoints run inside it), and under
+        offload_params="nvme", where the stage-3 parameter shards are read in and written back
+        the same way (ShardedParams.resident). Early updates of overlap_step not yet taken by a
+        step are put back first: they are guesses."""
         if getattr(self, "_early", None) is not None:
             self._early.discard()
-        if isinstance(self._update, StreamedUpdate):
-            return self._update.resident()
-        return contextlib.nullcontext()
+        return self._resident_both()
+
+    @contextlib.contextmanager
+    def _resident_both(self):
+        # offload_params="nvme": the stage-3 parameter shards (trainable and frozen) are made
+        # resident with the optimizer (ShardedParams.resident), so checkpoints and state dicts
+        # read and fill them as in memory; entered first, so the optimizer's write-back at the
+        # exit can read the parameters
+        with contextlib.ExitStack() as stack:
+            for storage in (self._flat, getattr(self._flat, "frozen_storage", None)):
+                if getattr(storage, "nvme", None) is not None:
+                    stack.enter_context(storage.resident())
+            if isinstance(self._update, StreamedUpdate):
+                stack.enter_context(self._update.resident())
+            yield
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state, in torch's format plus a "zero_py" entry

@@ -21,6 +21,7 @@ failed collective names), so the optimizer never needs to know which stage it se
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -106,7 +107,7 @@ class FlatParams(FlatLayout):
                       for b in range(self.n_buckets))
         exact = sum(n * p.element_size() for n, p in zip(self.param_numel, self.params))
         return {"params": buffers + frozen_bytes, "ddp_params": exact + frozen_bytes,
-                "padding": buffers - exact, "host_params": 0}
+                "padding": buffers - exact, "host_params": 0, "nvme_params": 0}
 
     def broadcast(self, executor, src: int = 0) -> None:
         """Make every rank's parameters equal to rank `src`'s."""
@@ -181,7 +182,16 @@ class ShardedParams(FlatLayout):
     is a GPU) and a gather first copies this rank's piece into its own slot of the gather
     buffer on the device, then all-gathers in place; the prefetch schedule issues gathers
     ahead of use, so the copy is prefetched with them. Between uses a parameter is then its
-    slice of the host shard."""
+    slice of the host shard.
+
+    param_file (offload_params="nvme"): a callable making the file that holds the shards
+    (offload/param_store.py, ParamStore: a record of each bucket's piece, two slots each,
+    streamed through a small ring). The shards are then not in memory: `shards` holds empty
+    tensors, a parameter between uses is an empty placeholder of its dtype, a gather reads the
+    piece from the file into its own slot of the gather buffer, and the optimizer's step
+    updates the pieces bucket by bucket inside a transaction (update_pieces). Whatever needs
+    every piece at once (checkpoints, state dicts, a load) runs inside resident(), which reads
+    the shards into memory and writes them back after."""
 
     shards_frozen = True  # frozen parameters are sharded too, in frozen_storage
     params_sharded = True  # a rank holds only its slices (owned_values) between uses
@@ -192,7 +202,7 @@ class ShardedParams(FlatLayout):
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  unit_of: Sequence[int], n_units: int, executor, align_bytes: int,
                  meter: GatherMeter, persistent_unit: Optional[int] = None,
-                 host_shards: bool = False):
+                 host_shards: bool = False, param_file: Optional[Callable] = None):
         n_groups = max(groups) + 1
         keys = [u * n_groups + g for u, g in zip(unit_of, groups)]
         super().__init__(params, groups, executor.world_size, executor.rank, align_bytes,
@@ -216,6 +226,8 @@ class ShardedParams(FlatLayout):
         on_gpu = self.device.type == "cuda"
 
         def allocate(sizes):
+            if param_file is not None:  # on NVMe: in memory only inside resident()
+                return {dtype: torch.empty(0, dtype=dtype) for dtype in sizes}
             if self.host_shards and on_gpu:
                 return {dtype: torch.zeros(n, dtype=dtype, pin_memory=True)
                         for dtype, n in sizes.items()}
@@ -225,18 +237,29 @@ class ShardedParams(FlatLayout):
         for p, shape in zip(self.params, self.param_shapes):
             p._zero_py_shape = shape  # full_shape(p): the shape between uses is 1-D
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        # between uses: each parameter's slice of this rank's shard (empty where it has none)
+        # between uses: each parameter's slice of this rank's shard (empty where it has none,
+        # and on NVMe outside resident())
         self._local: List[torch.Tensor] = []
-        for i, p in enumerate(self.params):
-            s = self.slice_of_param.get(i)
-            self._local.append(self.shards.piece(s.bucket)[s.piece_lo:s.piece_hi] if s is not None
-                               else self.shards.tensors[p.dtype][:0])
+        self._build_local()
+        self.nvme = None  # offload_params="nvme": the ParamStore
+        self._resident = 0  # resident() nesting
+        self._open: Dict[int, torch.Tensor] = {}  # pieces opened by update_pieces
+        self._cache: Dict[int, torch.Tensor] = {}  # pieces read for bucket_piece, newest last
+        if param_file is not None:
+            self.nvme = param_file(self)
         # gather buffers (one per bucket, storage released between uses) and the parameters'
         # full views into them, all made by materialize()
         self._buffers: List[Optional[torch.Tensor]] = [None] * self.n_buckets
         self._full: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self._exposed = [False] * self.n_buckets  # params are their full views now
         self.unit_names: Optional[List[str]] = None  # set by the engine, for errors
+
+    def _build_local(self) -> None:
+        self._local = []
+        for i, p in enumerate(self.params):
+            s = self.slice_of_param.get(i)
+            self._local.append(self.shards.piece(s.bucket)[s.piece_lo:s.piece_hi] if s is not None
+                               else self.shards.tensors[p.dtype][:0])
 
     def describe_bucket(self, b: int) -> str:
         """Bucket b in words, for errors: its unit (by module name once the engine named the
@@ -287,7 +310,13 @@ class ShardedParams(FlatLayout):
         views at once (their values are valid after the returned work is waited on)."""
         buf = self._unfree(b)
         piece = self.shards.piece(b)
-        if self.host_shards:
+        if self.nvme is not None and not self._resident:
+            # the piece from its record (read ahead by the engine's read_ahead) into the
+            # rank's own slot
+            n = self.bucket_shard_numel[b]
+            piece = buf[self.rank * n:(self.rank + 1) * n]
+            self.nvme.read_into(b, piece)
+        elif self.host_shards or self.nvme is not None:
             # host -> device into the rank's own slot, ordered before the gather on the stream
             n = self.bucket_shard_numel[b]
             mine = buf[self.rank * n:(self.rank + 1) * n]
@@ -335,6 +364,12 @@ class ShardedParams(FlatLayout):
         if self.peers is not None:
             self.peers.publish_version(2 * steps)
 
+    def read_ahead(self, buckets: Sequence[int]) -> None:
+        """Buckets about to be gathered (the engine's schedule): on NVMe, their records start
+        being read into the ring now, so the read overlaps what runs before their gather."""
+        if self.nvme is not None and not self._resident:
+            self.nvme.read_ahead([b for b in buckets if not self._exposed[b]])
+
     def free(self, b: int) -> None:
         """Releases bucket b's full values: its parameters are their shard slices again."""
         if not self._exposed[b]:
@@ -361,12 +396,99 @@ class ShardedParams(FlatLayout):
     # -- values -----------------------------------------------------------------------------------
 
     def bucket_piece(self, b: int) -> torch.Tensor:
-        return self.shards.piece(b)
+        """This rank's piece of bucket b. On NVMe outside resident(): the piece opened by
+        update_pieces (written back with it), or else a copy read from the file (the last two
+        are kept: the optimizer's whole-shard passes walk the buckets in order), which is
+        only read."""
+        if self.nvme is None or self._resident:
+            return self.shards.piece(b)
+        piece = self._open.get(b)
+        if piece is not None:
+            return piece
+        piece = self._cache.pop(b, None)
+        if piece is None:
+            piece = torch.empty(self.bucket_shard_numel[b], dtype=self.bucket_dtype(b))
+            self.nvme.read_into(b, piece)
+        self._cache[b] = piece
+        while len(self._cache) > 2:
+            self._cache.pop(next(iter(self._cache)))
+        return piece
 
     def owned_values(self, i: int) -> torch.Tensor:
         """This rank's slice of parameter i in its shard, a 1-D view (empty where it owns
-        none); what the parameter is between uses."""
+        none); what the parameter is between uses. On NVMe: only inside resident()."""
+        if self.nvme is not None and not self._resident:
+            raise RuntimeError("zero_py: the parameter shards are on NVMe (offload_params="
+                               "'nvme') and were read outside resident(); this is a bug, "
+                               "please report it")
         return self._local[i]
+
+    # -- NVMe (offload_params="nvme") -------------------------------------------------------------
+
+    def update_pieces(self, buckets: Sequence[int], update: Callable[[int], None]) -> None:
+        """On NVMe: update(b) for each bucket in order with its piece open (bucket_piece(b) is
+        its record in the ring, read ahead), written back behind; the records flip when every
+        write has landed, and none does if anything fails (ParamStore.transaction)."""
+        self._cache.clear()
+        try:
+            with self.nvme.transaction(buckets):
+                for b in buckets:
+                    self._open[b] = self.nvme.open(b)
+                    try:
+                        update(b)
+                    finally:
+                        del self._open[b]
+                    self.nvme.close(b)
+        finally:
+            self._cache.clear()  # copies read during the step may predate its records
+
+    @contextlib.contextmanager
+    def resident(self):
+        """On NVMe: the rank's shards in memory for the duration (read in on entry, every
+        record written back on exit, flipped together once all landed); parameters between
+        uses are their shard slices meanwhile. Nested calls share one. A no-op otherwise."""
+        if self.nvme is None or self._resident:
+            self._resident += 1
+            try:
+                yield
+            finally:
+                self._resident -= 1
+            return
+        self._cache.clear()
+        self.shards.tensors = {dtype: torch.empty(n, dtype=dtype)
+                               for dtype, n in self.shards.sizes.items()}
+        try:
+            for b in range(self.n_buckets):
+                self.nvme.read_into(b, self.shards.piece(b))
+        except BaseException:
+            self._release_shards()
+            raise
+        self._build_local()
+        self._show_local()
+        self._resident = 1
+        try:
+            yield
+        finally:
+            self._resident = 0
+            try:
+                with self.nvme.transaction(range(self.n_buckets)):
+                    for b in range(self.n_buckets):
+                        self.nvme.write(b, self.shards.piece(b))
+            finally:
+                self._release_shards()
+
+    def _release_shards(self) -> None:
+        self._cache.clear()
+        self.shards.tensors = {dtype: torch.empty(0, dtype=dtype) for dtype in self.shards.sizes}
+        self._build_local()
+        self._show_local()
+
+    def _show_local(self) -> None:
+        """Parameters of the buckets not gathered become their (new) between-uses tensors."""
+        for b in range(self.n_buckets):
+            if not self._exposed[b]:
+                for i in self.bucket_params[b]:
+                    self.params[i].data = self._local[i]
 
     def full_buffer(self, b: int) -> torch.Tensor:
         """Bucket b's gather buffer (whole only while gathered)."""
@@ -379,6 +501,10 @@ class ShardedParams(FlatLayout):
     def load_pieces_from(self, b: int, full: torch.Tensor) -> None:
         """This rank's piece of bucket b from a full bucket `full`."""
         n = self.bucket_shard_numel[b]
+        if self.nvme is not None and not self._resident:
+            self._cache.pop(b, None)
+            self.nvme.write(b, full[self.rank * n:(self.rank + 1) * n])
+            return
         self.shards.piece(b).copy_(full[self.rank * n:(self.rank + 1) * n])
 
     def persistent_bytes(self) -> int:
@@ -399,9 +525,13 @@ class ShardedParams(FlatLayout):
                       for b in range(s.n_buckets) for lo, hi in s.bucket_gaps[b])
         transport = getattr(self.executor, "shared_bytes", 0)  # the gathers' shared memory
         shards = sum(s.shards.nbytes() for s in storages) if self.host_shards else 0
+        # on NVMe: the file (both slots of every record) and the ring that streams it
+        files = [s.nvme for s in storages if s.nvme is not None]
+        ring = sum(f.host_bytes() for f in files)
         return {"params": kept - shards + self.meter.peak_bytes + transport, "ddp_params": full,
                 "padding": padding, "gathered_peak": self.meter.peak_bytes,
-                "gather_transport": transport, "host_params": shards}
+                "gather_transport": transport, "host_params": shards + ring,
+                "nvme_params": sum(f.file_bytes for f in files)}
 
 
     def index_of(self, p: torch.Tensor) -> Optional[int]:

@@ -67,18 +67,33 @@ def _in_backward() -> bool:
 def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
                      unit_of: Dict[int, int], n_units: int, executor, align_bytes: int,
                      meter: GatherMeter, persistence_threshold: int,
-                     uninitialized: Set[int], host_shards: bool = False) -> ShardedParams:
+                     uninitialized: Set[int], host_shards: bool = False,
+                     param_file=None, on_made=None) -> ShardedParams:
     """The sharded storage of `params`, filled from their current values (rank 0's, broadcast),
     one bucket at a time: the caller's storage of a parameter is dropped as soon as its bucket
     is done, so no more than one unit is whole at a time beyond the model the caller built.
     Parameters with fewer than `persistence_threshold` elements go to the persistent unit
     (n_units: never freed). Buckets whose parameters are all in `uninitialized` (built on the
     meta device) are neither filled nor broadcast: replay_init fills their pieces later.
-    host_shards: the shards live in host memory (offload_params="cpu")."""
+    host_shards: the shards live in host memory (offload_params="cpu"). param_file: makes the
+    file the shards live in (offload_params="nvme"); on_made(flat) runs before the first
+    collective (the ranks agree that every file was made)."""
     persistent = n_units
     units = [persistent if p.numel() < persistence_threshold else unit_of[id(p)] for p in params]
+    failure = []
+
+    def make_file(flat):
+        try:
+            return param_file(flat)
+        except OSError as exc:  # raised after the agreement, on every rank
+            failure.append(exc)
+            return None
     flat = ShardedParams(params, groups, units, n_units + 1, executor, align_bytes, meter,
-                         persistent_unit=persistent, host_shards=host_shards)
+                         persistent_unit=persistent, host_shards=host_shards,
+                         param_file=make_file if param_file is not None else None)
+    if on_made is not None:
+        flat.param_file_error = failure[0] if failure else None
+        on_made(flat)
     with torch.no_grad():
         for b in range(flat.n_buckets):
             # the values to lay out, taken before materialize() points .data elsewhere
@@ -469,6 +484,11 @@ class Stage3Engine:
         # twice per forward on every rank); across hosts, ranks must agree on them
         works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
         self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
+        # offload_params="nvme": the next units' records start being read now, so the disk
+        # works while this gather and the compute before the next ones run
+        ahead = self._schedule[self._cursor:self._cursor + 2] if self._phase is not None else ()
+        for s in self.storages:
+            s.read_ahead([b for v in ahead for b in s.unit_buckets[v]])
 
     def _wait(self, u: int) -> None:
         for work in self._pending.pop(u, ()):

@@ -15,6 +15,7 @@ full_state_dict() gives the same values on one rank only (None elsewhere), clone
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -74,6 +75,7 @@ def full_state_dict(model: nn.Module, engine: Stage3Engine, rank: int
 
 def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
     """The state-dict hooks of a stage-3 model (see the module docstring)."""
+    loading: List[Optional[contextlib.ExitStack]] = [None]  # residency of a load in progress
 
     def on_save(module, sd, prefix, local_metadata):
         if not engine.raw:
@@ -90,6 +92,13 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
         if bad:
             raise RuntimeError("zero_py stage 3: load_state_dict got values of the wrong shape "
                                "(nothing was loaded): " + "; ".join(bad))
+        # offload_params="nvme": the shards in memory while torch copies the slices into them,
+        # written back by after_load (a stack left open by a load that raised is closed first)
+        if loading[0] is not None:
+            loading[0].close()
+        loading[0] = contextlib.ExitStack()
+        for s in engine.storages:
+            loading[0].enter_context(s.resident())
         for name, (s, i) in keys.items():
             value = sd.get(prefix + name)
             if not isinstance(value, torch.Tensor) or s.is_gathered(s.param_bucket[i]):
@@ -99,7 +108,8 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
             sd[prefix + name] = flat[sl.param_lo:sl.param_hi] if sl is not None else flat[:0]
 
     def after_load(module, incompatible):
-        with torch.no_grad():
+        stack, loading[0] = loading[0], None
+        with stack or contextlib.nullcontext(), torch.no_grad():
             for s in engine.storages:  # gathered buckets got full values: their pieces follow
                 for b in range(s.n_buckets):
                     if s.is_gathered(b):

@@ -23,7 +23,9 @@ term, from the sizes alone:
   masters (of every bucket, fp32 ones too), a copy of the gradient shard and the staging of
   updated bf16/fp16 values are host memory, not device memory; under offload="nvme" the host
   holds the ring (4 records of at most 8 MiB) and the disk both slots of every record (master
-  and states, padded to whole chunks); offload_params="cpu" moves stage 3's shards to the host.
+  and states, padded to whole chunks); offload_params="cpu" moves stage 3's shards to the host;
+  offload_params="nvme" moves them to the parameter file (a record per bucket, two slots) and
+  the host holds its ring (3 records of the largest piece per storage).
 
 Activations, autograd's own temporaries and the allocator's slack are not model states and
 are not counted. What the estimate is checked against: tests/test_estimate.py (the library's
@@ -193,15 +195,20 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         unit's parameter counts (default: 1/16 of the model, and 0).
     gloo: the reduce-scatter's receive buffers (gloo only); shared_memory: stage 3's gathers go
         through /dev/shm (all ranks on one host, the default).
-    offload: None, "cpu" or "nvme" (offload_optimizer=); offload_params: None or "cpu" (stage 3):
-        the offloaded bytes go to `host` and `nvme` instead of the device's terms."""
+    offload: None, "cpu" or "nvme" (offload_optimizer=); offload_params: None, "cpu" or "nvme"
+        (stage 3; "nvme" with offload="nvme"): the offloaded bytes go to `host` and `nvme`
+        instead of the device's terms."""
     if offload not in (None, "none", "cpu", "nvme"):
         raise ValueError(f"offload must be None, 'cpu' or 'nvme' (offload_optimizer=), got "
                          f"{offload!r}")
-    if offload_params not in (None, "none", "cpu"):
-        raise ValueError(f"offload_params must be None or 'cpu', got {offload_params!r}")
-    if offload_params == "cpu" and stage != 3:
+    if offload_params not in (None, "none", "cpu", "nvme"):
+        raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got "
+                         f"{offload_params!r}")
+    if offload_params in ("cpu", "nvme") and stage != 3:
         raise ValueError("offload_params applies to stage 3 only")
+    if offload_params == "nvme" and offload != "nvme":
+        raise ValueError("offload_params='nvme' needs offload='nvme' (offload_optimizer), as "
+                         "zero_py.initialize does")
     if stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -230,7 +237,8 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         sizes = _Sizes(trainable, units=[root_unit] + [unit] * (n_units - 1) + [rest])
     est = _estimate(sizes, world_size, stage, dtype, reduce_dtype, state_bytes,
                     bucket_bytes, prefetch_bytes, gloo, shared_memory)
-    return _offloaded(est, offload, offload_params == "cpu", dtype, reduce_dtype, state_bytes)
+    est = _offloaded(est, offload, offload_params == "cpu", dtype, reduce_dtype, state_bytes)
+    return _params_on_nvme(est, sizes, dtype) if offload_params == "nvme" else est
 
 
 def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.dtype,
@@ -259,6 +267,26 @@ def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.
         host += shards
     return dataclasses.replace(est, params=int(params), optimizer_states=int(states),
                                host=int(host), nvme=int(nvme))
+
+
+def _params_on_nvme(est: MemoryEstimate, sizes: "_Sizes", dtype: torch.dtype) -> MemoryEstimate:
+    """offload_params="nvme": the shards leave the device's params for the parameter file
+    (a record per bucket, its piece rounded up to the direct-I/O alignment, two slots each);
+    the host holds the ring (ZP_OFFLOAD_PARAM_RING records of the largest piece), one for the
+    trainable parameters and one for the frozen ones when there are any."""
+    from zero_py.offload.param_store import DEFAULT_PARAM_RING, param_record_bytes
+
+    n, b = est.world_size, dtype.itemsize
+    pad = n * max(1, DEFAULT_ALIGN_BYTES // b)
+    units = sizes.units or [0, est.param_count]
+    pieces = [_round_up(u, pad) // n * b for u in units if u]
+    if sizes.kept:
+        pieces.append(_round_up(sizes.kept, pad) // n * b)
+    records = [param_record_bytes(x) for x in pieces]
+    rings = 2 if sizes.frozen else 1
+    host = rings * DEFAULT_PARAM_RING * max(records, default=0)
+    return dataclasses.replace(est, params=int(est.params - est.shard_params),
+                               host=int(est.host + host), nvme=int(est.nvme + 2 * sum(records)))
 
 
 def _estimate(sizes: _Sizes, n: int, stage: int, dtype: torch.dtype,
@@ -434,8 +462,9 @@ def register(subparsers) -> None:
                         "shared-memory gathers; default gloo")
     p.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"],
                    help="offload_optimizer: the optimizer's bytes in host memory or on NVMe")
-    p.add_argument("--offload-params", default="none", choices=["none", "cpu"],
-                   help="offload_params (stage 3): the parameter shards in host memory")
+    p.add_argument("--offload-params", default="none", choices=["none", "cpu", "nvme"],
+                   help="offload_params (stage 3): the parameter shards in host memory, or on "
+                   "NVMe (with --offload nvme)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
