@@ -34,16 +34,36 @@ from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
                                       wait_for_removals, write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
+from zero_py.checkpoint.offloaded import Span, SpanReader, streamed
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
 
 
-def _rank_payload(model, opt, held: Dict[str, Held], extra
-                  ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
-    """This rank's tensors (file order) and its record for the manifest."""
-    tensors: List[Tuple[str, torch.Tensor]] = []
+def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
+    """_slice_state's answer for an optimizer whose state is on NVMe, with Spans of the offload
+    file in place of the master and state tensors (in the same order: the file is the same)."""
+    if opt._step_count[s.param] == 0:
+        return None
+    update, flat = reader.update, opt._flat
+    lo = flat.bucket_shard_offset[s.bucket] + s.piece_lo
+    state: Dict[str, Any] = {}
+    if opt._step_in_state():
+        state["step"] = torch.tensor(float(opt._step_count[s.param]), dtype=torch.float32)
+    for j, key in enumerate(update.keys):
+        state[key] = reader.span(j + 1, lo, lo + s.numel)
+    if opt._masters.dtype_of[s.bucket] is not None:
+        state["master_param"] = reader.span(0, lo, lo + s.numel)
+    return state
+
+
+def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[SpanReader] = None
+                  ) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
+    """This rank's tensors (file order) and its record for the manifest. With `reader` (the
+    optimizer's state is on NVMe), its masters and states are Spans read as the file is
+    written."""
+    tensors: List[Tuple[str, Any]] = []
     pieces: Dict[str, List[int]] = {}
     states: Dict[str, Dict[str, Any]] = {}
     for name, h in held.items():
@@ -53,14 +73,15 @@ def _rank_payload(model, opt, held: Dict[str, Held], extra
         tensors.append((f"param/{name}", h.values))
         if h.slice is None:
             continue
-        state = opt._slice_state(h.slice, copy=False)
+        state = (opt._slice_state(h.slice, copy=False) if reader is None
+                 else _streamed_state(opt, h.slice, reader))
         if state is None:  # not stepped yet: no state
             continue
         keys, scalars = [], {}
         for key, value in state.items():
             if key == "master_param":
                 tensors.append((f"master/{name}", value))
-            elif (isinstance(value, torch.Tensor) and value.dim() == 1
+            elif (isinstance(value, (torch.Tensor, Span)) and len(value.shape) == 1
                   and value.numel() == h.hi - h.lo):
                 keys.append(key)
                 tensors.append((f"state/{key}/{name}", value))
@@ -98,7 +119,7 @@ def _manifest_base(model, opt, held: Dict[str, Held], save_id: str) -> dict:
                  "pieces": []}
         if h.index is not None:
             entry["step"] = opt._step_count[h.index]
-            entry["master"] = opt._masters.piece(fp.param_bucket[h.index]) is not None
+            entry["master"] = opt._masters.dtype_of[fp.param_bucket[h.index]] is not None
         params[name] = entry
     groups = []
     for g in opt.param_groups:
@@ -174,6 +195,14 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     if removed:
         fsync_dir(parent)
     return removed
+
+
+def _host_copy(tensors: List[Tuple[str, Any]]) -> List[Tuple[str, torch.Tensor]]:
+    """An asynchronous save's copy of what it writes, taken before the call returns: tensors
+    copied to host memory, Spans read from the NVMe offload file (the next step overwrites the
+    records they come from)."""
+    return [(name, t.materialize() if isinstance(t, Span) else t.detach().to("cpu", copy=True))
+            for name, t in tensors]
 
 
 class AsyncSave:
@@ -292,16 +321,26 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     elif keep_last is not None and not _NUMBERED.match(base):
         error = (f"keep_last needs checkpoint names that end in a number, to tell which are "
                  f"older (e.g. {base}_00100); {base!r} does not")
-    tensors: List[Tuple[str, torch.Tensor]] = []
+    tensors: List[Tuple[str, Any]] = []
     record: Dict[str, Any] = {}
     held: Dict[str, Held] = {}
+    # offload_optimizer="nvme": the masters and states stream from the offload file
+    update = streamed(opt)
+    reader = SpanReader(update) if update is not None else None
     if error is None:
         try:
             held = holdings(model, opt)
             with torch.no_grad():
-                tensors, record = _rank_payload(model, opt, held, extra)
+                tensors, record = _rank_payload(model, opt, held, extra, reader)
+                if async_save:  # training may change all of it once this call returns
+                    tensors = _host_copy(tensors)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = str(exc)
+        except OSError as exc:  # reading the NVMe offload file
+            error = f"rank {ex.rank} could not read its state for the checkpoint: {exc}"
+        finally:
+            if async_save and reader is not None:
+                reader.close()
     agree(ex, error, "save_checkpoint")
 
     wait_for_removals()  # what the last save replaced is gone before this one writes
@@ -326,15 +365,17 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
         meta["extra"] = json.dumps(record["extra"])
     manifest = _manifest_base(model, opt, held, save_id) if world.rank == 0 else None
     if not async_save:
-        outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta, manifest,
-                           keep_last) if writes else None)
+        try:
+            outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta,
+                               manifest, keep_last) if writes else None)
+        finally:
+            if reader is not None:  # a write that stopped early leaves reads in flight
+                reader.close()
         if world is not ex:  # the writing replica's outcome, on every replica
             outcome = broadcast_json(world, outcome)
         if outcome is not None:
             raise CheckpointError(outcome)
         return path
-    with torch.no_grad():
-        tensors = [(name, t.detach().to("cpu", copy=True)) for name, t in tensors]
     aex = _async_executor(opt)
     result: Dict[str, Any] = {}
 

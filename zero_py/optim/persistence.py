@@ -41,7 +41,7 @@ class StateDicts:
         if step == 0:
             return None
         state = self._update.slice_state(s, copy)
-        if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
+        if self._step_in_state():
             state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
         if "master_param" in state:  # read from NVMe with the slice's state
             return state
@@ -50,6 +50,11 @@ class StateDicts:
             view = master[s.piece_lo:s.piece_hi]
             state["master_param"] = view.clone() if copy else view
         return state
+
+    def _step_in_state(self) -> bool:
+        """Whether _slice_state carries the step as an fp32 tensor (torch.optim's own habit for
+        these classes); a checkpoint that streams the state records it without reading it."""
+        return self.uses_fused_kernel and self._kind in _STEP_IN_STATE
 
     def _install_slice(self, s, state: dict) -> None:
         """Slice s's state from `state` (as _slice_state gives it: per-element tensors of the
