@@ -38,9 +38,10 @@ from zero_py.checkpoint.reader import Checkpoint
 from zero_py.io.engine import IO_ALIGN
 from zero_py.optim.streamed import StreamedUpdate
 
-# what the last save or load of an offloaded optimizer held in host memory (bytes): the ring
-# buffers it filled at once ("ring_bytes") and the scratch it allocated ("scratch_bytes")
-stats: Dict[str, int] = {"ring_bytes": 0, "scratch_bytes": 0, "records": 0}
+# the last save's or load's copy of an offloaded optimizer: the most bytes of the store's ring
+# it held at once ("ring_bytes"), the largest scratch it allocated ("scratch_bytes"), and its
+# requests to the offload file (reads of a save, record writes of a load)
+stats: Dict[str, int] = {"ring_bytes": 0, "scratch_bytes": 0, "requests": 0}
 
 
 def streamed(opt) -> Optional[StreamedUpdate]:
@@ -95,6 +96,8 @@ class SpanReader:
         self._batches: deque = deque()      # (buffer, tickets, [(span, view)]) read ahead
         self._free: List[int] = []
         self._held = 0                      # ring bytes of the batches in flight
+        self._tickets = 0                   # reads submitted and not yet waited for (the
+        # engine refuses more than its max_inflight: small windows fill a batch with many)
 
     def span(self, array: int, lo: int, hi: int) -> Span:
         self.spans.append((array, lo, hi))
@@ -127,7 +130,7 @@ class SpanReader:
                 break
             i, k, j, a, z, a0, z0 = w
             nbytes = (z0 - a0) * 4
-            if at + nbytes > buf.numel():
+            if at + nbytes > buf.numel() or self._tickets >= store.engine.max_inflight:
                 self._next = w  # the next batch's first window
                 break
             try:
@@ -137,6 +140,8 @@ class SpanReader:
                 self._batches.append((b, tickets, views, at))
                 raise self._error(exc) from None
             views.append((i, buf[at + (a - a0) * 4:at + (z - a0) * 4]))
+            stats["requests"] += 1
+            self._tickets += 1
             at += nbytes
         if not views:
             self._free.append(b)
@@ -146,7 +151,8 @@ class SpanReader:
         self._batches.append((b, tickets, views, at))
 
     def _fill(self) -> None:
-        while self._free and (self._next is not None or self._windows is not None):
+        while (self._free and self._tickets < self.store.engine.max_inflight
+               and (self._next is not None or self._windows is not None)):
             before = len(self._batches)
             self._submit()
             if len(self._batches) == before:  # no window left
@@ -156,19 +162,19 @@ class SpanReader:
         if self._windows is None:
             self._windows = self._iter_windows()
             self._free = list(range(len(self.store.ring)))
-            stats.update(ring_bytes=0, scratch_bytes=0, records=0)
+            stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
         while True:
             self._fill()
             if not self._batches:
                 return
             b, tickets, views, nbytes = self._batches[0]
             while tickets:
+                ticket = tickets.pop(0)
+                self._tickets -= 1
                 try:
-                    self.store.engine.wait(tickets[0])
+                    self.store.engine.wait(ticket)
                 except (RuntimeError, ValueError, IndexError) as exc:
-                    tickets.pop(0)
                     raise self._error(exc) from None
-                tickets.pop(0)
             while views:
                 i, view = views[0]
                 if i != index:
@@ -193,7 +199,7 @@ class SpanReader:
                 except (RuntimeError, ValueError, IndexError):
                     pass
             self._free.append(b)
-        self._held = 0
+        self._held = self._tickets = 0
 
 
 def write_records(ck: Checkpoint, opt, held, staged) -> None:
@@ -208,7 +214,7 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
     has_master = [d is not None for d in opt._masters.dtype_of]
     adagrad = update.kind == kernels.OPT_ADAGRAD
     offsets = list(flat.bucket_shard_offset)
-    stats.update(ring_bytes=0, scratch_bytes=0, records=0)
+    stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
 
     def read(kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         t, segments = ck.stage(kind, name, lo, hi, out)
@@ -253,7 +259,7 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
                 if name in with_state:
                     for j, key in enumerate(update.keys):
                         read(f"state/{key}", name, p0, p1, arrays[j + 1][dst])
-        stats["records"] += 1
-        stats["ring_bytes"] = min(len(store.ring), stats["records"]) * store.record_bytes
+        stats["requests"] += 1
+        stats["ring_bytes"] = min(len(store.ring), stats["requests"]) * store.record_bytes
 
     store.stream(list(range(store.n_chunks)), fill, read=False, flip=False)

@@ -241,18 +241,30 @@ def wait_pending(opt) -> None:
         pending._thread.join()
 
 
-def _async_executor(opt):
-    ex = _async_groups.get(opt)
-    if ex is None:
+def _async_executors(opt):
+    """The gloo groups an asynchronous save of `opt` finishes on, made at its first one with
+    the timeout of the optimizer's group (a peer that dies mid-save is noticed as soon as in
+    training): (over the ranks of this rank's shard group, whose writing replica writes; over
+    every rank of a hybrid run, or None without hybrid sharding). Every rank makes both, even
+    where it does not write: torch names a group made with use_local_synchronization by its
+    ranks and the number of groups the process has, so all ranks must keep making as many
+    groups for later ones (the next optimizer's) to match."""
+    pair = _async_groups.get(opt)
+    if pair is None:
         from zero_py.collectives.torch_dist import TorchDistExecutor
 
-        ranks = [opt.executor.global_rank(r) for r in range(opt.executor.world_size)]
-        # the user's timeout of the optimizer's group: a peer that dies mid-save is noticed
-        # as soon as in training
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                               timeout=group_timeout(getattr(opt.executor, "group", None)))
-        ex = _async_groups[opt] = TorchDistExecutor(group, torch.device("cpu"))
-    return ex
+        ex = opt.executor
+        timeout = group_timeout(getattr(ex, "group", None))
+
+        def executor(ranks):
+            group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                                   timeout=timeout)
+            return TorchDistExecutor(group, torch.device("cpu"))
+        hybrid = getattr(ex, "world", None) is not None
+        everyone = executor(list(range(dist.get_world_size()))) if hybrid else None
+        shard = executor([ex.global_rank(r) for r in range(ex.world_size)])
+        pair = _async_groups[opt] = (shard, everyone)
+    return pair
 
 
 def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Optional[dict],
@@ -313,10 +325,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
-    if async_save and world is not ex:
-        error = ("async_save=True is not supported under hybrid sharding yet; save with "
-                 "async_save=False")
-    elif keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         error = f"keep_last must be an int >= 1 or None, got {keep_last!r}"
     elif keep_last is not None and not _NUMBERED.match(base):
         error = (f"keep_last needs checkpoint names that end in a number, to tell which are "
@@ -332,7 +341,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             held = holdings(model, opt)
             with torch.no_grad():
                 tensors, record = _rank_payload(model, opt, held, extra, reader)
-                if async_save:  # training may change all of it once this call returns
+                if async_save and writes:  # training may change it all once this returns
                     tensors = _host_copy(tensors)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = str(exc)
@@ -364,6 +373,8 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     if record.get("extra") is not None:
         meta["extra"] = json.dumps(record["extra"])
     manifest = _manifest_base(model, opt, held, save_id) if world.rank == 0 else None
+    if not writes:
+        tensors = []  # another replica writes the files: nothing to copy or keep
     if not async_save:
         try:
             outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta,
@@ -376,15 +387,25 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
         if outcome is not None:
             raise CheckpointError(outcome)
         return path
-    aex = _async_executor(opt)
+    writers, everyone = _async_executors(opt)
     result: Dict[str, Any] = {}
 
     def run() -> None:
+        outcome = None
         try:
-            result["error"] = _finish(aex, path, tmp, tensors, record, meta, manifest,
-                                      keep_last)
+            if writes:
+                outcome = _finish(writers, path, tmp, tensors, record, meta, manifest,
+                                  keep_last)
         except Exception as exc:  # noqa: BLE001 - a peer that died: the group's error
-            result["error"] = f"save_checkpoint({path}) failed: {type(exc).__name__}: {exc}"
+            outcome = f"save_checkpoint({path}) failed: {type(exc).__name__}: {exc}"
+        if everyone is not None:  # hybrid: every replica learns what the writers found
+            try:
+                said = [e for e in gather_json(everyone, outcome, None) if e]
+                outcome = "; ".join(dict.fromkeys(said)) or None
+            except Exception as exc:  # noqa: BLE001 - a peer that died
+                outcome = outcome or (f"save_checkpoint({path}) failed: "
+                                      f"{type(exc).__name__}: {exc}")
+        result["error"] = outcome
 
     thread = threading.Thread(target=run, name="zero_py-checkpoint-save")
     handle = AsyncSave(path, thread, result)

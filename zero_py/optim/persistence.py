@@ -2,9 +2,11 @@
 torch's format, the consolidated torch-format dict, loading either at any world size, and the
 per-slice views that checkpoints (zero_py/checkpoint/) read and fill.
 
-Everything here runs with the optimizer resident (ZeroOptimizer.resident(): under
+The state dicts run with the optimizer resident (ZeroOptimizer.resident(): under
 offload_optimizer="nvme" the shard's masters and states are read in for the call and written
-back after it). The dict formats and their checks are in state_dict.py.
+back after it: a state dict is in memory anyway). Checkpoints of such an optimizer stream its
+records instead (zero_py/checkpoint/offloaded.py) and use the per-slice views only when
+resident. The dict formats and their checks are in state_dict.py.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class StateDicts:
     def resident(self):
         """A context in which the optimizer's masters and states are in memory: a no-op, except
         under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it)."""
+        written back on exit (state dicts run inside it; checkpoints stream the records
+        instead, unless called inside it)."""
         if isinstance(self._update, StreamedUpdate):
             return self._update.resident()
         return contextlib.nullcontext()
