@@ -275,18 +275,24 @@ def run_third_1(rank, world, tmp):
     out = {"D": full_params(model), "D_ref": full_params(ref)}
     # Adagrad (whose state starts at initial_accumulator_value) with a branch unused before
     # the save: that parameter has no state in the checkpoint and must start fresh after it
+    # (and the same with the optimizer on NVMe: the load writes that initial value into the
+    # offload records)
     finals = []
-    for resume_at in (None, K):
+    os.makedirs(os.path.join(tmp, "nvme1"), exist_ok=True)
+    for resume_at, offload in ((None, {}), (K, {}),
+                               (K, {"offload_optimizer": "nvme",
+                                    "offload_dir": os.path.join(tmp, "nvme1")})):
         torch.manual_seed(0)
         net = models.Branchy()
         net, nopt = zero_py.initialize(net, torch.optim.Adagrad, stage=2, lr=0.05,
-                                       initial_accumulator_value=0.3)
+                                       initial_accumulator_value=0.3, **offload)
         for t in range(2 * K):
             if t == resume_at:
                 zero_py.save_checkpoint(os.path.join(tmp, "ada"), net, nopt)
                 torch.manual_seed(1)
                 net, nopt = zero_py.initialize(models.Branchy(), torch.optim.Adagrad, stage=2,
-                                               lr=0.05, initial_accumulator_value=0.3)
+                                               lr=0.05, initial_accumulator_value=0.3,
+                                               **offload)
                 zero_py.load_checkpoint(os.path.join(tmp, "ada"), net, nopt)
             x, y = models.mlp_batch(torch.Generator().manual_seed(t), d_out=8)
             loss = torch.nn.functional.mse_loss(net(x, use_branch=t >= K), y)
@@ -294,7 +300,7 @@ def run_third_1(rank, world, tmp):
             nopt.step()
             nopt.zero_grad()
         finals.append(full_params(net))
-    out["ada"], out["ada_ref"] = finals[1], finals[0]
+    out["ada"], out["ada_ref"], out["ada_nvme"] = finals[1], finals[0], finals[2]
     return out
 
 
@@ -334,6 +340,7 @@ def test_resume_two_ranks_to_three_to_one_on_the_generic_path(runs):
 
 def test_state_of_a_parameter_unused_before_the_save_starts_fresh(runs):
     assert _worst(runs["fourth"]["ada"], runs["fourth"]["ada_ref"]) == 0.0
+    assert _worst(runs["fourth"]["ada_nvme"], runs["fourth"]["ada_ref"]) == 0.0
 
 
 def test_keep_last_rotation(runs):

@@ -98,6 +98,7 @@ class SpanReader:
         self._held = 0                      # ring bytes of the batches in flight
         self._tickets = 0                   # reads submitted and not yet waited for (the
         # engine refuses more than its max_inflight: small windows fill a batch with many)
+        stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
 
     def span(self, array: int, lo: int, hi: int) -> Span:
         self.spans.append((array, lo, hi))
@@ -162,7 +163,6 @@ class SpanReader:
         if self._windows is None:
             self._windows = self._iter_windows()
             self._free = list(range(len(self.store.ring)))
-            stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
         while True:
             self._fill()
             if not self._batches:

@@ -12,7 +12,12 @@ The format is described in docs/checkpoint.md.
 Under hybrid sharding (collectives/hybrid.py) the replicas hold the same shards, so only the
 shard group of global rank 0 writes: the checkpoint is the one a plain run over that shard
 group writes, and loads as any other (into hybrid and plain runs alike). The other replicas
-take part in the agreements and learn the outcome.
+take part in the agreements and learn the outcome, for asynchronous saves too (over a gloo
+group of the whole world, _async_executors).
+
+Under offload_optimizer="nvme" the masters and states are Spans of the offload file
+(offloaded.py), read through the store's ring as the file writer reaches them: the rank's
+shard is never in memory whole (an asynchronous save reads them into its host copy).
 """
 
 from __future__ import annotations
