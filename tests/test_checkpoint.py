@@ -8,6 +8,7 @@ with an LR scheduler whose state travels in `extra`. Scenarios (K steps, save, M
     B  fp32, AdamW                    2 ranks stage 3  ->  2 ranks stage 1
     C  fp32, AdamW                    2 ranks stage 2  ->  3 ranks stage 2
     D  fp32, NAdam (generic path)     2 ranks stage 2  ->  3 ranks stage 3  ->  1 rank stage 1
+    E  fp32, AdamW, optimizer on NVMe 2 ranks stage 2  ->  3 ranks stage 3 (both offloaded)
 
 At one world size the resumed run must match the reference to the last bit (the same sums in
 the same order); across world sizes the gradient sums are added in another order: 1e-5.
@@ -42,10 +43,14 @@ SCENARIOS = {  # key: (dtype, optimizer class, [(world size, stage), ...])
     "B": (torch.float32, torch.optim.AdamW, [(2, 3), (2, 1)]),
     "C": (torch.float32, torch.optim.AdamW, [(2, 2), (3, 2)]),
     "D": (torch.float32, torch.optim.NAdam, [(2, 2), (3, 3), (1, 1)]),
+    # offload_optimizer="nvme" in both runs: the save and the load stream the optimizer state
+    # between the offload files and the checkpoint (checkpoint/offloaded.py)
+    "E": (torch.float32, torch.optim.AdamW, [(2, 2), (3, 3)]),
 }
+NVME = {"E"}
 
 
-def build(stage, dtype, opt_cls, seed):
+def build(stage, dtype, opt_cls, seed, nvme_dir=None):
     torch.manual_seed(seed)
     m = models.TiedGPT(n_layer=3)
     m.blocks[1].requires_grad_(False)  # a frozen layer
@@ -57,6 +62,9 @@ def build(stage, dtype, opt_cls, seed):
     # stage 3: units of >= 1000 parameters; parameters under 64 elements are kept whole
     # (the persistent unit, which a load must refresh)
     extra = {"wrap_policy": 1000, "persistence_threshold": 64} if stage == 3 else {}
+    if nvme_dir is not None:
+        os.makedirs(nvme_dir, exist_ok=True)
+        extra.update(offload_optimizer="nvme", offload_dir=nvme_dir)
     model, opt = zero_py.initialize(m, opt_cls, stage=stage, **extra, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     return model, opt, sched
@@ -79,9 +87,9 @@ def full_params(model):
     return None if sd is None else {k: v.float() for k, v in sd.items()}
 
 
-def resume(path, stage, dtype, opt_cls, rank, world):
+def resume(path, stage, dtype, opt_cls, rank, world, nvme_dir=None):
     """A model built from another seed, loaded from `path`; its extra is checked."""
-    model, opt, sched = build(stage, dtype, opt_cls, seed=1)
+    model, opt, sched = build(stage, dtype, opt_cls, seed=1, nvme_dir=nvme_dir)
     extra = zero_py.load_checkpoint(path, model, opt)
     sched.load_state_dict(extra["sched"])
     saved_rank = rank if rank < extra["world"] else 0
@@ -106,12 +114,13 @@ def run_first(rank, world, tmp):
     out = {}
     for key, (dtype, cls, phases) in SCENARIOS.items():
         stage = phases[0][1]
-        model, opt, sched = build(stage, dtype, cls, seed=0)
+        model, opt, sched = build(stage, dtype, cls, seed=0,
+                                  nvme_dir=os.path.join(tmp, "nvme") if key in NVME else None)
         train(model, opt, sched, 0, K, rank, world)
         with torch.no_grad():
             model.marker.copy_(torch.arange(5.0))
         save(os.path.join(tmp, key), model, opt, sched, rank, world)
-        if key in "ABC":
+        if key in "ABCE":
             train(model, opt, sched, K, K + M, rank, world)
             out[key] = full_params(model)
         if key == "C":  # the damaged-checkpoint cases start from these
@@ -243,6 +252,11 @@ def run_second_3(rank, world, tmp):
     model, opt, sched = resume(os.path.join(tmp, "D"), phases[1][1], dtype, cls, rank, world)
     train(model, opt, sched, K, K + M, rank, world)
     save(os.path.join(tmp, "D2"), model, opt, sched, rank, world)
+    dtype, cls, phases = SCENARIOS["E"]
+    model, opt, sched = resume(os.path.join(tmp, "E"), phases[1][1], dtype, cls, rank, world,
+                               nvme_dir=os.path.join(tmp, "nvme"))
+    train(model, opt, sched, K, K + M, rank, world)
+    out["E"] = full_params(model)
     return out
 
 
@@ -261,18 +275,24 @@ def run_third_1(rank, world, tmp):
     out = {"D": full_params(model), "D_ref": full_params(ref)}
     # Adagrad (whose state starts at initial_accumulator_value) with a branch unused before
     # the save: that parameter has no state in the checkpoint and must start fresh after it
+    # (and the same with the optimizer on NVMe: the load writes that initial value into the
+    # offload records)
     finals = []
-    for resume_at in (None, K):
+    os.makedirs(os.path.join(tmp, "nvme1"), exist_ok=True)
+    for resume_at, offload in ((None, {}), (K, {}),
+                               (K, {"offload_optimizer": "nvme",
+                                    "offload_dir": os.path.join(tmp, "nvme1")})):
         torch.manual_seed(0)
         net = models.Branchy()
         net, nopt = zero_py.initialize(net, torch.optim.Adagrad, stage=2, lr=0.05,
-                                       initial_accumulator_value=0.3)
+                                       initial_accumulator_value=0.3, **offload)
         for t in range(2 * K):
             if t == resume_at:
                 zero_py.save_checkpoint(os.path.join(tmp, "ada"), net, nopt)
                 torch.manual_seed(1)
                 net, nopt = zero_py.initialize(models.Branchy(), torch.optim.Adagrad, stage=2,
-                                               lr=0.05, initial_accumulator_value=0.3)
+                                               lr=0.05, initial_accumulator_value=0.3,
+                                               **offload)
                 zero_py.load_checkpoint(os.path.join(tmp, "ada"), net, nopt)
             x, y = models.mlp_batch(torch.Generator().manual_seed(t), d_out=8)
             loss = torch.nn.functional.mse_loss(net(x, use_branch=t >= K), y)
@@ -280,7 +300,7 @@ def run_third_1(rank, world, tmp):
             nopt.step()
             nopt.zero_grad()
         finals.append(full_params(net))
-    out["ada"], out["ada_ref"] = finals[1], finals[0]
+    out["ada"], out["ada_ref"], out["ada_nvme"] = finals[1], finals[0], finals[2]
     return out
 
 
@@ -310,12 +330,17 @@ def test_resume_at_another_world_size(runs):
     assert _worst(runs["third"]["C"], runs["first"]["C"]) < 1e-5
 
 
+def test_resume_under_nvme_offload_at_another_world_size_and_stage(runs):
+    assert _worst(runs["third"]["E"], runs["first"]["E"]) < 1e-5
+
+
 def test_resume_two_ranks_to_three_to_one_on_the_generic_path(runs):
     assert _worst(runs["fourth"]["D"], runs["fourth"]["D_ref"]) < 1e-5
 
 
 def test_state_of_a_parameter_unused_before_the_save_starts_fresh(runs):
     assert _worst(runs["fourth"]["ada"], runs["fourth"]["ada_ref"]) == 0.0
+    assert _worst(runs["fourth"]["ada_nvme"], runs["fourth"]["ada_ref"]) == 0.0
 
 
 def test_keep_last_rotation(runs):

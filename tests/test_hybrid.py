@@ -18,6 +18,7 @@ the norms 1e-2).
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed
 import models
 import zero_py
+import zero_py.checkpoint.save as save_mod
+from zero_py.checkpoint.reader import Checkpoint
 from zero_py.collectives.hybrid import check_mesh
 
 STEPS = 5
@@ -399,13 +402,27 @@ def _checkpoints(rank, world_size, root):
             torch.save(full_dict, os.path.join(root, "full.pt"))
         dist.barrier()
         full_dict = torch.load(os.path.join(root, "full.pt"), weights_only=True)
+        # an asynchronous save of the same state, whose writes wait until training has changed
+        # every parameter and state (stage 2; stage 3 takes the same code path)
+        async_path = os.path.join(root, f"async{stage}")
+        if stage == 2:
+            gate, real = threading.Event(), save_mod.write_tensor_file
+            save_mod.write_tensor_file = lambda *a, g=gate, w=real: g.wait(60) and w(*a)
+            handle = zero_py.save_checkpoint(async_path, model, opt, async_save=True)
         later = torch.Generator().manual_seed(50 + rank)
         _run(model, opt, later, 2)
+        if stage == 2:
+            gate.set()
+            out["async path"] = handle.wait()
+            save_mod.write_tensor_file = real
         want = zero_py.full_state_dict(model)
         out[(stage, "files")] = sorted(f for f in os.listdir(path) if f != "manifest.json")
-        for name, kwargs in (("hybrid", hybrid), ("plain", {})):
+        loads = [(path, "hybrid", hybrid), (path, "plain", {})]
+        if stage == 2:
+            loads += [(async_path, "async hybrid", hybrid), (async_path, "async plain", {})]
+        for path_, name, kwargs in loads:
             m2, o2 = _fresh(kwargs, stage)
-            zero_py.load_checkpoint(path, m2, o2)
+            zero_py.load_checkpoint(path_, m2, o2)
             _run(m2, o2, torch.Generator().manual_seed(50 + rank), 2)
             got = zero_py.full_state_dict(m2)
             if want is not None and got is not None:
@@ -419,6 +436,22 @@ def _checkpoints(rank, world_size, root):
             got = zero_py.full_state_dict(m2)
             if want is not None and got is not None:
                 out[(stage, name)] = max(models.max_rel_diff(got[k], want[k]) for k in want)
+    # an asynchronous save whose write fails on one writing rank: every rank's wait() raises
+    # it, and the checkpoint of that name stays as it was
+    real = save_mod.write_tensor_file
+    if rank == 1:
+        def no_space(*args):
+            raise OSError(28, "No space left on device")
+        save_mod.write_tensor_file = no_space
+    handle = zero_py.save_checkpoint(os.path.join(root, "async2"), model, opt, async_save=True)
+    try:
+        handle.wait()
+        out["async error"] = None
+    except zero_py.CheckpointError as exc:
+        out["async error"] = str(exc)
+    finally:
+        save_mod.write_tensor_file = real
+    out["async kept"] = Checkpoint.open(os.path.join(root, "async2")).manifest["step"]
     # a plain checkpoint into a hybrid run
     torch.manual_seed(0)
     model, opt = zero_py.initialize(models.TiedGPT(n_layer=2), torch.optim.AdamW, stage=2,
@@ -436,8 +469,14 @@ def _checkpoints(rank, world_size, root):
     return out
 
 
-def test_checkpoints_move_between_hybrid_and_plain_runs(tmp_path):
-    results = distributed.run(_checkpoints, 4, str(tmp_path))
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hybrid_ckpt"))
+    return root, distributed.run(_checkpoints, 4, root)
+
+
+def test_checkpoints_move_between_hybrid_and_plain_runs(checkpoints):
+    _, results = checkpoints
     for stage in (2, 3):
         # one replica wrote: the files of a 2-rank run
         assert results[0][(stage, "files")] == ["rank00000.safetensors",
@@ -448,6 +487,17 @@ def test_checkpoints_move_between_hybrid_and_plain_runs(tmp_path):
     assert results[0][(2, "plain")] <= RTOL, results[0]
     assert results[0][(3, "plain")] <= RTOL, results[0]
     assert results[0]["plain into hybrid"] <= RTOL, results[0]
+
+
+def test_async_save_under_hybrid_sharding(checkpoints):
+    root, results = checkpoints
+    for r in results:  # every replica gets the path, or the writers' error
+        assert r["async path"] == os.path.join(root, "async2")
+        assert "rank 1 could not write" in r["async error"] and "No space" in r["async error"]
+        assert r["async kept"] == 3  # the checkpoint of the first asynchronous save
+    # the state of the call, written while training went on, resumes hybrid and plain runs
+    assert results[0][(2, "async hybrid")] <= RTOL, results[0]
+    assert results[0][(2, "async plain")] <= RTOL, results[0]
 
 
 if __name__ == "__main__":

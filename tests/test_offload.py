@@ -21,6 +21,8 @@ import torch
 import distributed
 import models
 import zero_py
+from safetensors.torch import load_file
+
 from zero_py.io.engine import DirectFile
 
 STEPS = 4
@@ -136,6 +138,7 @@ def run_all(rank, world, tmp):
     """Every scenario of this file in one set of processes (process start-up dominates)."""
     out = {"parity": run_parity(rank, world, os.path.join(tmp, "parity")),
            "nvme": run_nvme(rank, world, os.path.join(tmp, "nvme")),
+           "nvme checkpoints": run_nvme_checkpoints(rank, world, os.path.join(tmp, "nvme")),
            "refusals": refusals(rank, world),
            "nvme refusals": nvme_refusals(rank, world, os.path.join(tmp, "refusals")),
            "full disk": full_disk(rank, world, os.path.join(tmp, "full"))}
@@ -350,6 +353,110 @@ def test_nvme_failed_write_keeps_the_last_good_step(nvme):
         assert "NVMe offload file" in r["failed step"] and "last good step" in r["failed step"]
         assert r["kept params"] and r["kept state"]
         assert r["retried"] == 0.0, r["retried"]
+
+
+def run_nvme_checkpoints(rank, world, tmp):
+    """Checkpoints of an optimizer on NVMe copy its masters and states between the offload file
+    and the checkpoint a few records at a time (zero_py/checkpoint/offloaded.py). An fp32 run
+    (the masters are the parameters) saved at step 2, with and without offload; loaded into
+    NVMe and memory at stages 1-3; a load whose offload writes fail on one rank; and the host
+    memory the copy holds at two model sizes."""
+    nvme = {"offload_dir": tmp}
+    out = {}
+    model, opt = build(2, torch.float32, None)
+    train(model, opt, rank, 0, 2)
+    zero_py.save_checkpoint(f"{tmp}/ck_memory", model, opt)
+    train(model, opt, rank, 2, STEPS)
+    reference = full(model)  # a save changes nothing: this is the uninterrupted run
+    model, opt = build(2, torch.float32, "nvme", **nvme)
+    train(model, opt, rank, 0, 2)
+    zero_py.save_checkpoint(f"{tmp}/ck_nvme", model, opt)
+    # the same state saved from NVMe and from memory: the same tensors (the format is one)
+    mine = f"rank{rank:05d}.safetensors"
+    a, b = (load_file(os.path.join(tmp, ck, mine)) for ck in ("ck_nvme", "ck_memory"))
+    out["same files"] = (list(a) == list(b) and any(k.startswith("state/") for k in a)
+                         and all(torch.equal(a[k], b[k]) for k in a))
+    for src, offload, stage in (("nvme", "nvme", 1), ("nvme", "nvme", 3), ("nvme", None, 1),
+                                ("memory", "nvme", 2)):
+        m2, o2 = build(stage, torch.float32, offload, seed=2, **(nvme if offload else {}))
+        zero_py.load_checkpoint(f"{tmp}/ck_{src}", m2, o2)
+        train(m2, o2, rank, 2, STEPS)
+        out[("resume", src, offload, stage)] = worst(full(m2), reference)
+    # a load that fails halfway: rank 1's offload file refuses the records' writes. Every rank
+    # raises, and the optimizer (its current slots) and the parameters are as they were: the
+    # run goes on as if the load had never been tried
+    train(model, opt, rank, 2, 3)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    store = opt._update.store
+    good = store.file
+    if rank == 1:
+        store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
+    try:
+        zero_py.load_checkpoint(f"{tmp}/ck_nvme", model, opt)
+        out["failed load"] = "no error"
+    except zero_py.CheckpointError as exc:
+        out["failed load"] = str(exc)
+    finally:
+        if store.file is not good:
+            store.file.close()
+            store.file = good
+    out["failed load kept params"] = all(torch.equal(params[k], v)
+                                         for k, v in model.state_dict().items())
+    train(model, opt, rank, 3, STEPS)
+    out["after failed load"] = worst(full(model), reference)
+    # host memory: the copy goes through the store's ring whatever the model's size, and never
+    # through resident() (which reads the whole shard in)
+    from zero_py.checkpoint import offloaded
+    from zero_py.optim.streamed import StreamedUpdate
+
+    def whole_shard(self):
+        raise AssertionError("a checkpoint read the offloaded optimizer into memory")
+    real, StreamedUpdate.resident = StreamedUpdate.resident, whole_shard
+    try:
+        for d_model in (32, 128):
+            torch.manual_seed(0)
+            m = models.TiedGPT(n_layer=2, d_model=d_model).to(torch.bfloat16)
+            m, o = zero_py.initialize(m, torch.optim.AdamW, stage=2, lr=1e-3, bucket_bytes=4096,
+                                      offload_optimizer="nvme", **nvme)
+            train(m, o, rank, 0, 1, clip=False)
+            zero_py.save_checkpoint(f"{tmp}/ck_size{d_model}", m, o)
+            saved = dict(offloaded.stats)
+            zero_py.load_checkpoint(f"{tmp}/ck_size{d_model}", m, o)
+            out[("memory", d_model)] = (saved, dict(offloaded.stats),
+                                        o.memory_report()["host_optimizer_states"],
+                                        o.memory_report()["nvme_optimizer_states"])
+    finally:
+        StreamedUpdate.resident = real
+    return out
+
+
+def test_nvme_checkpoints_stream_and_resume_exactly(runs):
+    for r in (x["nvme checkpoints"] for x in runs):
+        assert r["same files"]
+        for key in (("resume", "nvme", "nvme", 1), ("resume", "nvme", "nvme", 3),
+                    ("resume", "nvme", None, 1), ("resume", "memory", "nvme", 2)):
+            assert r[key] == 0.0, (key, r[key])
+
+
+def test_nvme_failed_load_leaves_the_optimizer_as_it_was(runs):
+    for r in (x["nvme checkpoints"] for x in runs):
+        assert "rank 1" in r["failed load"] and "NVMe offload file" in r["failed load"], \
+            r["failed load"]
+        assert r["failed load kept params"]
+        assert r["after failed load"] == 0.0, r["after failed load"]
+
+
+def test_nvme_checkpoint_host_memory_does_not_grow_with_the_model(runs):
+    for r in (x["nvme checkpoints"] for x in runs):
+        (save_s, load_s, ring_s, disk_s) = r[("memory", 32)]
+        (save_l, load_l, ring_l, disk_l) = r[("memory", 128)]
+        assert disk_l > 10 * disk_s and disk_s > 4 * ring_s  # the shard outgrows the ring
+        assert ring_s == ring_l
+        for stats in (save_s, load_s, save_l, load_l):
+            assert 0 < stats["ring_bytes"] <= ring_s and stats["scratch_bytes"] == 0, stats
+        # every byte went through the ring: many more requests for the larger shard
+        assert save_l["requests"] > 4 * save_s["requests"] > 0
+        assert load_l["requests"] > 10 * load_s["requests"] > 0
 
 
 def nvme_refusals(rank, world, tmp):

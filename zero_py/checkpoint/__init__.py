@@ -1,9 +1,10 @@
 """Checkpoints: save_checkpoint / load_checkpoint (any world size, any stage), and the
 readers behind `python -m zero_py consolidate` and `inspect`. Format: docs/checkpoint.md.
 
-Both run with the optimizer resident (ZeroOptimizer.resident(): a no-op, except that under
-offload_optimizer="nvme" the shard's masters and states are read from the offload file for the
-call and written back after it)."""
+Under offload_optimizer="nvme" both copy the rank's masters and states between the offload file
+and the checkpoint's files a few records at a time (offloaded.py), never holding the shard in
+memory. Under offload_params="nvme" the stage-3 parameter shards are resident for the call, and
+overlap_step's early updates not taken by a step are put back first (params_resident())."""
 
 import functools
 
@@ -12,16 +13,16 @@ from zero_py.checkpoint import save as _save
 from zero_py.checkpoint.reader import CheckpointError, optimizer_of
 from zero_py.checkpoint.save import AsyncSave
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "AsyncSave"]
 
-
-def _resident(fn):
+def _params_resident(fn):
     @functools.wraps(fn)
     def call(path, model, optimizer, *args, **kwargs):
-        with optimizer_of(model, optimizer).resident():
+        with optimizer_of(model, optimizer).params_resident():
             return fn(path, model, optimizer, *args, **kwargs)
     return call
 
 
-save_checkpoint = _resident(_save.save_checkpoint)
-load_checkpoint = _resident(_load.load_checkpoint)
+save_checkpoint = _params_resident(_save.save_checkpoint)
+load_checkpoint = _params_resident(_load.load_checkpoint)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "AsyncSave"]

@@ -87,12 +87,22 @@ class TensorFileWriter:
         self._crc = _C.crc32c(view, self._crc)
         self._file.write(view)
 
-    def write(self, tensor: torch.Tensor) -> None:
+    def write(self, tensor) -> None:
+        """The next declared tensor: a tensor, or a source with dtype, numel(),
+        element_size() and parts() (its bytes in order as uint8 CPU tensors: a tensor read
+        from elsewhere as it is written, checkpoint/offloaded.py's Span)."""
         name, n, dtype = self._sizes[self._next]
         if tensor.dtype != dtype or tensor.numel() * tensor.element_size() != n:
             raise ValueError(f"tensor {name!r}: got {tensor.dtype} x {tensor.numel()}, declared "
                              f"{dtype} of {n} bytes")
-        if n:
+        if not isinstance(tensor, torch.Tensor):
+            got = 0
+            for part in tensor.parts():
+                self._put(memoryview(part.numpy()))
+                got += part.numel()
+            if got != n:
+                raise ValueError(f"tensor {name!r}: its source gave {got} bytes, not {n}")
+        elif n:
             host = tensor.detach().reshape(-1)
             if host.device.type != "cpu":
                 host = host.cpu()
@@ -113,8 +123,8 @@ class TensorFileWriter:
 
 def write_tensor_file(path: str, tensors: Sequence[Tuple[str, torch.Tensor]],
                       metadata: Optional[Dict[str, str]] = None) -> Tuple[int, int]:
-    """Writes `tensors` ([(name, tensor)]) as one safetensors file and fsyncs it; returns
-    (bytes, CRC-32C)."""
+    """Writes `tensors` ([(name, tensor or source)], see TensorFileWriter.write) as one
+    safetensors file and fsyncs it; returns (bytes, CRC-32C)."""
     writer = TensorFileWriter(path, [(n, t.dtype, t.shape) for n, t in tensors], metadata)
     try:
         for _, t in tensors:

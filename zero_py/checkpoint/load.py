@@ -23,6 +23,7 @@ import torch
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
+from zero_py.checkpoint.offloaded import streamed, write_records
 from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
 
@@ -118,6 +119,9 @@ class _Plan:
         self.slices: List[Tuple[Held, Dict[str, Any]]] = []      # torch.optim path's states
         self.fresh: Optional[List[torch.Tensor]] = None
         self.segments: list = []
+        # offload_optimizer="nvme": the masters and states go straight to the offload file's
+        # other slots (offloaded.write_records), flipped at the commit
+        self.records = False
 
     def stage(self, ck: Checkpoint, kind: str, name: str, lo: int, hi: int,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -134,6 +138,9 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
         same = entry["dtype"] == plain.dtype_name(h.dtype)
         kind = "param" if same or not entry.get("master") else "master"
         plan.params.append((h, plan.stage(ck, kind, name, h.load_lo, h.load_hi)))
+    if streamed(opt) is not None:
+        plan.records = True
+        return plan
     with_state = {name for name, h in held.items() if h.slice is not None
                   and ck.params[name].get("step") and ck.params[name].get("state")}
     if opt.uses_fused_kernel:
@@ -176,11 +183,27 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
     opt._set_hyperparameters(groups)
     for h, t in plan.params:
         h.load_into.copy_(t)
-    opt._update.reset()
+    if not plan.records:
+        opt._update.reset()
     opt._step_count = [0] * len(opt._step_count)
     for name, h in held.items():
         if h.index is not None:
             opt._step_count[h.index] = int(ck.params[name].get("step", 0))
+    if plan.records:  # written by offloaded.write_records: they become the current ones
+        store = opt._update.store
+        store.flip(range(store.n_chunks))
+    else:
+        _commit_optimizer(opt, plan)
+    for name, buf in persistent_buffers(model).items():
+        buf.copy_(buffers[name])
+    if opt.loss_scaler is not None and man["loss_scaler"] is not None:
+        opt.loss_scaler.load_state_dict(plain.decode(man["loss_scaler"]))
+    opt._sr_seed = opt._rounding_seed_base() + int(man["optimizer"]["rounding_steps"])
+    opt.skipped_steps = int(man["optimizer"]["skipped_steps"])
+
+
+def _commit_optimizer(opt, plan: _Plan) -> None:
+    """The masters and states the plan staged in memory, installed."""
     opt.sync_master_from_params()
     for s, t in plan.masters:
         opt._masters.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(t)
@@ -191,12 +214,6 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
     for h, state in plan.slices:
         opt._install_slice(h.slice, {k: (v.float() if isinstance(v, torch.Tensor) and v.dim()
                                           else v) for k, v in state.items()})
-    for name, buf in persistent_buffers(model).items():
-        buf.copy_(buffers[name])
-    if opt.loss_scaler is not None and man["loss_scaler"] is not None:
-        opt.loss_scaler.load_state_dict(plain.decode(man["loss_scaler"]))
-    opt._sr_seed = opt._rounding_seed_base() + int(man["optimizer"]["rounding_steps"])
-    opt.skipped_steps = int(man["optimizer"]["skipped_steps"])
 
 
 def _read_replicas(ck: Checkpoint, opt, held: Dict[str, Held]) -> None:
@@ -247,6 +264,8 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
             # unchanged world size and layout): it counts once the agreement below says that
             # every file's checksum held
             ck.fill(plan.segments)
+            if plan.records:  # into the offload file's other slots: nothing changes yet
+                write_records(ck, opt, held, {id(h): t for h, t in plan.params})
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
     except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)

@@ -12,7 +12,12 @@ The format is described in docs/checkpoint.md.
 Under hybrid sharding (collectives/hybrid.py) the replicas hold the same shards, so only the
 shard group of global rank 0 writes: the checkpoint is the one a plain run over that shard
 group writes, and loads as any other (into hybrid and plain runs alike). The other replicas
-take part in the agreements and learn the outcome.
+take part in the agreements and learn the outcome, for asynchronous saves too (over a gloo
+group of the whole world, _async_executors).
+
+Under offload_optimizer="nvme" the masters and states are Spans of the offload file
+(offloaded.py), read through the store's ring as the file writer reaches them: the rank's
+shard is never in memory whole (an asynchronous save reads them into its host copy).
 """
 
 from __future__ import annotations
@@ -34,16 +39,36 @@ from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
                                       wait_for_removals, write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
+from zero_py.checkpoint.offloaded import Span, SpanReader, streamed
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
 
 
-def _rank_payload(model, opt, held: Dict[str, Held], extra
-                  ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, Any]]:
-    """This rank's tensors (file order) and its record for the manifest."""
-    tensors: List[Tuple[str, torch.Tensor]] = []
+def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
+    """_slice_state's answer for an optimizer whose state is on NVMe, with Spans of the offload
+    file in place of the master and state tensors (in the same order: the file is the same)."""
+    if opt._step_count[s.param] == 0:
+        return None
+    update, flat = reader.update, opt._flat
+    lo = flat.bucket_shard_offset[s.bucket] + s.piece_lo
+    state: Dict[str, Any] = {}
+    if opt._step_in_state():
+        state["step"] = torch.tensor(float(opt._step_count[s.param]), dtype=torch.float32)
+    for j, key in enumerate(update.keys):
+        state[key] = reader.span(j + 1, lo, lo + s.numel)
+    if opt._masters.dtype_of[s.bucket] is not None:
+        state["master_param"] = reader.span(0, lo, lo + s.numel)
+    return state
+
+
+def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[SpanReader] = None
+                  ) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
+    """This rank's tensors (file order) and its record for the manifest. With `reader` (the
+    optimizer's state is on NVMe), its masters and states are Spans read as the file is
+    written."""
+    tensors: List[Tuple[str, Any]] = []
     pieces: Dict[str, List[int]] = {}
     states: Dict[str, Dict[str, Any]] = {}
     for name, h in held.items():
@@ -53,14 +78,15 @@ def _rank_payload(model, opt, held: Dict[str, Held], extra
         tensors.append((f"param/{name}", h.values))
         if h.slice is None:
             continue
-        state = opt._slice_state(h.slice, copy=False)
+        state = (opt._slice_state(h.slice, copy=False) if reader is None
+                 else _streamed_state(opt, h.slice, reader))
         if state is None:  # not stepped yet: no state
             continue
         keys, scalars = [], {}
         for key, value in state.items():
             if key == "master_param":
                 tensors.append((f"master/{name}", value))
-            elif (isinstance(value, torch.Tensor) and value.dim() == 1
+            elif (isinstance(value, (torch.Tensor, Span)) and len(value.shape) == 1
                   and value.numel() == h.hi - h.lo):
                 keys.append(key)
                 tensors.append((f"state/{key}/{name}", value))
@@ -98,7 +124,7 @@ def _manifest_base(model, opt, held: Dict[str, Held], save_id: str) -> dict:
                  "pieces": []}
         if h.index is not None:
             entry["step"] = opt._step_count[h.index]
-            entry["master"] = opt._masters.piece(fp.param_bucket[h.index]) is not None
+            entry["master"] = opt._masters.dtype_of[fp.param_bucket[h.index]] is not None
         params[name] = entry
     groups = []
     for g in opt.param_groups:
@@ -176,6 +202,14 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     return removed
 
 
+def _host_copy(tensors: List[Tuple[str, Any]]) -> List[Tuple[str, torch.Tensor]]:
+    """An asynchronous save's copy of what it writes, taken before the call returns: tensors
+    copied to host memory, Spans read from the NVMe offload file (the next step overwrites the
+    records they come from)."""
+    return [(name, t.materialize() if isinstance(t, Span) else t.detach().to("cpu", copy=True))
+            for name, t in tensors]
+
+
 class AsyncSave:
     """A save_checkpoint(..., async_save=True) in flight: the rank's file is written, and the
     checkpoint published, on a thread while training goes on. wait() returns the path, or
@@ -212,18 +246,30 @@ def wait_pending(opt) -> None:
         pending._thread.join()
 
 
-def _async_executor(opt):
-    ex = _async_groups.get(opt)
-    if ex is None:
+def _async_executors(opt):
+    """The gloo groups an asynchronous save of `opt` finishes on, made at its first one with
+    the timeout of the optimizer's group (a peer that dies mid-save is noticed as soon as in
+    training): (over the ranks of this rank's shard group, whose writing replica writes; over
+    every rank of a hybrid run, or None without hybrid sharding). Every rank makes both, even
+    where it does not write: torch names a group made with use_local_synchronization by its
+    ranks and the number of groups the process has, so all ranks must keep making as many
+    groups for later ones (the next optimizer's) to match."""
+    pair = _async_groups.get(opt)
+    if pair is None:
         from zero_py.collectives.torch_dist import TorchDistExecutor
 
-        ranks = [opt.executor.global_rank(r) for r in range(opt.executor.world_size)]
-        # the user's timeout of the optimizer's group: a peer that dies mid-save is noticed
-        # as soon as in training
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                               timeout=group_timeout(getattr(opt.executor, "group", None)))
-        ex = _async_groups[opt] = TorchDistExecutor(group, torch.device("cpu"))
-    return ex
+        ex = opt.executor
+        timeout = group_timeout(getattr(ex, "group", None))
+
+        def executor(ranks):
+            group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                                   timeout=timeout)
+            return TorchDistExecutor(group, torch.device("cpu"))
+        hybrid = getattr(ex, "world", None) is not None
+        everyone = executor(list(range(dist.get_world_size()))) if hybrid else None
+        shard = executor([ex.global_rank(r) for r in range(ex.world_size)])
+        pair = _async_groups[opt] = (shard, everyone)
+    return pair
 
 
 def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Optional[dict],
@@ -284,24 +330,31 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
-    if async_save and world is not ex:
-        error = ("async_save=True is not supported under hybrid sharding yet; save with "
-                 "async_save=False")
-    elif keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         error = f"keep_last must be an int >= 1 or None, got {keep_last!r}"
     elif keep_last is not None and not _NUMBERED.match(base):
         error = (f"keep_last needs checkpoint names that end in a number, to tell which are "
                  f"older (e.g. {base}_00100); {base!r} does not")
-    tensors: List[Tuple[str, torch.Tensor]] = []
+    tensors: List[Tuple[str, Any]] = []
     record: Dict[str, Any] = {}
     held: Dict[str, Held] = {}
+    # offload_optimizer="nvme": the masters and states stream from the offload file
+    update = streamed(opt)
+    reader = SpanReader(update) if update is not None else None
     if error is None:
         try:
             held = holdings(model, opt)
             with torch.no_grad():
-                tensors, record = _rank_payload(model, opt, held, extra)
+                tensors, record = _rank_payload(model, opt, held, extra, reader)
+                if async_save and writes:  # training may change it all once this returns
+                    tensors = _host_copy(tensors)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = str(exc)
+        except OSError as exc:  # reading the NVMe offload file
+            error = f"rank {ex.rank} could not read its state for the checkpoint: {exc}"
+        finally:
+            if async_save and reader is not None:
+                reader.close()
     agree(ex, error, "save_checkpoint")
 
     wait_for_removals()  # what the last save replaced is gone before this one writes
@@ -325,25 +378,39 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     if record.get("extra") is not None:
         meta["extra"] = json.dumps(record["extra"])
     manifest = _manifest_base(model, opt, held, save_id) if world.rank == 0 else None
+    if not writes:
+        tensors = []  # another replica writes the files: nothing to copy or keep
     if not async_save:
-        outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta, manifest,
-                           keep_last) if writes else None)
+        try:
+            outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta,
+                               manifest, keep_last) if writes else None)
+        finally:
+            if reader is not None:  # a write that stopped early leaves reads in flight
+                reader.close()
         if world is not ex:  # the writing replica's outcome, on every replica
             outcome = broadcast_json(world, outcome)
         if outcome is not None:
             raise CheckpointError(outcome)
         return path
-    with torch.no_grad():
-        tensors = [(name, t.detach().to("cpu", copy=True)) for name, t in tensors]
-    aex = _async_executor(opt)
+    writers, everyone = _async_executors(opt)
     result: Dict[str, Any] = {}
 
     def run() -> None:
+        outcome = None
         try:
-            result["error"] = _finish(aex, path, tmp, tensors, record, meta, manifest,
-                                      keep_last)
+            if writes:
+                outcome = _finish(writers, path, tmp, tensors, record, meta, manifest,
+                                  keep_last)
         except Exception as exc:  # noqa: BLE001 - a peer that died: the group's error
-            result["error"] = f"save_checkpoint({path}) failed: {type(exc).__name__}: {exc}"
+            outcome = f"save_checkpoint({path}) failed: {type(exc).__name__}: {exc}"
+        if everyone is not None:  # hybrid: every replica learns what the writers found
+            try:
+                said = [e for e in gather_json(everyone, outcome, None) if e]
+                outcome = "; ".join(dict.fromkeys(said)) or None
+            except Exception as exc:  # noqa: BLE001 - a peer that died
+                outcome = outcome or (f"save_checkpoint({path}) failed: "
+                                      f"{type(exc).__name__}: {exc}")
+        result["error"] = outcome
 
     thread = threading.Thread(target=run, name="zero_py-checkpoint-save")
     handle = AsyncSave(path, thread, result)

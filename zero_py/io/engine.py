@@ -76,6 +76,7 @@ class IoEngine:
         if n_threads is None:
             n_threads = min(8, max(2, os.cpu_count() or 2))
         self._engine = _C.IoEngine(int(n_threads), int(max_inflight))
+        self.max_inflight = int(max_inflight)  # submitted and not yet waited for, at most
         self._buffers: Dict[int, torch.Tensor] = {}  # ticket -> buffer kept alive
 
     def _submit(self, op: int, f: DirectFile, buf: torch.Tensor, offset: int) -> int:

@@ -184,12 +184,14 @@ class NvmeStore:
     # -- streaming ------------------------------------------------------------------------------
 
     def stream(self, chunks: Sequence[int], work: Callable[[int, torch.Tensor], None],
-               read: bool = True) -> None:
+               read: bool = True, flip: bool = True) -> None:
         """For each chunk k in order: its current record into a ring buffer (read=False: the
         buffer is handed over uninitialized), work(k, buffer), then the buffer written to the
         record's other slot. Reads run ahead and writes behind, as far as the ring allows. The
-        slots flip when every write has landed; on any error nothing flips (the file still
-        holds the last good records) and the error is raised after the engine is idle."""
+        slots flip when every write has landed (flip=False: the caller flips them later with
+        flip(), e.g. a checkpoint load once every rank agreed); on any error nothing flips (the
+        file still holds the last good records) and the error is raised after the engine is
+        idle."""
         engine, ring = _Checked(self.engine, os.path.dirname(self.path)), self.ring
         free = list(range(len(ring)))
         reads: dict = {}    # chunk -> (ticket, or None when not reading; buffer index)
@@ -229,11 +231,23 @@ class NvmeStore:
         except BaseException:
             self._drain(reads, writes)
             raise
+        if not flip:
+            return
         if self._dirty is not None:  # a transaction flips them at its end
             self._dirty.update(chunks)
             return
+        self.flip(chunks)
+
+    def flip(self, chunks: Iterable[int]) -> None:
+        """Makes the other slot of each chunk the current one (its record written by a
+        stream(..., flip=False) that completed)."""
         for k in chunks:
             self.slot[k] ^= 1
+
+    def array_offset(self, k: int, j: int) -> int:
+        """File offset of array j (0: the master, 1 + i: state i) of chunk k's current record
+        (IO_ALIGN-aligned)."""
+        return self._offset(k, self.slot[k]) + j * self.chunk_numel * 4
 
     def _drain(self, reads: dict, writes: list) -> None:
         """Waits for every request still in flight (their errors are dropped: the first one

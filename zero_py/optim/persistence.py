@@ -2,9 +2,11 @@
 torch's format, the consolidated torch-format dict, loading either at any world size, and the
 per-slice views that checkpoints (zero_py/checkpoint/) read and fill.
 
-Everything here runs with the optimizer resident (ZeroOptimizer.resident(): under
+The state dicts run with the optimizer resident (ZeroOptimizer.resident(): under
 offload_optimizer="nvme" the shard's masters and states are read in for the call and written
-back after it). The dict formats and their checks are in state_dict.py.
+back after it: a state dict is in memory anyway). Checkpoints of such an optimizer stream its
+records instead (zero_py/checkpoint/offloaded.py) and use the per-slice views only when
+resident. The dict formats and their checks are in state_dict.py.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class StateDicts:
         if step == 0:
             return None
         state = self._update.slice_state(s, copy)
-        if self.uses_fused_kernel and self._kind in _STEP_IN_STATE:
+        if self._step_in_state():
             state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
         if "master_param" in state:  # read from NVMe with the slice's state
             return state
@@ -50,6 +52,11 @@ class StateDicts:
             view = master[s.piece_lo:s.piece_hi]
             state["master_param"] = view.clone() if copy else view
         return state
+
+    def _step_in_state(self) -> bool:
+        """Whether _slice_state carries the step as an fp32 tensor (torch.optim's own habit for
+        these classes); a checkpoint that streams the state records it without reading it."""
+        return self.uses_fused_kernel and self._kind in _STEP_IN_STATE
 
     def _install_slice(self, s, state: dict) -> None:
         """Slice s's state from `state` (as _slice_state gives it: per-element tensors of the
@@ -91,24 +98,32 @@ class StateDicts:
     def resident(self):
         """A context in which the optimizer's masters and states are in memory: a no-op, except
         under offload_optimizer="nvme", where they are read from the offload file on entry and
-        written back on exit (state dicts and checkpoints run inside it), and under
+        written back on exit (state dicts run inside it; checkpoints stream the optimizer's
+        records instead, unless called inside it), and under
         offload_params="nvme", where the stage-3 parameter shards are read in and written back
         the same way (ShardedParams.resident). Early updates of overlap_step not yet taken by a
         step are put back first: they are guesses."""
-        if getattr(self, "_early", None) is not None:
-            self._early.discard()
         return self._resident_both()
 
     @contextlib.contextmanager
-    def _resident_both(self):
-        # offload_params="nvme": the stage-3 parameter shards (trainable and frozen) are made
-        # resident with the optimizer (ShardedParams.resident), so checkpoints and state dicts
-        # read and fill them as in memory; entered first, so the optimizer's write-back at the
-        # exit can read the parameters
+    def params_resident(self):
+        """The part of resident() that checkpoints need (they stream the optimizer's NVMe
+        records themselves): overlap_step's early updates not yet taken by a step put back
+        (they are guesses), and under offload_params="nvme" the stage-3 parameter shards
+        (trainable and frozen) read in and written back (ShardedParams.resident)."""
+        if getattr(self, "_early", None) is not None:
+            self._early.discard()
         with contextlib.ExitStack() as stack:
             for storage in (self._flat, getattr(self._flat, "frozen_storage", None)):
                 if getattr(storage, "nvme", None) is not None:
                     stack.enter_context(storage.resident())
+            yield
+
+    @contextlib.contextmanager
+    def _resident_both(self):
+        # the parameter shards first, so the optimizer's write-back at the exit can read them
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.params_resident())
             if isinstance(self._update, StreamedUpdate):
                 stack.enter_context(self._update.resident())
             yield

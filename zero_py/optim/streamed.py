@@ -7,10 +7,11 @@ from, and the new parameter values written to, the parameter pieces (through sma
 staging copies when the parameters are on a GPU), and written back. Nothing of the optimizer
 is held in host memory but the ring.
 
-Everything else an optimizer does with its state (state_dict, load_state_dict, checkpoints)
-runs inside resident(): the shard's masters and states are read into memory, the ordinary
-FusedUpdate code works on them, and on leaving they are written back (the slots flip as after a
-step). Reading one parameter's state (optimizer.state[p]) reads only the chunks it spans.
+State dicts (state_dict, load_state_dict, consolidate_state_dict) run inside resident(): the
+shard's masters and states are read into memory, the ordinary FusedUpdate code works on them,
+and on leaving they are written back (the slots flip as after a step). Checkpoints copy the
+records through the store's ring instead (zero_py/checkpoint/offloaded.py). Reading one
+parameter's state (optimizer.state[p]) reads only the chunks it spans.
 """
 
 from __future__ import annotations

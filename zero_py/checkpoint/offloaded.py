@@ -1,0 +1,265 @@
+"""Checkpoints of an optimizer offloaded to NVMe (offload_optimizer="nvme"): the rank's fp32
+masters and optimizer states copied between the offload file (zero_py/offload/nvme.py) and the
+checkpoint's files a few records at a time, never read whole into memory.
+
+Saving. Each master/<name> and state/<key>/<name> tensor of the rank file is a Span: elements
+[lo, hi) of the shard space in one array of the offload records (0: the master, 1 + i: state i).
+SpanReader reads the spans of one rank file in file order. A span is cut at chunk boundaries
+into windows, each widened to whole IO_ALIGN blocks (the direct-I/O rule), and the windows are
+packed into the store's own ring buffers; the C engine reads up to a ring's worth of windows
+ahead of the one the file writer is copying (and summing) into its staging. The rank file holds
+the same tensors, in the same order, as a save of the resident optimizer.
+
+Loading. write_records assembles each record of the offload file in a ring buffer, chunk after
+chunk: the masters and states of the saved run (read with pread from the checkpoint's files,
+straight into the record where the dtype allows), the values the parameters are about to get
+(masters of what the checkpoint holds no master for), initial states elsewhere, zeros in the
+padding: what a load of the resident optimizer writes back. Each record goes to the slot that
+does not hold the optimizer's current state (NvmeStore.stream(..., flip=False)), and the slots
+flip only in the load's commit, once every rank agreed that the checkpoint is good. A load that
+fails anywhere before that leaves the optimizer's current records as they were.
+
+Host memory either way: the store's ring (there anyway), the file writer's staging (a save) and
+at most one chunk of scratch for a cast (a load), whatever the model's size. `stats` records
+what the last transfer held, for tests and for memory_report-style accounting.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+from collections import deque
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from zero_py import kernels
+from zero_py.checkpoint.reader import Checkpoint
+from zero_py.io.engine import IO_ALIGN
+from zero_py.optim.streamed import StreamedUpdate
+
+# the last save's or load's copy of an offloaded optimizer: the most bytes of the store's ring
+# it held at once ("ring_bytes"), the largest scratch it allocated ("scratch_bytes"), and its
+# requests to the offload file (reads of a save, record writes of a load)
+stats: Dict[str, int] = {"ring_bytes": 0, "scratch_bytes": 0, "requests": 0}
+
+
+def streamed(opt) -> Optional[StreamedUpdate]:
+    """The optimizer's StreamedUpdate when its state is on NVMe and not resident (inside
+    opt.resident() the in-memory paths apply), else None."""
+    update = opt._update
+    if isinstance(update, StreamedUpdate) and not update.is_resident:
+        return update
+    return None
+
+
+class Span:
+    """A checkpoint tensor read from the offload file when the file writer reaches it: what
+    TensorFileWriter.write takes in place of a tensor (dtype, shape, numel, parts())."""
+
+    dtype = torch.float32
+
+    def __init__(self, reader: "SpanReader", index: int, numel: int):
+        self.reader, self.index, self.shape = reader, index, (numel,)
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return 4
+
+    def parts(self) -> Iterator[torch.Tensor]:
+        """The span's bytes in order, as uint8 tensors valid until the next one is asked for."""
+        return self.reader.parts(self.index)
+
+    def materialize(self) -> torch.Tensor:
+        """The span as an fp32 tensor of its own (an asynchronous save's host copy)."""
+        out = torch.empty(self.numel(), dtype=torch.float32)
+        flat, at = out.view(torch.uint8), 0
+        for part in self.parts():
+            flat[at:at + part.numel()].copy_(part)
+            at += part.numel()
+        return out
+
+
+class SpanReader:
+    """The spans of one rank file, read from the offload file in the order they are written
+    (see the module docstring). Spans must be consumed in the order they were made; close()
+    waits for the reads still in flight (the ring is the store's: a step must not reuse a
+    buffer the engine still fills)."""
+
+    def __init__(self, update: StreamedUpdate):
+        self.update, self.store = update, update.store
+        self.spans: List[Tuple[int, int, int]] = []  # (array, shard lo, shard hi)
+        self._windows: Optional[Iterator[tuple]] = None
+        self._next: Optional[tuple] = None  # the window that did not fit the last batch
+        self._batches: deque = deque()      # (buffer, tickets, [(span, view)]) read ahead
+        self._free: List[int] = []
+        self._held = 0                      # ring bytes of the batches in flight
+        self._tickets = 0                   # reads submitted and not yet waited for (the
+        # engine refuses more than its max_inflight: small windows fill a batch with many)
+        stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
+
+    def span(self, array: int, lo: int, hi: int) -> Span:
+        self.spans.append((array, lo, hi))
+        return Span(self, len(self.spans) - 1, hi - lo)
+
+    def _iter_windows(self) -> Iterator[tuple]:
+        cn = self.store.chunk_numel
+        block = IO_ALIGN // 4  # fp32 elements per aligned block
+        for i, (j, lo, hi) in enumerate(self.spans):
+            for k in range(lo // cn, (hi - 1) // cn + 1) if hi > lo else ():
+                base = k * cn
+                a, z = max(lo, base) - base, min(hi, base + cn) - base
+                a0, z0 = a // block * block, min(cn, -(-z // block) * block)
+                yield i, k, j, a, z, a0, z0
+
+    def _error(self, exc: Exception) -> OSError:
+        return OSError(errno.EIO, f"reading the optimizer's NVMe offload file {self.store.path} "
+                                  f"for the checkpoint failed ({exc})")
+
+    def _submit(self) -> None:
+        """Packs the next windows into a free ring buffer and queues their reads."""
+        store = self.store
+        b = self._free.pop(0)
+        buf = store.ring[b]
+        tickets, views, at = [], [], 0
+        while True:
+            w = self._next if self._next is not None else next(self._windows, None)
+            self._next = None
+            if w is None:
+                break
+            i, k, j, a, z, a0, z0 = w
+            nbytes = (z0 - a0) * 4
+            if at + nbytes > buf.numel() or self._tickets >= store.engine.max_inflight:
+                self._next = w  # the next batch's first window
+                break
+            try:
+                tickets.append(store.engine.read(store.file, buf[at:at + nbytes],
+                                                 store.array_offset(k, j) + a0 * 4))
+            except (RuntimeError, ValueError, IndexError) as exc:
+                self._batches.append((b, tickets, views, at))
+                raise self._error(exc) from None
+            views.append((i, buf[at + (a - a0) * 4:at + (z - a0) * 4]))
+            stats["requests"] += 1
+            self._tickets += 1
+            at += nbytes
+        if not views:
+            self._free.append(b)
+            return
+        self._held += at
+        stats["ring_bytes"] = max(stats["ring_bytes"], self._held)
+        self._batches.append((b, tickets, views, at))
+
+    def _fill(self) -> None:
+        while (self._free and self._tickets < self.store.engine.max_inflight
+               and (self._next is not None or self._windows is not None)):
+            before = len(self._batches)
+            self._submit()
+            if len(self._batches) == before:  # no window left
+                break
+
+    def parts(self, index: int) -> Iterator[torch.Tensor]:
+        if self._windows is None:
+            self._windows = self._iter_windows()
+            self._free = list(range(len(self.store.ring)))
+        while True:
+            self._fill()
+            if not self._batches:
+                return
+            b, tickets, views, nbytes = self._batches[0]
+            while tickets:
+                ticket = tickets.pop(0)
+                self._tickets -= 1
+                try:
+                    self.store.engine.wait(ticket)
+                except (RuntimeError, ValueError, IndexError) as exc:
+                    raise self._error(exc) from None
+            while views:
+                i, view = views[0]
+                if i != index:
+                    if i < index:
+                        raise RuntimeError("zero_py: checkpoint spans read out of order; this "
+                                           "is a bug, please report it")
+                    return
+                views.pop(0)
+                yield view
+            self._batches.popleft()
+            self._held -= nbytes
+            self._free.append(b)
+
+    def close(self) -> None:
+        """Waits for every read in flight (their errors dropped: a save that stops early has
+        already failed with its own)."""
+        while self._batches:
+            b, tickets, _, _ = self._batches.popleft()
+            for t in tickets:
+                try:
+                    self.store.engine.wait(t)
+                except (RuntimeError, ValueError, IndexError):
+                    pass
+            self._free.append(b)
+        self._held = self._tickets = 0
+
+
+def write_records(ck: Checkpoint, opt, held, staged) -> None:
+    """A load's optimizer state into the offload file's other slots, record by record (see the
+    module docstring); the caller flips them (NvmeStore.flip) at its commit. `held`: the rank's
+    holdings; `staged`: {id(Held): the staged tensor of the values its parameter gets}."""
+    update = opt._update
+    store, flat = update.store, opt._flat
+    by_param = {h.index: (name, h) for name, h in held.items() if h.slice is not None}
+    with_state = {name for name, h in held.items() if h.slice is not None
+                  and ck.params[name].get("step") and ck.params[name].get("state")}
+    has_master = [d is not None for d in opt._masters.dtype_of]
+    adagrad = update.kind == kernels.OPT_ADAGRAD
+    offsets = list(flat.bucket_shard_offset)
+    stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
+
+    def read(kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        t, segments = ck.stage(kind, name, lo, hi, out)
+        if t is not out:  # stored in another dtype: a chunk's worth of scratch, cast
+            stats["scratch_bytes"] = max(stats["scratch_bytes"], t.numel() * t.element_size())
+        ck.fill(segments)
+        if t is not out:
+            out.copy_(t)
+
+    def fill(k: int, buf: torch.Tensor) -> None:
+        arrays = store.arrays(buf)
+        c = store.chunk_range(k)
+        for a in arrays:
+            a.zero_()
+        # the buckets lie in the shard space in index order: start at the one holding c.start
+        for b in range(max(0, bisect.bisect_right(offsets, c.start) - 1), flat.n_buckets):
+            off = flat.bucket_shard_offset[b]
+            if off >= c.stop:
+                break
+            lo, hi = max(c.start, off), min(c.stop, off + flat.bucket_shard_numel[b])
+            if lo >= hi:
+                continue
+            if adagrad:  # the initial state over the piece, padding included (fresh_states)
+                init = opt.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
+                for a in arrays[1:]:
+                    a[lo - c.start:hi - c.start].fill_(init)
+            for s in flat.slices_of_bucket[b]:
+                x0, x1 = max(off + s.piece_lo, lo), min(off + s.piece_hi, hi)
+                if x0 >= x1:
+                    continue
+                name, h = by_param[s.param]
+                entry = ck.params[name]
+                p0 = s.param_lo + x0 - off - s.piece_lo  # the parameter's elements [p0, p1)
+                p1 = p0 + x1 - x0
+                dst = slice(x0 - c.start, x1 - c.start)
+                if has_master[b] and entry["trainable"]:
+                    read("master" if entry.get("master") else "param", name, p0, p1,
+                         arrays[0][dst])
+                else:  # the master is the value the parameter gets, in its own dtype
+                    t = staged[id(h)][p0 - h.load_lo:p1 - h.load_lo]
+                    arrays[0][dst].copy_(t.to(flat.bucket_dtype(b)))
+                if name in with_state:
+                    for j, key in enumerate(update.keys):
+                        read(f"state/{key}", name, p0, p1, arrays[j + 1][dst])
+        stats["requests"] += 1
+        stats["ring_bytes"] = min(len(store.ring), stats["requests"]) * store.record_bytes
+
+    store.stream(list(range(store.n_chunks)), fill, read=False, flip=False)
