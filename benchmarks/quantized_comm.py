@@ -41,6 +41,11 @@ MODES = {
              "quantized_weights": "bf16"},
     "int8": {"quantized_weights": "int8", "quantized_grads": "int8"},
     "int4": {"quantized_weights": "int8", "quantized_grads": "int4"},
+    # with error feedback: each rank carries its gradients' rounding error to the next step
+    "int8-ef": {"quantized_weights": "int8", "quantized_grads": "int8",
+                "grad_error_feedback": True},
+    "int4-ef": {"quantized_weights": "int8", "quantized_grads": "int4",
+                "grad_error_feedback": True},
     # one side alone, to see where the error enters (not run by default)
     "int8-weights": {"quantized_weights": "int8"},
     "int8-grads": {"quantized_grads": "int8"},
