@@ -13,7 +13,8 @@ import zero_py
 from models import gpt_batch, gpt_loss, tiny_gpt
 from test_quantize import reference_dequantize, reference_quantize
 from zero_py.collectives import TorchDistExecutor
-from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather, packet_bytes,
+from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather,
+                                           layout_align_bytes, packet_bytes,
                                            quantized_all_gather,
                                            quantized_reduce_scatter, residual_numel, spec,
                                            widening_reduce_scatter)
@@ -287,6 +288,47 @@ def test_options_are_checked(single_rank_group):
                            "grad_error_feedback must be")]:
         with pytest.raises(ValueError, match=match):
             zero_py.ZeroOptimizer(p, torch.optim.AdamW, lr=0.1, **kwargs)
+
+
+def test_layout_align_bytes():
+    assert layout_align_bytes(64, 256, True) == 1024
+    assert layout_align_bytes(64, 256, False) == 64  # no quantized wire: the user's
+    assert layout_align_bytes(4096, 256, True) == 4096  # already a multiple
+    assert layout_align_bytes(64, 100, True) == 64  # 400 bytes: no power of two
+    assert layout_align_bytes(64, 2**24, True) == 64  # beyond MAX_BLOCK_ALIGN_BYTES
+
+
+def test_quantized_layout_aligns_parameters_and_shards_to_blocks(single_rank_group):
+    """Every parameter and every rank's piece starts on a block boundary, so that no block
+    holds values of two parameters (sizes chosen to straddle under the default alignment)."""
+    for options, block in [({"quantized_weights": "int8"}, 256),
+                           ({"quantized_grads": "int4", "quantize_block": 32}, 32)]:
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 7, 300, 64)]
+        opt = zero_py.ZeroOptimizer(params, torch.optim.AdamW, lr=0.1, **options)
+        flat = opt._flat
+        assert all(off % block == 0 for off in flat.param_offset)
+        assert all(n % block == 0 for n in flat.bucket_shard_numel)
+
+
+def _small_beside_large(rank, ws):
+    """A LayerNorm-like gain (ones) and its bias (~0.01) side by side: each is quantized with
+    its own scale, so a peer's copy of the bias is within half an int8 step of the bias's own
+    largest value (a shared block would give it the gain's step, 1/254)."""
+    torch.manual_seed(0)
+    gain = torch.nn.Parameter(torch.ones(100))
+    bias = torch.nn.Parameter(torch.randn(100) * 0.01)
+    weight = torch.nn.Parameter(torch.randn(1000) * 0.02)
+    opt = zero_py.ZeroOptimizer([weight, gain, bias], torch.optim.SGD, lr=0.0,
+                                quantized_weights="int8", bucket_bytes=1 << 20)
+    exact = bias.detach().clone()
+    (weight.sum() + gain.sum() + bias.sum()).backward()
+    opt.step()  # lr 0: the publish sends the unchanged values, quantized to the peers
+    err = (bias.detach() - exact).abs().max()
+    assert err <= exact.abs().max() / 254 * (1 + 1e-5), (err, exact.abs().max())
+
+
+def test_small_parameter_beside_a_large_one_keeps_its_own_scale():
+    distributed.run(_small_beside_large, 2)
 
 
 def test_quantized_grads_need_all_to_all():
