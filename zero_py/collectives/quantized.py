@@ -14,6 +14,12 @@ Only the wire is quantized; what a rank owns never is:
   error of the sum is at most sum_r scale_r / 2 over the peers' blocks: with the gradients
   already divided by the world size (the reducer's averaging), that does not grow with N (a
   ring would quantize again at every hop).
+- error feedback (quantized_reduce_scatter's residual, grad_error_feedback): each rank adds
+  what rounding lost from its last contribution to its next, so a gradient below half a step
+  is delayed, not dropped.
+- layout_align_bytes: with a quantized wire the flat layout starts every parameter and every
+  shard on a block boundary, so no block holds two parameters (one of them ~1, the other
+  ~0.01, would be rounded on the first one's step).
 - bf16_all_gather: the weights' wire in bf16 (quantized_weights="bf16"), the own piece exact:
   the baseline that int8 is measured against.
 - widening_reduce_scatter: the input travels in its own dtype (bf16) and is summed in fp32
