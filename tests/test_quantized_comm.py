@@ -354,11 +354,25 @@ def _train(rank, stage, steps, options, dtype=torch.float32):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    return losses, _masters(opt), model, opt
+
+
+def _masters(opt) -> torch.Tensor:
+    """Every parameter's fp32 master, whole, in parameter order: independent of the layout
+    (a quantized wire aligns parameters to blocks). fp32 parameters are their own masters: the
+    pieces, gathered exactly."""
     flat = opt._flat
-    masters = torch.cat([t.float().clone() for t in opt._masters.tensors.values()]
-                        + [flat.bucket_piece(b).float().clone() for b in range(flat.n_buckets)
-                           if flat.bucket_dtype(b) == torch.float32])
-    return losses, masters, model, opt
+    full = {}
+    for b in range(flat.n_buckets):
+        if flat.bucket_dtype(b) == torch.float32 and not flat.params_sharded:
+            piece = flat.bucket_piece(b).clone()
+            full[b] = torch.empty(piece.numel() * flat.world_size)
+            dist.all_gather_into_tensor(full[b], piece)
+    return torch.cat([torch.empty(0)]
+                     + [t.float().clone() for t in opt._masters.tensors.values()]
+                     + [full[flat.param_bucket[i]][lo:lo + n]
+                        for i, (lo, n) in enumerate(zip(flat.param_offset, flat.param_numel))
+                        if flat.param_bucket[i] in full])
 
 
 def _trainings(rank, ws, stage, steps, runs):
