@@ -109,7 +109,9 @@ def train(mode: str, seed: int, args, train_tokens, val_tokens, vocab) -> dict:
     counter = CountingExecutor(TorchDistExecutor())
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, executor=counter,
                                     bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
-                                    weight_decay=0.1, **MODES[mode])
+                                    weight_decay=0.1, **MODES[mode],
+                                    **({"quantize_block": args.quantize_block}
+                                       if args.quantize_block else {}))
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     losses = []
     for step in range(1, args.steps + 1):
@@ -263,6 +265,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bucket-kib", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--quantize-block", type=int, default=0,
+                        help="values per scale in the quantized modes (default: the library's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds (initialization and batches), each a run of every mode")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "plots"))
@@ -294,6 +298,7 @@ def main() -> None:
                    f"--nproc-per-node={ws}", os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                    "--bucket-kib", str(args.bucket_kib), "--lr", str(args.lr),
+                   "--quantize-block", str(args.quantize_block),
                    "--seeds", *map(str, args.seeds), "--modes", *args.modes]
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             with open(out) as f:
