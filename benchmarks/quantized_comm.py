@@ -41,7 +41,17 @@ MODES = {
              "quantized_weights": "bf16"},
     "int8": {"quantized_weights": "int8", "quantized_grads": "int8"},
     "int4": {"quantized_weights": "int8", "quantized_grads": "int4"},
+    # with error feedback: each rank carries its gradients' rounding error to the next step
+    "int8-ef": {"quantized_weights": "int8", "quantized_grads": "int8",
+                "grad_error_feedback": True},
+    "int4-ef": {"quantized_weights": "int8", "quantized_grads": "int4",
+                "grad_error_feedback": True},
+    # one side alone, to see where the error enters (not run by default)
+    "int8-weights": {"quantized_weights": "int8"},
+    "int8-grads": {"quantized_grads": "int8"},
+    "int4-grads": {"quantized_grads": "int4"},
 }
+DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 
 
 class CountingExecutor:
@@ -87,20 +97,22 @@ class CountingExecutor:
             self.bytes[k] = 0
 
 
-def train(mode: str, args, train_tokens, val_tokens, vocab) -> dict:
+def train(mode: str, seed: int, args, train_tokens, val_tokens, vocab) -> dict:
     import zero_py
     from zero_py.collectives import TorchDistExecutor
     from zero_py.examples.demo import TinyGPT, evaluate, get_batch, learning_rate
 
     rank = dist.get_rank()
     block_size = 64
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = TinyGPT(len(vocab), block_size=block_size)
     counter = CountingExecutor(TorchDistExecutor())
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, executor=counter,
                                     bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
-                                    weight_decay=0.1, **MODES[mode])
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+                                    weight_decay=0.1, **MODES[mode],
+                                    **({"quantize_block": args.quantize_block}
+                                       if args.quantize_block else {}))
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
     losses = []
     for step in range(1, args.steps + 1):
         if step == 2:
@@ -128,7 +140,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     train_tokens, val_tokens, vocab = load_corpus()
-    out = {mode: train(mode, args, train_tokens, val_tokens, vocab) for mode in args.modes}
+    out = {str(seed): {mode: train(mode, seed, args, train_tokens, val_tokens, vocab)
+                       for mode in args.modes} for seed in args.seeds}
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -136,27 +149,130 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _row(ws, mode, r, base, bf16):
+def _wire(r) -> float:
     b = r["bytes"]
-    wire = b["reduce-scatter"] + b["all-gather"] + b["all-to-all"]
-    tail = sum(r["losses"][-20:]) / len(r["losses"][-20:])
-    btail = sum(base["losses"][-20:]) / len(base["losses"][-20:])
-    return (f"| {ws} | {mode} | {wire / 1e6:.3f} | {wire / (bf16 or wire):.3f} | "
-            f"{b['other'] / 1e3:.1f} | {tail:.4f} | {100 * (tail / btail - 1):+.2f}% | "
-            f"{r['val']:.4f} | {100 * (r['val'] / base['val'] - 1):+.2f}% |")
+    return b["reduce-scatter"] + b["all-gather"] + b["all-to-all"]
+
+
+def _tail(r) -> float:
+    return sum(r["losses"][-20:]) / len(r["losses"][-20:])
+
+
+def _spread(xs) -> str:
+    """mean, sample std and [min, max] of xs (percent)."""
+    t = torch.tensor(xs, dtype=torch.float64)
+    std = t.std().item() if len(xs) > 1 else float("nan")
+    return f"{t.mean().item():+.2f}% ± {std:.2f} [{t.min().item():+.2f}, {t.max().item():+.2f}]"
+
+
+def report(results) -> None:
+    """Per seed, then over seeds: each mode's final and validation loss against the fp32 run
+    of the same seed (same initialization, same batches), and the fp32 run's own spread over
+    seeds (a difference smaller than that is not a property of the mode)."""
+    print("\nPer seed (final loss: mean train loss of the last 20 steps over ranks):\n")
+    print("| ranks | seed | mode | final loss | vs fp32 | val loss | vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
+    for ws, seeds in results.items():
+        for seed, runs in seeds.items():
+            base = runs.get("fp32")
+            for mode, r in runs.items():
+                b = base or r
+                print(f"| {ws} | {seed} | {mode} | {_tail(r):.4f} | "
+                      f"{100 * (_tail(r) / _tail(b) - 1):+.2f}% | {r['val']:.4f} | "
+                      f"{100 * (r['val'] / b['val'] - 1):+.2f}% |")
+    print("\nOver seeds (vs fp32 of the same seed: mean ± sample std [min, max]):\n")
+    print("| ranks | mode | wire MB/step/rank | x bf16 | all-reduce KB/step | final loss "
+          "(mean) | final vs fp32 | val vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ws, seeds in results.items():
+        runs0 = next(iter(seeds.values()))
+        modes = list(runs0)
+        bf16 = _wire(runs0["bf16"]) if "bf16" in runs0 else None
+        for mode in modes:
+            rs = [seeds[s][mode] for s in seeds]
+            bases = [seeds[s].get("fp32") or seeds[s][mode] for s in seeds]
+            tails = [_tail(r) for r in rs]
+            d_tail = [100 * (_tail(r) / _tail(b) - 1) for r, b in zip(rs, bases)]
+            d_val = [100 * (r["val"] / b["val"] - 1) for r, b in zip(rs, bases)]
+            wire = _wire(rs[0])
+            print(f"| {ws} | {mode} | {wire / 1e6:.3f} | "
+                  f"{wire / bf16 if bf16 else float('nan'):.3f} | "
+                  f"{rs[0]['bytes']['other'] / 1e3:.1f} | {sum(tails) / len(tails):.4f} | "
+                  f"{_spread(d_tail)} | {_spread(d_val)} |")
+        if "fp32" in modes and len(seeds) > 1:
+            tails = torch.tensor([_tail(seeds[s]["fp32"]) for s in seeds], dtype=torch.float64)
+            vals = torch.tensor([seeds[s]["fp32"]["val"] for s in seeds], dtype=torch.float64)
+            print(f"| {ws} | fp32 over seeds | | | | {tails.mean().item():.4f} | "
+                  f"std {100 * tails.std().item() / tails.mean().item():.2f}%, range "
+                  f"{100 * (tails.max() - tails.min()).item() / tails.mean().item():.2f}% | "
+                  f"std {100 * vals.std().item() / vals.mean().item():.2f}%, range "
+                  f"{100 * (vals.max() - vals.min()).item() / vals.mean().item():.2f}% |")
+
+
+def plot(results, directory: str) -> None:
+    """Per world size: each mode's loss curve (mean over seeds, running mean of 10), and its
+    difference from fp32 of the same seed (mean over seeds, the band from min to max)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    os.makedirs(directory, exist_ok=True)
+    k = 10  # a running mean: single batches are noisy
+
+    def smooth(losses):
+        t = torch.tensor(losses, dtype=torch.float64)
+        return torch.nn.functional.avg_pool1d(t[None, None], k, 1)[0, 0]
+
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7.5), squeeze=False)
+    for col, (ws, seeds) in enumerate(results.items()):
+        modes = list(next(iter(seeds.values())))
+        top, bottom = axes[0][col], axes[1][col]
+        for mode in modes:
+            curves = torch.stack([smooth(seeds[s][mode]["losses"]) for s in seeds])
+            steps = list(range(k, curves.shape[1] + k))
+            top.plot(steps, curves.mean(0).tolist(), label=mode)
+            if "fp32" in modes:
+                base = torch.stack([smooth(seeds[s]["fp32"]["losses"]) for s in seeds])
+                rel = 100 * (curves / base - 1)
+                line, = bottom.plot(steps, rel.mean(0).tolist(), label=mode)
+                if len(seeds) > 1:
+                    bottom.fill_between(steps, rel.min(0).values.tolist(),
+                                        rel.max(0).values.tolist(), alpha=0.15,
+                                        color=line.get_color())
+        top.set_title(f"TinyGPT, stage 2, {ws} ranks (gloo), {len(seeds)} seed(s)")
+        top.set_xlabel("step")
+        top.set_ylabel("train loss (mean over ranks and seeds,\nrunning mean of 10)")
+        top.legend()
+        bottom.axhline(0, color="black", linewidth=0.5)
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("train loss vs fp32, same seed (%)\nmean over seeds, band min-max")
+        bottom.set_ylim(-5, 5)
+        bottom.legend()
+    path = os.path.join(directory, "quantized_comm_loss.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bucket-kib", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantize-block", type=int, default=0,
+                        help="values per scale in the quantized modes (default: the library's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="seeds (initialization and batches), each a run of every mode")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "plots"))
     parser.add_argument("--json", help="write every run's numbers here")
+    parser.add_argument("--from-json", nargs="+",
+                        help="report and plot these --json files (merged) instead of running")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,9 +281,16 @@ def main() -> None:
 
     from zero_py.tools.env import cpu_model
 
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.steps} steps, batch "
-          f"{args.batch_size}x64 per rank, stage 2, gloo")
     results = {}
+    if args.from_json:
+        for path in args.from_json:  # later files add seeds and modes
+            with open(path) as f:
+                for ws, seeds in json.load(f).items():
+                    for seed, runs in seeds.items():
+                        results.setdefault(int(ws), {}).setdefault(seed, {}).update(runs)
+        return report(results), plot(results, args.plot)
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.steps} steps, batch "
+          f"{args.batch_size}x64 per rank, stage 2, gloo, seeds {args.seeds}")
     for ws in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
@@ -175,46 +298,16 @@ def main() -> None:
                    f"--nproc-per-node={ws}", os.path.abspath(__file__), "--worker", "--out", out,
                    "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                    "--bucket-kib", str(args.bucket_kib), "--lr", str(args.lr),
-                   "--seed", str(args.seed), "--modes", *args.modes]
+                   "--quantize-block", str(args.quantize_block),
+                   "--seeds", *map(str, args.seeds), "--modes", *args.modes]
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             with open(out) as f:
                 results[ws] = json.load(f)
-    print("\n| ranks | mode | wire MB/step/rank | x bf16 | all-reduce KB/step | final loss "
-          "(last 20) | vs fp32 | val loss | vs fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for ws, runs in results.items():
-        base = runs.get("fp32")
-        bf = runs.get("bf16")
-        bf16 = sum(bf["bytes"][k] for k in ("reduce-scatter", "all-gather", "all-to-all")) \
-            if bf else None
-        for mode, r in runs.items():
-            print(_row(ws, mode, r, base or r, bf16))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({str(k): v for k, v in results.items()}, f)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    os.makedirs(args.plot, exist_ok=True)
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, (ws, runs) in zip(axes[0], results.items()):
-        for mode, r in runs.items():
-            losses = torch.tensor(r["losses"])
-            k = 10  # a running mean: single batches are noisy
-            smooth = torch.nn.functional.avg_pool1d(losses[None, None], k, 1)[0, 0]
-            ax.plot(range(k, len(losses) + 1), smooth.tolist(), label=mode)
-        ax.set_title(f"TinyGPT, stage 2, {ws} ranks (gloo)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("train loss (mean over ranks, running mean of 10)")
-        ax.legend()
-    path = os.path.join(args.plot, "quantized_comm_loss.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"\nwrote {path}")
+        if args.json:  # after each world size: a long run leaves what it finished
+            with open(args.json, "w") as f:
+                json.dump({str(k): v for k, v in results.items()}, f)
+    report(results)
+    plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import zero_py
 from models import gpt_batch, gpt_loss, tiny_gpt
 from test_quantize import reference_dequantize, reference_quantize
 from zero_py.collectives import TorchDistExecutor
-from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather, packet_bytes,
+from zero_py.collectives.quantized import (QuantizedExecutor, bf16_all_gather,
+                                           layout_align_bytes, packet_bytes,
                                            quantized_all_gather,
-                                           quantized_reduce_scatter, spec,
+                                           quantized_reduce_scatter, residual_numel, spec,
                                            widening_reduce_scatter)
 
 
@@ -99,6 +100,90 @@ def _reduce_scatters(rank, ws):
 @pytest.mark.parametrize("ws", [2, 3])
 def test_quantized_reduce_scatter_matches_reference(ws):
     distributed.run(_reduce_scatters, ws)
+
+
+def _feedback_body(rank, ws, n, block, bits):
+    """Two reductions with a residual against the reference: what reaches each peer is the
+    rounding of (chunk + what was owed to it), and the residual keeps what rounding lost."""
+    ex = TorchDistExecutor()
+    residual = torch.zeros(residual_numel(ws, n))
+    owed = torch.zeros(ws, n)  # the reference's residual, one row per peer (own row unused)
+    for call in range(2):
+        x = _data(rank, ws * n, 10 + call)
+        x_before = x.clone()
+        out = torch.empty(n)
+        quantized_reduce_scatter(ex, out, x, block, bits, residual).wait()
+        assert torch.equal(x, x_before)  # the input is left alone
+        sent = torch.zeros(ws, n)  # what this rank sent each peer (the reference)
+        for r in range(ws):
+            if r != rank:
+                want = x[r * n:(r + 1) * n] + owed[r]
+                sent[r] = _ref_roundtrip(want, block, bits)
+                owed[r] = want - sent[r]
+        assert torch.equal(residual, torch.cat([owed[r] for r in range(ws) if r != rank]))
+        everyone_sent = torch.empty(ws * ws * n)
+        dist.all_gather_into_tensor(everyone_sent, sent.reshape(-1))
+        everyone_sent = everyone_sent.reshape(ws, ws, n)
+        want = torch.zeros(n)
+        for r in range(ws):  # rank order, own chunk exact
+            want = want + (x[rank * n:(rank + 1) * n] if r == rank else everyone_sent[r, rank])
+        assert torch.equal(out, want), (out - want).abs().max()
+
+
+def _feedback_bounded(rank, ws, n, block, bits, steps):
+    """The same gradient reduced `steps` times: without feedback a value below half a step is
+    lost every time, so the summed outputs drift from the exact sums linearly in the steps;
+    with it the drift is what is still owed, at most half a step, whatever the steps."""
+    ex = TorchDistExecutor()
+    g = torch.Generator().manual_seed(3 + rank)
+    qmax = 127 if bits == 8 else 7
+    # blocks of one 1.0 among values below half a step: those round to zero every time
+    x = (torch.rand(ws * n, generator=g) * 2 - 1) * (0.45 / qmax)
+    x[::block] = 1.0
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    exact = exact[rank * n:(rank + 1) * n] * steps
+    drift = {}
+    for feedback in (False, True):
+        residual = torch.zeros(residual_numel(ws, n)) if feedback else None
+        total = torch.zeros(n, dtype=torch.float64)
+        for _ in range(steps):
+            out = torch.empty(n)
+            quantized_reduce_scatter(ex, out, x, block, bits, residual).wait()
+            total += out.double()
+        drift[feedback] = float((total - exact).abs().max())
+    half_steps = (ws - 1) * 1.0 / (2 * qmax)  # each peer owes at most half its step
+    assert drift[True] <= half_steps * (1 + 1e-4), drift
+    assert drift[False] > 2 * half_steps, drift  # the data makes the difference plain
+    return drift
+
+
+def _feedback_overflow(rank, ws, n, block):
+    """An inf in a block is sent as NaN (the loss scaler's overflow) and owes nothing after;
+    the other blocks keep their residual."""
+    ex = TorchDistExecutor()
+    residual = torch.zeros(residual_numel(ws, n))
+    x = _data(rank, ws * n, 5)
+    x[::n] = float("inf")  # the first value of every chunk: the first block of each
+    out = torch.empty(n)
+    quantized_reduce_scatter(ex, out, x, block, 8, residual).wait()
+    assert torch.isnan(out[:block]).all() and torch.isfinite(out[block:]).all()
+    for k in range(ws - 1):
+        slot = residual[k * n:(k + 1) * n]
+        assert torch.equal(slot[:block], torch.zeros(block))
+        assert torch.isfinite(slot).all() and slot[block:].abs().max() > 0
+
+
+def _feedbacks(rank, ws):
+    for bits in (8, 4):
+        _feedback_body(rank, ws, 999, 32, bits)
+        _feedback_bounded(rank, ws, 512, 64, bits, 50)
+    _feedback_overflow(rank, ws, 300, 64)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_error_feedback_matches_reference_and_bounds_the_drift(ws):
+    distributed.run(_feedbacks, ws)
 
 
 def _error_body(rank, ws, n, block, bits, group):
@@ -197,9 +282,53 @@ def test_options_are_checked(single_rank_group):
                           ({"quantized_grads": "fp8"}, "quantized_grads must be"),
                           ({"quantized_grads": "int4", "quantize_block": 33}, "even"),
                           ({"quantized_weights": "int8", "quantize_block": 0}, "quantize_block"),
-                          ({"grad_accum_dtype": torch.bfloat16}, "grad_accum_dtype")]:
+                          ({"grad_accum_dtype": torch.bfloat16}, "grad_accum_dtype"),
+                          ({"grad_error_feedback": True}, "needs quantized_grads"),
+                          ({"quantized_grads": "int8", "grad_error_feedback": 1},
+                           "grad_error_feedback must be")]:
         with pytest.raises(ValueError, match=match):
             zero_py.ZeroOptimizer(p, torch.optim.AdamW, lr=0.1, **kwargs)
+
+
+def test_layout_align_bytes():
+    assert layout_align_bytes(64, 256, True) == 1024
+    assert layout_align_bytes(64, 256, False) == 64  # no quantized wire: the user's
+    assert layout_align_bytes(4096, 256, True) == 4096  # already a multiple
+    assert layout_align_bytes(64, 100, True) == 64  # 400 bytes: no power of two
+    assert layout_align_bytes(64, 2**24, True) == 64  # beyond MAX_BLOCK_ALIGN_BYTES
+
+
+def test_quantized_layout_aligns_parameters_and_shards_to_blocks(single_rank_group):
+    """Every parameter and every rank's piece starts on a block boundary, so that no block
+    holds values of two parameters (sizes chosen to straddle under the default alignment)."""
+    for options, block in [({"quantized_weights": "int8"}, 256),
+                           ({"quantized_grads": "int4", "quantize_block": 32}, 32)]:
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 7, 300, 64)]
+        opt = zero_py.ZeroOptimizer(params, torch.optim.AdamW, lr=0.1, **options)
+        flat = opt._flat
+        assert all(off % block == 0 for off in flat.param_offset)
+        assert all(n % block == 0 for n in flat.bucket_shard_numel)
+
+
+def _small_beside_large(rank, ws):
+    """A LayerNorm-like gain (ones) and its bias (~0.01) side by side: each is quantized with
+    its own scale, so a peer's copy of the bias is within half an int8 step of the bias's own
+    largest value (a shared block would give it the gain's step, 1/254)."""
+    torch.manual_seed(0)
+    gain = torch.nn.Parameter(torch.ones(100))
+    bias = torch.nn.Parameter(torch.randn(100) * 0.01)
+    weight = torch.nn.Parameter(torch.randn(1000) * 0.02)
+    opt = zero_py.ZeroOptimizer([weight, gain, bias], torch.optim.SGD, lr=0.0,
+                                quantized_weights="int8", bucket_bytes=1 << 20)
+    exact = bias.detach().clone()
+    (weight.sum() + gain.sum() + bias.sum()).backward()
+    opt.step()  # lr 0: the publish sends the unchanged values, quantized to the peers
+    err = (bias.detach() - exact).abs().max()
+    assert err <= exact.abs().max() / 254 * (1 + 1e-5), (err, exact.abs().max())
+
+
+def test_small_parameter_beside_a_large_one_keeps_its_own_scale():
+    distributed.run(_small_beside_large, 2)
 
 
 def test_quantized_grads_need_all_to_all():
@@ -225,11 +354,25 @@ def _train(rank, stage, steps, options, dtype=torch.float32):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    return losses, _masters(opt), model, opt
+
+
+def _masters(opt) -> torch.Tensor:
+    """Every parameter's fp32 master, whole, in parameter order: independent of the layout
+    (a quantized wire aligns parameters to blocks). fp32 parameters are their own masters: the
+    pieces, gathered exactly."""
     flat = opt._flat
-    masters = torch.cat([t.float().clone() for t in opt._masters.tensors.values()]
-                        + [flat.bucket_piece(b).float().clone() for b in range(flat.n_buckets)
-                           if flat.bucket_dtype(b) == torch.float32])
-    return losses, masters, model, opt
+    full = {}
+    for b in range(flat.n_buckets):
+        if flat.bucket_dtype(b) == torch.float32 and not flat.params_sharded:
+            piece = flat.bucket_piece(b).clone()
+            full[b] = torch.empty(piece.numel() * flat.world_size)
+            dist.all_gather_into_tensor(full[b], piece)
+    return torch.cat([torch.empty(0)]
+                     + [t.float().clone() for t in opt._masters.tensors.values()]
+                     + [full[flat.param_bucket[i]][lo:lo + n]
+                        for i, (lo, n) in enumerate(zip(flat.param_offset, flat.param_numel))
+                        if flat.param_bucket[i] in full])
 
 
 def _trainings(rank, ws, stage, steps, runs):
@@ -270,12 +413,31 @@ def test_stage3_gathers_are_quantized_and_own_shard_exact():
 def test_quantized_training_tracks_the_unquantized_run():
     runs = [{}, {"quantized_weights": "int8", "quantized_grads": "int8"},
             {"quantized_weights": "int8", "quantized_grads": "int4", "quantize_block": 64},
-            {"grad_reduce_dtype": torch.bfloat16, "grad_accum_dtype": torch.float32}]
-    tols = [0.0, 0.01, 0.03, 0.005]
+            {"grad_reduce_dtype": torch.bfloat16, "grad_accum_dtype": torch.float32},
+            {"quantized_weights": "int8", "quantized_grads": "int4",
+             "grad_error_feedback": True}]
+    tols = [0.0, 0.01, 0.03, 0.005, 0.03]
     for rank_runs in distributed.run(_trainings, 2, 2, 8, runs):
         base = rank_runs[0][0][-1]
         for (losses, _), tol in zip(rank_runs[1:], tols[1:]):
             assert abs(losses[-1] - base) <= tol * abs(base), (base, losses)
+
+
+def _feedback_memory(rank, ws):
+    _, _, _, plain = _train(rank, 2, 1, {"quantized_grads": "int4"})
+    _, _, _, fed = _train(rank, 2, 1, {"quantized_grads": "int4", "grad_error_feedback": True})
+    flat = fed._flat
+    # one fp32 residual per peer chunk of every bucket: (N - 1) / N of the gradient buckets
+    want = 4 * sum((ws - 1) * fed._reducer.grads.piece(b).numel()
+                   for b in range(flat.n_buckets))
+    assert want > 0
+    assert fed._reducer.residual_bytes == want
+    assert sum(r.numel() * 4 for r in fed._reducer._residual.values()) == want
+    assert fed.memory_report()["grads"] - plain.memory_report()["grads"] == want
+
+
+def test_error_feedback_memory_is_reported():
+    distributed.run(_feedback_memory, 2)
 
 
 def _bf16_model(rank, ws):

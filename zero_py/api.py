@@ -276,7 +276,11 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                 trainable.append(p)
                 groups_of.append(gi)
     frozen = [p for p in model.parameters() if not p.requires_grad and p.numel() > 0]
-    align = kwargs.get("align_bytes", DEFAULT_ALIGN_BYTES)
+    # the optimizer's own rule: quantization blocks never straddle two parameters
+    align = quantized.layout_align_bytes(
+        kwargs.get("align_bytes", DEFAULT_ALIGN_BYTES),
+        kwargs.get("quantize_block", DEFAULT_QUANTIZE_BLOCK),
+        kwargs.get("quantized_weights") == "int8" or kwargs.get("quantized_grads") is not None)
     meter = GatherMeter()
     n_units = len(units)
     frozen_storage = None

@@ -14,6 +14,12 @@ Only the wire is quantized; what a rank owns never is:
   error of the sum is at most sum_r scale_r / 2 over the peers' blocks: with the gradients
   already divided by the world size (the reducer's averaging), that does not grow with N (a
   ring would quantize again at every hop).
+- error feedback (quantized_reduce_scatter's residual, grad_error_feedback): each rank adds
+  what rounding lost from its last contribution to its next, so a gradient below half a step
+  is delayed, not dropped.
+- layout_align_bytes: with a quantized wire the flat layout starts every parameter and every
+  shard on a block boundary, so no block holds two parameters (one of them ~1, the other
+  ~0.01, would be rounded on the first one's step).
 - bf16_all_gather: the weights' wire in bf16 (quantized_weights="bf16"), the own piece exact:
   the baseline that int8 is measured against.
 - widening_reduce_scatter: the input travels in its own dtype (bf16) and is summed in fp32
@@ -70,6 +76,24 @@ def spec(name: Optional[str], block: int, what: str,
         raise ValueError(f"quantize_block must be even with int4 (two values a byte), got "
                          f"{block}")
     return QuantSpec(bits, block)
+
+
+# the most a layout's alignment is raised for param-aligned blocks (quantize_block <= 16384)
+MAX_BLOCK_ALIGN_BYTES = 1 << 16
+
+
+def layout_align_bytes(align_bytes: int, block: int, quantized: bool) -> int:
+    """The flat layout's alignment with a quantized wire: raised so that every parameter and
+    every shard starts on a block boundary (block x 4 bytes: fp32's block, or two of bf16's),
+    so that no block holds two parameters. A block that did would take its scale from the
+    larger one: a LayerNorm gain (~1) beside its bias (~0.01) or a weight matrix (~0.02)
+    gives those a step of 1/127 (int8), their copies on the peers 20% wrong. Unchanged without
+    a quantized wire, when block x 4 is not a power of two or exceeds MAX_BLOCK_ALIGN_BYTES
+    (then a block may straddle two parameters: docs/scale-out.md)."""
+    want = 4 * block
+    if not quantized or want & (want - 1) or want > MAX_BLOCK_ALIGN_BYTES:
+        return align_bytes
+    return max(align_bytes, want)
 
 
 def packet_bytes(n: int, block: int, bits: int) -> int:
@@ -145,10 +169,24 @@ def bf16_all_gather(executor, output: torch.Tensor, input: torch.Tensor) -> Work
     return Work(work, finish, keep=(send, recv))
 
 
+def residual_numel(world_size: int, n: int) -> int:
+    """Elements of the error-feedback residual of a reduce-scatter whose output has n: one
+    chunk per peer (this rank's own chunk is never quantized)."""
+    return (world_size - 1) * n if world_size > 1 else 0
+
+
 def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor,
-                             block: int, bits: int = 8) -> Work:
+                             block: int, bits: int = 8,
+                             residual: Optional[torch.Tensor] = None) -> Work:
     """output = this rank's chunk of the sum over ranks of `input`, the peers' chunks
-    quantized once on the wire (one all-to-all), summed in fp32 in rank order."""
+    quantized once on the wire (one all-to-all), summed in fp32 in rank order.
+
+    residual (fp32, residual_numel(ws, n), zeros at first): error feedback. What this rank
+    sends a peer is then quantize(chunk + residual's slot of that peer), and the slot keeps
+    what that rounding lost, to be sent with the next reduction of this bucket. The rounding
+    error no longer vanishes in the sum: over steps it reaches the peer (a gradient below half
+    a step is sent when it has added up to one) instead of being dropped every time. A block
+    that overflows (scale NaN) leaves its slot at zero. `input` is never written."""
     ws, me, n = executor.world_size, executor.rank, output.numel()
     if input.numel() != ws * n:
         raise ValueError(f"reduce-scatter input has {input.numel()} elements, not {ws} x {n}")
@@ -156,11 +194,28 @@ def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor
     if ws == 1 or n == 0:
         output.copy_(own)
         return Work(None)
+    if residual is not None and (residual.dtype != torch.float32
+                                 or residual.numel() != residual_numel(ws, n)):
+        raise ValueError(f"the error-feedback residual must be {residual_numel(ws, n)} float32, "
+                         f"got {residual.dtype} x {residual.numel()}")
     p = packet_bytes(n, block, bits)
     send = torch.empty(ws * p, dtype=torch.uint8, device=input.device)
+    sent = None if residual is None else torch.empty(n, dtype=torch.float32,
+                                                     device=input.device)
     for r in range(ws):
-        if r != me:  # this rank's own chunk never leaves it: its slot goes unsent
-            _pack(input[r * n:(r + 1) * n], send[r * p:(r + 1) * p], block, bits)
+        if r == me:  # this rank's own chunk never leaves it: its slot goes unsent
+            continue
+        packet = send[r * p:(r + 1) * p]
+        if residual is None:
+            _pack(input[r * n:(r + 1) * n], packet, block, bits)
+            continue
+        slot = residual[(r - (r > me)) * n:(r - (r > me) + 1) * n]
+        slot.add_(input[r * n:(r + 1) * n])  # what should reach r: its chunk + what is owed
+        _pack(slot, packet, block, bits)
+        _unpack(packet, n, block, bits, sent)  # what will reach it
+        # an overflowed block was sent as NaN (scale NaN): it owes nothing (the loss scaler
+        # skips this step); no test of the scales, which would wait for a device
+        slot.sub_(sent).nan_to_num_(0.0, 0.0, 0.0)
     recv = torch.empty(ws * p, dtype=torch.uint8, device=input.device)
     work = executor.all_to_all(recv, send)
 
@@ -223,7 +278,7 @@ class QuantizedExecutor:
     Everything else is `inner`'s."""
 
     def __init__(self, inner, weights: Optional[QuantSpec] = None,
-                 grads: Optional[QuantSpec] = None):
+                 grads: Optional[QuantSpec] = None, error_feedback: bool = False):
         why = all_to_all_unavailable(inner) if grads is not None and inner.world_size > 1 \
             else None
         if why is not None:
@@ -234,6 +289,8 @@ class QuantizedExecutor:
         self.inner = inner
         self.weights = weights
         self.grads = grads
+        # the caller keeps a residual per reduced buffer and passes it (GradReducer)
+        self.error_feedback = bool(error_feedback) and grads is not None and inner.world_size > 1
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -248,10 +305,14 @@ class QuantizedExecutor:
             return bf16_all_gather(self.inner, output, input)
         return quantized_all_gather(self.inner, output, input, w.block, w.bits)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       residual: Optional[torch.Tensor] = None) -> Work:
+        """residual: the error feedback of this buffer (quantized_reduce_scatter), kept by the
+        caller across calls; used only when the gradients are quantized."""
         g = self.grads
         if g is not None and input.dtype in _QUANTIZABLE and output.dtype in _QUANTIZABLE:
-            return quantized_reduce_scatter(self.inner, output, input, g.block, g.bits)
+            return quantized_reduce_scatter(self.inner, output, input, g.block, g.bits,
+                                            residual if self.error_feedback else None)
         if output.dtype != input.dtype:
             return widening_reduce_scatter(self.inner, output, input)
         return self.inner.reduce_scatter(output, input)
@@ -262,8 +323,8 @@ class QuantizedExecutor:
 
 
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
-         widening: bool = False):
+         widening: bool = False, error_feedback: bool = False):
     """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""
     if weights is None and grads is None and not widening:
         return executor
-    return QuantizedExecutor(executor, weights, grads)
+    return QuantizedExecutor(executor, weights, grads, error_feedback)

@@ -112,6 +112,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             native NCCL one on NCCL 2.7 or newer; refused under hybrid sharding).
         quantize_block: values per scale (default 256; even for int4). Only the wire is
             quantized: the fp32 masters and their update are exact (collectives/quantized.py).
+        grad_error_feedback: with quantized_grads, each rank keeps what rounding its
+            contributions lost (an fp32 residual of the peers' chunks of every bucket:
+            (N - 1) / N of the gradients, counted in memory_report's grads) and adds it to its
+            next contribution, so that no gradient is dropped for being below half a step.
         loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
             scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
         stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
@@ -162,7 +166,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                  grad_reduce_dtype: Optional[torch.dtype] = None,
                  grad_accum_dtype: Optional[torch.dtype] = None,
                  quantized_weights: Optional[str] = None, quantized_grads: Optional[str] = None,
-                 quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
+                 quantize_block: int = DEFAULT_QUANTIZE_BLOCK, grad_error_feedback: bool = False,
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
                  device_mesh=None, hybrid: Optional[str] = None,
@@ -187,6 +191,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                                          quantized_weights=quantized_weights,
                                          quantized_grads=quantized_grads,
                                          quantize_block=quantize_block,
+                                         grad_error_feedback=grad_error_feedback,
                                          loss_scaler=loss_scaler,
                                          offload_optimizer=offload_optimizer,
                                          offload_dir=offload_dir, overlap_step=overlap_step,
@@ -229,6 +234,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                            "grad_accum_dtype": grad_accum_dtype,
                            "quantized_weights": quantized_weights,
                            "quantized_grads": quantized_grads, "quantize_block": quantize_block,
+                           "grad_error_feedback": bool(grad_error_feedback),
                            "stochastic_rounding": bool(stochastic_rounding),
                            "offload_optimizer": offload_optimizer,
                            "overlap_step": overlap_step, **optimizer_kwargs}
@@ -276,7 +282,11 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             self.executor, quantized.spec(quantized_weights, quantize_block, "quantized_weights",
                                           ("bf16", "int8")),
             quantized.spec(quantized_grads, quantize_block, "quantized_grads"),
-            widening=grad_accum_dtype is not None)
+            widening=grad_accum_dtype is not None, error_feedback=grad_error_feedback)
+        # quantization blocks never straddle two parameters (collectives/quantized.py)
+        align_bytes = quantized.layout_align_bytes(
+            align_bytes, quantize_block,
+            quantized_weights == "int8" or quantized_grads is not None)
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
         self._kind = kind
         self.uses_fused_kernel = kind is not None
@@ -312,6 +322,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                         quantized_weights: Optional[str] = None,
                         quantized_grads: Optional[str] = None,
                         quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
+                        grad_error_feedback: bool = False,
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
                         offload_optimizer: Optional[str] = None, offload_dir=None,
                         overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
@@ -336,6 +347,12 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                              f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
         quantized.spec(quantized_weights, quantize_block, "quantized_weights", ("bf16", "int8"))
         quantized.spec(quantized_grads, quantize_block, "quantized_grads")
+        if not isinstance(grad_error_feedback, bool):
+            raise ValueError(f"grad_error_feedback must be True or False, got "
+                             f"{grad_error_feedback!r}")
+        if grad_error_feedback and quantized_grads is None:
+            raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
+                             "it carries the gradients' quantization error to the next step")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         check_offload_optimizer(offload_optimizer, offload_dir)
@@ -723,7 +740,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
 
         params: flat parameter buffers (padding included) and frozen parameters; grads: the
         gradient shard plus the most bucket buffers live at once and the executor's
-        reduce-scatter receive buffers (and, in stage 1, the full param.grad);
+        reduce-scatter receive buffers, the error-feedback residuals of grad_error_feedback
+        (and, in stage 1, the full param.grad);
         optimizer_states: state tensors of this rank's shard and its fp32 masters, on the
         device (0 under offload_optimizer="cpu"); host_optimizer_states: the same in host memory
         under offload (fp32 masters of every bucket, fp32 ones included, and overlap_step's
@@ -743,7 +761,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         psi = sum(fp.param_numel)
         master_psi = sum(n for n, p in zip(fp.param_numel, fp.params) if p.dtype != torch.float32)
         grads = (self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
-                 + getattr(self.executor, "scratch_peak_bytes", 0))  # receive buffers
+                 + getattr(self.executor, "scratch_peak_bytes", 0)  # receive buffers
+                 + self._reducer.residual_bytes)  # grad_error_feedback
         if self.stage == 1:
             grads += param_bytes
         states = self._update.state_bytes()

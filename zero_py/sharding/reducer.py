@@ -44,6 +44,7 @@ import torch
 
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
+from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.layout import FlatLayout
@@ -154,6 +155,10 @@ class GradReducer:
         self._updating = False  # finish() ran: the optimizer may be writing the shards
         self._unused = bytearray(len(flat.params))  # marked unused in this pass
         self._zero_input: Dict[torch.dtype, torch.Tensor] = {}
+        # error feedback of a quantized wire (collectives/quantized.py): bucket -> fp32
+        # residual of the peers' chunks, made at its first reduction and kept across steps
+        self.error_feedback = getattr(executor, "error_feedback", False)
+        self._residual: Dict[int, torch.Tensor] = {}
         if stage == 2:
             for i, p in enumerate(flat.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -369,13 +374,14 @@ class GradReducer:
         what = (f"reduce-scatter of the gradients of "
                 f"{describe(b) if describe is not None else f'bucket {b}'}")
         mirror = self.mirror
+        extra = (self._residual_of(b),) if self.error_feedback else ()  # QuantizedExecutor's
         if not self.grad_shard_valid:
             if mirror is not None:
                 mirror.writing(b)
-            work = issue(what, self.executor.reduce_scatter, piece, buf)
+            work = issue(what, self.executor.reduce_scatter, piece, buf, *extra)
         else:
             tmp = torch.empty_like(piece)
-            work = issue(what, self.executor.reduce_scatter, tmp, buf)
+            work = issue(what, self.executor.reduce_scatter, tmp, buf, *extra)
 
             def accumulate(piece=piece, tmp=tmp) -> None:
                 if mirror is not None:
@@ -383,6 +389,22 @@ class GradReducer:
                 piece.add_(tmp)
             work = Work(work, accumulate, what=what)
         self._in_flight.append((work, buf if pooled else None, b))
+
+    def _residual_of(self, b: int) -> torch.Tensor:
+        r = self._residual.get(b)
+        if r is None:
+            n = residual_numel(self.executor.world_size, self.grads.piece(b).numel())
+            r = self._residual[b] = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
+        return r
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of the error-feedback residuals once every bucket has been reduced."""
+        if not self.error_feedback:
+            return 0
+        ws = self.executor.world_size
+        return 4 * sum(residual_numel(ws, self.grads.piece(b).numel())
+                       for b in range(self.flat.n_buckets))
 
     def _retire(self, block_over: int) -> None:
         """Finishes completed reductions in order, and waits while more than `block_over` are
