@@ -130,7 +130,8 @@ def run_all(rank, world):
     model, opt = build(2, torch.bfloat16, 1.0)
     counts_all, _ = train(model, opt, rank)
     out["half"] = (max(worst(half[0], full(model)), shard_worst(half[3], opt.state_dict())),
-                   half[1], counts_all, half[2], opt.memory_report()["host_optimizer_states"])
+                   half[1], counts_all, half[2], opt.memory_report()["host_optimizer_states"],
+                   opt._flat.shard_numel)
     out["refusals"] = refusals()
     return out
 
@@ -227,10 +228,20 @@ def test_fp16_skipped_steps_discard_the_early_updates(runs):
 
 def test_a_share_bounds_the_buckets_and_the_backup(runs):
     for out in runs:
-        diff, half, every, half_bytes, all_bytes = out["half"]
+        diff, half, every, half_bytes, all_bytes, shard = out["half"]
         assert diff == 0.0
         assert 0 < half[-1][0] < every[-1][0], (half, every)
-        assert half_bytes < all_bytes
+        # the backup: master + AdamW's two states, fp32, per element of the share
+        assert all_bytes - half_bytes == (shard - int(0.5 * shard)) * 12
+
+
+def test_the_estimate_counts_the_backup():
+    base = zero_py.estimate_memory(7e6, world_size=4, stage=2, dtype="bf16", offload="cpu")
+    est = zero_py.estimate_memory(7e6, world_size=4, stage=2, dtype="bf16", offload="cpu",
+                                  overlap_step=1.0)
+    assert est.host - base.host == base.shard_numel * 12
+    with pytest.raises(ValueError, match="offload='cpu'"):
+        zero_py.estimate_memory(7e6, world_size=4, stage=2, overlap_step=1.0)
 
 
 def test_bad_overlap_arguments_are_refused_with_what_to_change(runs):

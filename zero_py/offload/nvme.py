@@ -48,6 +48,31 @@ def record_geometry(shard_numel: int, n_states: int, chunk_bytes: int = DEFAULT_
     return chunk_numel, -(-shard_numel // chunk_numel), chunk_numel * 4 * width
 
 
+def reserved_file(directory: str, kind: str, rank: int, nbytes: int, label: str,
+                  owner: str):
+    """(path, DirectFile) of a new offload file in `directory` with `nbytes` reserved at once
+    (posix_fallocate: a drive too small is an error now, not in the middle of a step) and
+    unlinked at once (the descriptor keeps it; nothing outlives the process). Errors name the
+    file (`label`: "offload", "parameter") or the space asked for `owner`'s file and what to
+    change."""
+    name = f"zero_py-{kind}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    path = os.path.join(directory, name)
+    try:
+        file = DirectFile(path, writable=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise OSError(errno.EIO, f"zero_py: cannot create the NVMe {label} file {path}: "
+                                 f"{exc}") from None
+    os.unlink(path)
+    try:
+        os.posix_fallocate(file.fd, 0, max(nbytes, IO_ALIGN))
+    except OSError as exc:
+        file.close()
+        raise OSError(exc.errno, f"zero_py: cannot reserve {nbytes / 1e9:.2f} GB for {owner} "
+                                 f"NVMe offload file in {directory} ({os.strerror(exc.errno)}): "
+                                 "free space there or choose another offload_dir") from None
+    return path, file
+
+
 def check_offload_dir(offload_dir, who: str = "offload_optimizer") -> str:
     """offload_dir as a path, or a clear error: it must be an existing writable directory.
     `who`: the keyword that needs it, for the error."""
@@ -106,23 +131,9 @@ class NvmeStore:
             flat.shard_numel, n_states, chunk_bytes)
         self.engine = engine or IoEngine(n_threads=min(4, max(2, os.cpu_count() or 2)))
         self._own_engine = engine is None
-        name = f"zero_py-optimizer-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
-        self.path = os.path.join(directory, name)
-        try:
-            self.file = DirectFile(self.path, writable=True)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise OSError(errno.EIO, f"zero_py: cannot create the NVMe offload file "
-                                     f"{self.path}: {exc}") from None
-        os.unlink(self.path)  # the descriptor keeps it; nothing outlives the process
         self.file_bytes = 2 * self.n_chunks * self.record_bytes
-        try:
-            os.posix_fallocate(self.file.fd, 0, self.file_bytes)
-        except OSError as exc:
-            self.file.close()
-            raise OSError(exc.errno, f"zero_py: cannot reserve {self.file_bytes / 1e9:.2f} GB "
-                                     f"for the optimizer's NVMe offload file in {directory} "
-                                     f"({os.strerror(exc.errno)}): free space there or choose "
-                                     "another offload_dir") from None
+        self.path, self.file = reserved_file(directory, "optimizer", rank, self.file_bytes,
+                                             "offload", "the optimizer's")
         self.ring = [aligned_empty(self.record_bytes) for _ in range(ring)]
         self.slot = bytearray(self.n_chunks)  # which slot of each record is current
         # inside transaction(): the chunks written so far (their other slot holds them)

@@ -29,14 +29,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import uuid
 import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zero_py.io.engine import IO_ALIGN, DirectFile, IoEngine, aligned_empty, default_engine
-from zero_py.offload.nvme import check_offload_dir
+from zero_py.io.engine import IO_ALIGN, IoEngine, aligned_empty, default_engine
+from zero_py.offload.nvme import check_offload_dir, reserved_file
 
 # records in host memory: one in use, one read ahead, one being written (env ZP_OFFLOAD_PARAM_RING)
 DEFAULT_PARAM_RING = 3
@@ -76,23 +75,9 @@ class ParamStore:
         # process may make many models; their threads would add up
         self.engine = engine or default_engine()
         kind = "frozen" if what.startswith("frozen") else "params"
-        name = f"zero_py-{kind}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
-        self.path = os.path.join(self.directory, name)
-        try:
-            self.file = DirectFile(self.path, writable=True)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise OSError(errno.EIO, f"zero_py: cannot create the NVMe parameter file "
-                                     f"{self.path}: {exc}") from None
-        os.unlink(self.path)  # the descriptor keeps it; nothing outlives the process
-        weakref.finalize(self, self.file.close)  # nor outlives the store (its space goes)
-        try:
-            os.posix_fallocate(self.file.fd, 0, max(self.file_bytes, IO_ALIGN))
-        except OSError as exc:
-            self.file.close()
-            raise OSError(exc.errno, f"zero_py: cannot reserve {self.file_bytes / 1e9:.2f} GB "
-                                     f"for the {what}' NVMe offload file in {self.directory} "
-                                     f"({os.strerror(exc.errno)}): free space there or choose "
-                                     "another offload_dir") from None
+        self.path, self.file = reserved_file(self.directory, kind, rank, self.file_bytes,
+                                             "parameter", f"the {what}'")
+        weakref.finalize(self, self.file.close)  # the file goes with the store (its space too)
         self.buffer_bytes = max(self.record_bytes, default=IO_ALIGN)
         self.ring = [aligned_empty(self.buffer_bytes) for _ in range(ring)]
         self.slot = bytearray(self.n_buckets)  # which slot of each record is current

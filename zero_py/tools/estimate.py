@@ -180,7 +180,7 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
                     root_unit: int = 0, persistence_threshold: int = 0,
                     prefetch_bytes: Optional[int] = None, gloo: bool = True,
                     shared_memory: bool = True, offload=None,
-                    offload_params=None) -> MemoryEstimate:
+                    offload_params=None, overlap_step: float = 0.0) -> MemoryEstimate:
     """Estimated per-rank bytes of model states under zero_py (see the module docstring).
 
     model_or_param_count: an nn.Module (on any device, the meta device included: only sizes
@@ -197,7 +197,10 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         through /dev/shm (all ranks on one host, the default).
     offload: None, "cpu" or "nvme" (offload_optimizer=); offload_params: None, "cpu" or "nvme"
         (stage 3; "nvme" with offload="nvme"): the offloaded bytes go to `host` and `nvme`
-        instead of the device's terms."""
+        instead of the device's terms. overlap_step (with offload="cpu"): its backup of masters
+        and states for that share of the shard, in `host`."""
+    if overlap_step and offload != "cpu":
+        raise ValueError("overlap_step applies to offload='cpu' (offload_optimizer='cpu')")
     if offload not in (None, "none", "cpu", "nvme"):
         raise ValueError(f"offload must be None, 'cpu' or 'nvme' (offload_optimizer=), got "
                          f"{offload!r}")
@@ -237,12 +240,14 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int, float], world_si
         sizes = _Sizes(trainable, units=[root_unit] + [unit] * (n_units - 1) + [rest])
     est = _estimate(sizes, world_size, stage, dtype, reduce_dtype, state_bytes,
                     bucket_bytes, prefetch_bytes, gloo, shared_memory)
-    est = _offloaded(est, offload, offload_params == "cpu", dtype, reduce_dtype, state_bytes)
+    est = _offloaded(est, offload, offload_params == "cpu", dtype, reduce_dtype, state_bytes,
+                     float(overlap_step))
     return _params_on_nvme(est, sizes, dtype) if offload_params == "nvme" else est
 
 
 def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.dtype,
-               reduce_dtype: torch.dtype, state_bytes: int) -> MemoryEstimate:
+               reduce_dtype: torch.dtype, state_bytes: int,
+               overlap_step: float = 0.0) -> MemoryEstimate:
     """`est` with the offloaded terms moved off the device (see the module docstring)."""
     if offload in (None, "none") and not params_on_host:
         return est
@@ -252,6 +257,7 @@ def _offloaded(est: MemoryEstimate, offload, params_on_host: bool, dtype: torch.
     if offload == "cpu":
         host = shard * (state_bytes + 4) + shard * reduce_dtype.itemsize
         host += 0 if dtype == torch.float32 else shard * dtype.itemsize
+        host += int(overlap_step * shard) * (state_bytes + 4)  # offload/early.py's backup
         states = 0
     elif offload == "nvme":
         from zero_py.offload.nvme import DEFAULT_RING, record_geometry
