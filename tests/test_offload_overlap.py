@@ -21,25 +21,15 @@ import torch
 import distributed
 import models
 import zero_py
-from test_offload import full, worst  # the same comparisons as the offload tests
+from test_offload import build as offload_build, full, worst  # the offload tests'
 
 STEPS = 4
 
 
-def build(stage, dtype, overlap, scaler=None, **kw):
-    torch.manual_seed(0)
-    m = models.TiedGPT(n_layer=2)
-    m.blocks[1].requires_grad_(False)  # a frozen layer
-    m.to(dtype)
-    kw = {"lr": 3e-3, "weight_decay": 0.05, **kw}
-    if dtype != torch.float32:
-        kw["grad_reduce_dtype"] = torch.float32
-    if scaler is not None:
-        kw["loss_scaler"] = scaler
-    extra = ({"wrap_policy": 1000, "persistence_threshold": 64} if stage == 3
-             else {"bucket_bytes": 4096})
-    return zero_py.initialize(m, torch.optim.AdamW, stage=stage, offload_optimizer="cpu",
-                              overlap_step=overlap, **extra, **kw)
+def build(stage, dtype, overlap, scaler=None):
+    """The offload tests' model and optimizer (offload_optimizer="cpu"), with overlap_step."""
+    extra = {} if scaler is None else {"loss_scaler": scaler}
+    return offload_build(stage, dtype, "cpu", overlap_step=overlap, **extra)
 
 
 def train(model, opt, rank, clip=None, no_sync=True, lr_change=False, zero_between=False,

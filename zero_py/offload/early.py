@@ -73,8 +73,7 @@ class EarlyStep:
         flat = host.flat
         self.width = 1 + len(update.keys)
         self.budget_numel = int(share * flat.shard_numel)
-        self.backup = torch.empty(self.budget_numel * self.width, dtype=torch.float32,
-                                  pin_memory=False)
+        self.backup = torch.empty(self.budget_numel * self.width, dtype=torch.float32)
         self._slot: Dict[int, int] = {}  # bucket -> its element offset in the backup, for good
         self._next = 0
         self._jobs: Dict[int, Tuple[concurrent.futures.Future, tuple, object]] = {}
