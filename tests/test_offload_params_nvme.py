@@ -4,10 +4,11 @@ The parameters go through the same kernels and collectives, only read from and w
 bucket by bucket: the result must match the run in memory to the last bit (fp32 and bf16 with fp32
 masters, clipping, accumulation under no_sync, a frozen layer, fp16 with a loss scaler whose first
 steps overflow and are skipped). Optimizer and model state dicts and checkpoints taken under NVMe
-resume in memory, and the other way round, as the run that never stopped. A step whose parameter
-writes fail keeps the last good step (parameters and optimizer states) and can be retried. The
-host memory the library holds for the parameters is its ring, whatever the model's size. Every
-scenario runs in one set of processes (start-up dominates).
+resume in memory, and the other way round, as the run that never stopped; checkpoints copy the
+parameter pieces record by record, never the whole shard, and a failed load changes nothing. A
+step whose parameter writes fail keeps the last good step (parameters and optimizer states) and
+can be retried. The host memory the library holds for the parameters is its ring, whatever the
+model's size. Every scenario runs in one set of processes (start-up dominates).
 """
 
 from __future__ import annotations
@@ -95,6 +96,108 @@ def run_resume(rank, world, tmp):
                 model.blocks[0].mlp[0].weight.fill_(0.25)
     with zero_py.gathered(model):
         out["modified"] = bool((model.blocks[0].mlp[0].weight == 0.25).all())
+    return out
+
+
+def run_checkpoints(rank, world, tmp):
+    """Checkpoints copy the parameter pieces between the parameter files and the checkpoint's
+    files record by record: the whole shard is never read in (resident() fails the test), the
+    rank files hold the same tensors as a save of the resident shards, and a synchronous or an
+    asynchronous save resumes exactly, in memory and on NVMe (fp32: the optimizer's masters
+    come from the parameters; bf16: from the saved masters). A stage-2 checkpoint (another
+    layout) loads on NVMe as in memory. A load whose parameter writes fail on one rank raises on
+    every rank and leaves the model and optimizer as they were."""
+    from safetensors.torch import load_file
+
+    from zero_py.checkpoint.reader import rank_file
+    from zero_py.offload.param_store import ParamStore
+    from zero_py.sharding.storage import ShardedParams
+
+    out = {}
+    real = ShardedParams.resident
+
+    def whole_shard(self):
+        raise AssertionError("a checkpoint read the parameter shards into memory")
+
+    @contextlib.contextmanager
+    def streamed_only():
+        ShardedParams.resident = whole_shard
+        try:
+            yield
+        finally:
+            ShardedParams.resident = real
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model, opt = memory_build(dtype)
+        train(model, opt, rank, 0, STEPS)
+        reference = full(model)
+        model, opt = nvme_build(dtype, tmp)
+        train(model, opt, rank, 0, 2)
+        held = []  # the records the save reads: each once
+        hold = ParamStore.hold
+        ParamStore.hold = lambda self, b: held.append((id(self), b)) or hold(self, b)
+        try:
+            with streamed_only():
+                zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
+        finally:
+            ParamStore.hold = hold
+        stores = (opt._flat.nvme, opt._flat.frozen_storage.nvme)
+        out[("records read", dtype)] = (sorted(held), sorted(
+            (id(st), b) for st in stores for b in range(st.n_buckets) if st.piece_bytes[b]))
+        with opt.resident():
+            zero_py.save_checkpoint(f"{tmp}/ck-resident", model, opt)
+        a, b = (load_file(f"{tmp}/{ck}/{rank_file(rank)}") for ck in ("ck", "ck-resident"))
+        out[("same tensors", dtype)] = (a.keys() == b.keys() and any(k.startswith("param/")
+                                                                     for k in a)
+                                        and all(torch.equal(a[k], b[k]) for k in a))
+        with streamed_only():
+            handle = zero_py.save_checkpoint(f"{tmp}/ck-async", model, opt, async_save=True)
+        train(model, opt, rank, 2, 3)  # training goes on while the file is written
+        handle.wait()
+        for src in ("ck", "ck-async"):
+            for on_nvme in (True, False):
+                m2, o2 = nvme_build(dtype, tmp, seed=2) if on_nvme else memory_build(dtype, seed=2)
+                with streamed_only():
+                    zero_py.load_checkpoint(f"{tmp}/{src}", m2, o2)
+                train(m2, o2, rank, 2, STEPS)
+                out[("resume", src, on_nvme, dtype)] = worst(full(m2), reference)
+    # another stage's layout: the same checkpoint into stage 3 in memory and on NVMe
+    dtype = torch.bfloat16
+    model, opt = build(2, dtype, None)
+    train(model, opt, rank, 0, 2)
+    zero_py.save_checkpoint(f"{tmp}/ck-stage2", model, opt)
+    resumed = {}
+    for on_nvme in (False, True):
+        m2, o2 = nvme_build(dtype, tmp, seed=2) if on_nvme else memory_build(dtype, seed=2)
+        with streamed_only():
+            zero_py.load_checkpoint(f"{tmp}/ck-stage2", m2, o2)
+        train(m2, o2, rank, 2, STEPS)
+        resumed[on_nvme] = full(m2)
+    out["stage 2 into nvme"] = worst(resumed[True], resumed[False])
+    # a load that fails on rank 1 (its parameter file refuses the writes)
+    model, opt = memory_build(dtype)
+    train(model, opt, rank, 0, STEPS)
+    reference = full(model)
+    model, opt = nvme_build(dtype, tmp)
+    train(model, opt, rank, 0, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    store = opt._flat.nvme
+    good = store.file
+    if rank == 1:
+        store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
+    try:
+        zero_py.load_checkpoint(f"{tmp}/ck-stage2", model, opt)
+        out["failed load"] = "no error"
+    except zero_py.CheckpointError as exc:
+        out["failed load"] = str(exc)
+    finally:
+        if store.file is not good:
+            store.file.close()
+            store.file = good
+    out["failed load kept params"] = all(torch.equal(before[k], v)
+                                         for k, v in model.state_dict().items())
+    train(model, opt, rank, 2, STEPS)
+    out["after failed load"] = worst(full(model), reference)
     return out
 
 
@@ -237,7 +340,8 @@ def run_all(rank, world, tmp):
     os.environ["ZP_OFFLOAD_CHUNK_BYTES"] = "12288"  # many optimizer records per bucket
     os.environ["ZP_OFFLOAD_RING"] = "3"
     out = {}
-    for name, fn in (("parity", run_parity), ("resume", run_resume), ("other", run_other_paths),
+    for name, fn in (("parity", run_parity), ("resume", run_resume),
+                     ("checkpoints", run_checkpoints), ("other", run_other_paths),
                      ("failed write", run_failed_write), ("memory", run_memory),
                      ("refusals", run_refusals)):
         # the default ring (reads ahead in the step too) for parity, the tightest elsewhere
@@ -274,6 +378,29 @@ def test_state_dicts_and_checkpoints_move_between_nvme_and_memory(runs):
         for key in keys:
             assert res[key] == 0.0, (key, res[key])
         assert res["modified"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoints_stream_the_parameter_file_and_resume_exactly(runs, dtype):
+    for r in runs:
+        res = r["checkpoints"]
+        assert res[("same tensors", dtype)]
+        read, records = res[("records read", dtype)]
+        assert read == records and len(records) > 2, (set(records) - set(read), len(read), len(records))
+        for src in ("ck", "ck-async"):
+            for on_nvme in (True, False):
+                key = ("resume", src, on_nvme, dtype)
+                assert res[key] == 0.0, (key, res[key])
+        assert res["stage 2 into nvme"] == 0.0, res["stage 2 into nvme"]
+
+
+def test_checkpoint_load_failing_on_one_rank_changes_nothing_on_nvme(runs):
+    for r in runs:
+        res = r["checkpoints"]
+        said = res["failed load"]
+        assert "rank 1" in said and "NVMe offload file of the parameters" in said, said
+        assert res["failed load kept params"]
+        assert res["after failed load"] == 0.0, res["after failed load"]
 
 
 def test_meta_device_model_and_eval_forward_on_nvme(runs):

@@ -1,10 +1,10 @@
 """Checkpoints: save_checkpoint / load_checkpoint (any world size, any stage), and the
 readers behind `python -m zero_py consolidate` and `inspect`. Format: docs/checkpoint.md.
 
-Under offload_optimizer="nvme" both copy the rank's masters and states between the offload file
-and the checkpoint's files a few records at a time (offloaded.py), never holding the shard in
-memory. Under offload_params="nvme" the stage-3 parameter shards are resident for the call, and
-overlap_step's early updates not taken by a step are put back first (params_resident())."""
+Under offload_optimizer="nvme" and offload_params="nvme" both copy the rank's masters, states
+and stage-3 parameter pieces between the offload files and the checkpoint's files a few records
+at a time (offloaded.py), never holding the shard in memory. overlap_step's early updates not
+taken by a step are put back first (discard_early_updates())."""
 
 import functools
 
@@ -14,15 +14,15 @@ from zero_py.checkpoint.reader import CheckpointError, optimizer_of
 from zero_py.checkpoint.save import AsyncSave
 
 
-def _params_resident(fn):
+def _settled(fn):
     @functools.wraps(fn)
     def call(path, model, optimizer, *args, **kwargs):
-        with optimizer_of(model, optimizer).params_resident():
-            return fn(path, model, optimizer, *args, **kwargs)
+        optimizer_of(model, optimizer).discard_early_updates()
+        return fn(path, model, optimizer, *args, **kwargs)
     return call
 
 
-save_checkpoint = _params_resident(_save.save_checkpoint)
-load_checkpoint = _params_resident(_load.load_checkpoint)
+save_checkpoint = _settled(_save.save_checkpoint)
+load_checkpoint = _settled(_load.load_checkpoint)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "AsyncSave"]

@@ -12,13 +12,17 @@ the model (tied parameters once, under their first name) Held says:
   rest, as after a step), the whole parameter for one outside it (replicated, read by every
   rank);
 - the optimizer's ShardSlice for a trainable parameter (its masters and states cover exactly
-  [lo, hi)).
+  [lo, hi));
+- under offload_params="nvme" (outside resident()), the storage whose parameter file holds the
+  values, and the parameter's slice there: they are then in no tensor, so a save reads them
+  from the file's records and a load writes them there (offloaded.py), and `values` and
+  `load_into` are None.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -34,12 +38,14 @@ class Held:
     requires_grad: bool
     lo: int                 # elements [lo, hi) of the flattened parameter are saved here
     hi: int
-    values: torch.Tensor    # those elements, a live 1-D view
+    values: Optional[torch.Tensor]  # those elements, a live 1-D view (None: on_file)
     load_lo: int            # a load fills [load_lo, load_hi) ...
     load_hi: int
-    load_into: torch.Tensor  # ... into this live 1-D view
+    load_into: Optional[torch.Tensor]  # ... into this live 1-D view (None: on_file)
     slice: Optional[ShardSlice]  # the optimizer's slice (trainable parameters), or None
     index: Optional[int]    # index in the optimizer's storage (trainable parameters), or None
+    # (ShardedParams, its ShardSlice or None) when the values are only in its NVMe file
+    on_file: Optional[Tuple[Any, Optional[ShardSlice]]] = None
 
     @property
     def numel(self) -> int:
@@ -67,11 +73,12 @@ def holdings(model: nn.Module, optimizer) -> Dict[str, Held]:
             shape, numel = tuple(storage.param_shapes[i]), storage.param_numel[i]
             s = storage.slice_of_param.get(i)
             lo, hi = (s.param_lo, s.param_hi) if s is not None else (0, 0)
-            values = storage.owned_values(i)
+            on_file = (storage, s) if getattr(storage, "pieces_on_file", False) else None
+            values = None if on_file else storage.owned_values(i)
             load = (lo, hi, values)  # stages 1-2: the storage's all-gather fills the rest
             trainable = storage is flat
             out[name] = Held(name, shape, p.dtype, p.requires_grad, lo, hi, values, *load,
-                             s if trainable else None, i if trainable else None)
+                             s if trainable else None, i if trainable else None, on_file)
             continue
         if not p.is_contiguous():
             raise ValueError(f"parameter {name} is not contiguous; checkpoints need contiguous "

@@ -23,7 +23,7 @@ import torch
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
-from zero_py.checkpoint.offloaded import streamed, write_records
+from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
 
@@ -122,6 +122,10 @@ class _Plan:
         # offload_optimizer="nvme": the masters and states go straight to the offload file's
         # other slots (offloaded.write_records), flipped at the commit
         self.records = False
+        # offload_params="nvme": the parameter values go straight to the parameter files' other
+        # slots (offloaded.write_pieces), flipped at the commit (the storages, once written)
+        self.on_file = False
+        self.piece_files: list = []
 
     def stage(self, ck: Checkpoint, kind: str, name: str, lo: int, hi: int,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -134,10 +138,11 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
     """What this rank reads (its own ranges) and where it goes; reads nothing yet."""
     plan = _Plan()
     for name, h in held.items():
-        entry = ck.params[name]
-        same = entry["dtype"] == plain.dtype_name(h.dtype)
-        kind = "param" if same or not entry.get("master") else "master"
-        plan.params.append((h, plan.stage(ck, kind, name, h.load_lo, h.load_hi)))
+        if h.on_file is not None:  # written to its parameter file (write_pieces)
+            plan.on_file = True
+            continue
+        plan.params.append((h, plan.stage(ck, ck.value_kind(name, h.dtype), name, h.load_lo,
+                                          h.load_hi)))
     if streamed(opt) is not None:
         plan.records = True
         return plan
@@ -183,6 +188,8 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
     opt._set_hyperparameters(groups)
     for h, t in plan.params:
         h.load_into.copy_(t)
+    for storage in plan.piece_files:  # written by offloaded.write_pieces
+        storage.flip_pieces()
     if not plan.records:
         opt._update.reset()
     opt._step_count = [0] * len(opt._step_count)
@@ -227,9 +234,7 @@ def _read_replicas(ck: Checkpoint, opt, held: Dict[str, Held]) -> None:
     for name, h in held.items():
         if h.index is None:
             continue
-        entry = ck.params[name]
-        same = entry["dtype"] == plain.dtype_name(h.dtype)
-        kind = "param" if same or not entry.get("master") else "master"
+        kind = ck.value_kind(name, h.dtype)
         full = flat.param_view(h.index)
         for lo, hi in ((0, h.lo), (h.hi, h.numel)):
             if hi > lo:
@@ -264,7 +269,10 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
             # unchanged world size and layout): it counts once the agreement below says that
             # every file's checksum held
             ck.fill(plan.segments)
-            if plan.records:  # into the offload file's other slots: nothing changes yet
+            # into the offload files' other slots: nothing changes yet
+            if plan.on_file:
+                plan.piece_files = write_pieces(ck, held)
+            if plan.records:
                 write_records(ck, opt, held, {id(h): t for h, t in plan.params})
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
     except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:

@@ -1,6 +1,7 @@
-"""Checkpoints of an optimizer offloaded to NVMe (offload_optimizer="nvme"): the rank's fp32
-masters and optimizer states copied between the offload file (zero_py/offload/nvme.py) and the
-checkpoint's files a few records at a time, never read whole into memory.
+"""Checkpoints of what is offloaded to NVMe: the rank's fp32 masters and optimizer states
+(offload_optimizer="nvme", the offload file of zero_py/offload/nvme.py) and its stage-3
+parameter pieces (offload_params="nvme", zero_py/offload/param_store.py), copied between those
+files and the checkpoint's files a few records at a time, never read whole into memory.
 
 Saving. Each master/<name> and state/<key>/<name> tensor of the rank file is a Span: elements
 [lo, hi) of the shard space in one array of the offload records (0: the master, 1 + i: state i).
@@ -8,7 +9,10 @@ SpanReader reads the spans of one rank file in file order. A span is cut at chun
 into windows, each widened to whole IO_ALIGN blocks (the direct-I/O rule), and the windows are
 packed into the store's own ring buffers; the C engine reads up to a ring's worth of windows
 ahead of the one the file writer is copying (and summing) into its staging. The rank file holds
-the same tensors, in the same order, as a save of the resident optimizer.
+the same tensors, in the same order, as a save of the resident optimizer. Each param/<name>
+tensor of a parameter on NVMe is a Span of its piece's record (PieceReader, one per parameter
+file): a record is read into the parameter store's ring once, the next one read ahead, and held
+while the file writer copies the slices of its parameters.
 
 Loading. write_records assembles each record of the offload file in a ring buffer, chunk after
 chunk: the masters and states of the saved run (read with pread from the checkpoint's files,
@@ -16,12 +20,15 @@ straight into the record where the dtype allows), the values the parameters are 
 (masters of what the checkpoint holds no master for), initial states elsewhere, zeros in the
 padding: what a load of the resident optimizer writes back. Each record goes to the slot that
 does not hold the optimizer's current state (NvmeStore.stream(..., flip=False)), and the slots
-flip only in the load's commit, once every rank agreed that the checkpoint is good. A load that
-fails anywhere before that leaves the optimizer's current records as they were.
+flip only in the load's commit, once every rank agreed that the checkpoint is good.
+write_pieces does the same for the parameter records (ShardedParams.write_pieces_aside, then
+flip_pieces at the commit). A load that fails anywhere before the commit leaves the optimizer's
+and the parameters' current records as they were.
 
-Host memory either way: the store's ring (there anyway), the file writer's staging (a save) and
-at most one chunk of scratch for a cast (a load), whatever the model's size. `stats` records
-what the last transfer held, for tests and for memory_report-style accounting.
+Host memory either way: the stores' rings (there anyway), the file writer's staging (a save) and
+at most one chunk (or one parameter slice) of scratch for a cast (a load), whatever the model's
+size. `stats` records what the last transfer of the optimizer's records held, for tests and for
+memory_report-style accounting.
 """
 
 from __future__ import annotations
@@ -54,27 +61,26 @@ def streamed(opt) -> Optional[StreamedUpdate]:
 
 
 class Span:
-    """A checkpoint tensor read from the offload file when the file writer reaches it: what
-    TensorFileWriter.write takes in place of a tensor (dtype, shape, numel, parts())."""
+    """A checkpoint tensor read from an offload file when the file writer reaches it: what
+    TensorFileWriter.write takes in place of a tensor (dtype, shape, numel, parts()). `reader`
+    (a SpanReader or PieceReader) gives the bytes of its span number `index`."""
 
-    dtype = torch.float32
-
-    def __init__(self, reader: "SpanReader", index: int, numel: int):
-        self.reader, self.index, self.shape = reader, index, (numel,)
+    def __init__(self, reader, index: int, numel: int, dtype: torch.dtype = torch.float32):
+        self.reader, self.index, self.shape, self.dtype = reader, index, (numel,), dtype
 
     def numel(self) -> int:
         return self.shape[0]
 
     def element_size(self) -> int:
-        return 4
+        return self.dtype.itemsize
 
     def parts(self) -> Iterator[torch.Tensor]:
         """The span's bytes in order, as uint8 tensors valid until the next one is asked for."""
         return self.reader.parts(self.index)
 
     def materialize(self) -> torch.Tensor:
-        """The span as an fp32 tensor of its own (an asynchronous save's host copy)."""
-        out = torch.empty(self.numel(), dtype=torch.float32)
+        """The span as a tensor of its own (an asynchronous save's host copy)."""
+        out = torch.empty(self.numel(), dtype=self.dtype)
         flat, at = out.view(torch.uint8), 0
         for part in self.parts():
             flat[at:at + part.numel()].copy_(part)
@@ -202,10 +208,93 @@ class SpanReader:
         self._held = self._tickets = 0
 
 
+class PieceReader:
+    """The param/<name> spans of one rank file whose values are in one ShardedParams' NVMe
+    parameter file, read from its records in file order (see the module docstring): a record is
+    held in the parameter store's ring while consecutive spans lie in it, and the next record
+    the spans need is read ahead meanwhile. close() gives the ring back."""
+
+    def __init__(self, storage):
+        self.store = storage.nvme
+        self.spans: List[Tuple[int, int, int]] = []  # (bucket, piece lo, piece hi)
+        self._next_other: List[Optional[int]] = []   # the next span's bucket other than its own
+        self._held: Optional[Tuple[int, int]] = None  # (bucket, ring buffer)
+
+    def span(self, s, dtype: torch.dtype) -> Span:
+        """The span of ShardSlice `s` (parameter values of `dtype`)."""
+        self.spans.append((s.bucket, s.piece_lo, s.piece_lo + s.numel))
+        return Span(self, len(self.spans) - 1, s.numel, dtype)
+
+    def parts(self, index: int) -> Iterator[torch.Tensor]:
+        if len(self._next_other) != len(self.spans):  # the spans are all made: link them
+            self._next_other = [None] * len(self.spans)
+            for k in range(len(self.spans) - 2, -1, -1):
+                b, c = self.spans[k][0], self.spans[k + 1][0]
+                self._next_other[k] = c if c != b else self._next_other[k + 1]
+        b, lo, hi = self.spans[index]
+        if self._held is not None and self._held[0] != b:
+            self._release()
+        if self._held is None:
+            self._held = (b, self.store.hold(b))
+            ahead = self._next_other[index]
+            if ahead is not None:
+                self.store.read_ahead([ahead])
+        size = self.store.dtype[b].itemsize
+        yield self.store.view(b, self._held[1]).view(torch.uint8)[lo * size:hi * size]
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self.store.release(self._held[1])
+            self._held = None
+
+    def close(self) -> None:
+        self._release()
+
+
+class PieceReaders:
+    """One PieceReader per parameter file that a save's holdings name (Held.on_file)."""
+
+    def __init__(self) -> None:
+        self._readers: Dict[int, PieceReader] = {}
+
+    def span(self, h) -> Span:
+        storage, s = h.on_file
+        reader = self._readers.get(id(storage))
+        if reader is None:
+            reader = self._readers[id(storage)] = PieceReader(storage)
+        return reader.span(s, h.dtype)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+
+def write_pieces(ck: Checkpoint, held) -> list:
+    """A load's parameter values into the other slots of every parameter file that `held` (the
+    rank's holdings) names, bucket by bucket (see the module docstring); returns those storages,
+    whose flip_pieces() the load's commit calls."""
+    files: Dict[int, tuple] = {}
+    for name, h in held.items():
+        if h.on_file is not None:
+            storage, s = h.on_file
+            _, by_param = files.setdefault(id(storage), (storage, {}))
+            if s is not None:
+                by_param[s.param] = (name, h)
+    for storage, by_param in files.values():
+        def fill(b: int, piece: torch.Tensor, storage=storage, by_param=by_param) -> None:
+            for s in storage.slices_of_bucket[b]:
+                name, h = by_param[s.param]
+                ck.read_into(ck.value_kind(name, h.dtype), name, s.param_lo, s.param_hi,
+                             piece[s.piece_lo:s.piece_lo + s.numel])
+        storage.write_pieces_aside(fill)
+    return [storage for storage, _ in files.values()]
+
+
 def write_records(ck: Checkpoint, opt, held, staged) -> None:
     """A load's optimizer state into the offload file's other slots, record by record (see the
     module docstring); the caller flips them (NvmeStore.flip) at its commit. `held`: the rank's
-    holdings; `staged`: {id(Held): the staged tensor of the values its parameter gets}."""
+    holdings; `staged`: {id(Held): the staged tensor of the values its parameter gets} (read
+    from the checkpoint instead for a parameter whose values go to an NVMe parameter file)."""
     update = opt._update
     store, flat = update.store, opt._flat
     by_param = {h.index: (name, h) for name, h in held.items() if h.slice is not None}
@@ -254,7 +343,14 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
                     read("master" if entry.get("master") else "param", name, p0, p1,
                          arrays[0][dst])
                 else:  # the master is the value the parameter gets, in its own dtype
-                    t = staged[id(h)][p0 - h.load_lo:p1 - h.load_lo]
+                    t = staged.get(id(h))
+                    if t is None:  # on a parameter file: as write_pieces reads it
+                        t = torch.empty(p1 - p0, dtype=h.dtype)
+                        stats["scratch_bytes"] = max(stats["scratch_bytes"],
+                                                     t.numel() * t.element_size())
+                        ck.read_into(ck.value_kind(name, h.dtype), name, p0, p1, t)
+                    else:
+                        t = t[p0 - h.load_lo:p1 - h.load_lo]
                     arrays[0][dst].copy_(t.to(flat.bucket_dtype(b)))
                 if name in with_state:
                     for j, key in enumerate(update.keys):

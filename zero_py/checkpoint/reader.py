@@ -197,6 +197,14 @@ class Checkpoint:
                                   f"of {key}")
         return t, segments
 
+    def value_kind(self, name: str, dtype: torch.dtype) -> str:
+        """Where the values a parameter of `dtype` gets are: its saved values ("param"), or its
+        fp32 master ("master") when it was saved in another dtype with one (the master is then
+        the exact value the saved parameter was rounded from)."""
+        entry = self.params[name]
+        same = entry["dtype"] == plain.dtype_name(dtype)
+        return "param" if same or not entry.get("master") else "master"
+
     def fill(self, segments: Sequence["Segment"]) -> None:
         """Reads the segments verify() did not fill, each from its file."""
         for seg in segments:

@@ -17,7 +17,8 @@ group of the whole world, _async_executors).
 
 Under offload_optimizer="nvme" the masters and states are Spans of the offload file
 (offloaded.py), read through the store's ring as the file writer reaches them: the rank's
-shard is never in memory whole (an asynchronous save reads them into its host copy).
+shard is never in memory whole (an asynchronous save reads them into its host copy). Under
+offload_params="nvme" the parameter values are Spans of the parameter files' records, likewise.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
                                       wait_for_removals, write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
-from zero_py.checkpoint.offloaded import Span, SpanReader, streamed
+from zero_py.checkpoint.offloaded import PieceReaders, Span, SpanReader, streamed
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
@@ -63,19 +64,34 @@ def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
     return state
 
 
-def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[SpanReader] = None
+def _record_order(h: Held) -> tuple:
+    """Where a parameter on NVMe sits in its file (trainable before frozen, then bucket and
+    offset); the others after them. A rank file in this order reads each record of the
+    parameter files once (the persistent unit's bucket holds parameters from every block), and
+    the optimizer's records in shard-space order."""
+    if h.on_file is None or h.on_file[1] is None:
+        return (1,)
+    s = h.on_file[1]
+    return (0, h.index is None, s.bucket, s.piece_lo)
+
+
+def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[SpanReader] = None,
+                  records: Optional[PieceReaders] = None
                   ) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
     """This rank's tensors (file order) and its record for the manifest. With `reader` (the
     optimizer's state is on NVMe), its masters and states are Spans read as the file is
-    written."""
+    written; so are the values of parameters on NVMe (Held.on_file), through `records`."""
     tensors: List[Tuple[str, Any]] = []
     pieces: Dict[str, List[int]] = {}
     states: Dict[str, Dict[str, Any]] = {}
-    for name, h in held.items():
+    items = list(held.items())
+    if any(h.on_file is not None for h in held.values()):
+        items.sort(key=lambda item: _record_order(item[1]))
+    for name, h in items:
         if h.hi == h.lo:
             continue
         pieces[name] = [h.lo, h.hi]
-        tensors.append((f"param/{name}", h.values))
+        tensors.append((f"param/{name}", h.values if h.on_file is None else records.span(h)))
         if h.slice is None:
             continue
         state = (opt._slice_state(h.slice, copy=False) if reader is None
@@ -200,6 +216,12 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     if removed:
         fsync_dir(parent)
     return removed
+
+
+def _close(reader: Optional[SpanReader], pieces: PieceReaders) -> None:
+    if reader is not None:
+        reader.close()
+    pieces.close()
 
 
 def _host_copy(tensors: List[Tuple[str, Any]]) -> List[Tuple[str, torch.Tensor]]:
@@ -341,11 +363,12 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     # offload_optimizer="nvme": the masters and states stream from the offload file
     update = streamed(opt)
     reader = SpanReader(update) if update is not None else None
+    pieces = PieceReaders()  # offload_params="nvme": the parameters' records, likewise
     if error is None:
         try:
             held = holdings(model, opt)
             with torch.no_grad():
-                tensors, record = _rank_payload(model, opt, held, extra, reader)
+                tensors, record = _rank_payload(model, opt, held, extra, reader, pieces)
                 if async_save and writes:  # training may change it all once this returns
                     tensors = _host_copy(tensors)
         except (TypeError, ValueError, CheckpointError) as exc:
@@ -353,8 +376,8 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
         except OSError as exc:  # reading the NVMe offload file
             error = f"rank {ex.rank} could not read its state for the checkpoint: {exc}"
         finally:
-            if async_save and reader is not None:
-                reader.close()
+            if async_save:
+                _close(reader, pieces)
     agree(ex, error, "save_checkpoint")
 
     wait_for_removals()  # what the last save replaced is gone before this one writes
@@ -385,8 +408,7 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             outcome = (_finish(getattr(ex, "shard", ex), path, tmp, tensors, record, meta,
                                manifest, keep_last) if writes else None)
         finally:
-            if reader is not None:  # a write that stopped early leaves reads in flight
-                reader.close()
+            _close(reader, pieces)  # a write that stopped early leaves reads in flight
         if world is not ex:  # the writing replica's outcome, on every replica
             outcome = broadcast_json(world, outcome)
         if outcome is not None:

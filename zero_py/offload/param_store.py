@@ -19,7 +19,11 @@ Who reads and writes it (ShardedParams, sharding/storage.py, drives it):
   write leaves the last good parameters on disk (the optimizer's own file, NvmeStore, flips in
   the same step under the same rule);
 - a write of one piece (construction, a load, gathered(modifier_rank)) goes to the other slot
-  and flips once it has landed.
+  and flips once it has landed;
+- a checkpoint's save holds each record in a ring buffer while the file writer copies its
+  parameters' slices (hold / release, the next record read ahead), and its load writes every
+  record to the other slot (write_aside), flipped only at the load's commit (flip), once every
+  rank has agreed that the checkpoint is good.
 
 Host memory is the ring: `ring` buffers of the largest record, whatever the number of units.
 """
@@ -91,7 +95,7 @@ class ParamStore:
     def _offset(self, b: int, slot: int) -> int:
         return self.base[b] + slot * self.record_bytes[b]
 
-    def _view(self, b: int, i: int) -> torch.Tensor:
+    def view(self, b: int, i: int) -> torch.Tensor:
         """Ring buffer i as bucket b's piece (its dtype, its numel)."""
         return self.ring[i][:self.piece_bytes[b]].view(self.dtype[b])
 
@@ -187,9 +191,17 @@ class ParamStore:
             return
         i = self._load(b)
         try:
-            out.copy_(self._view(b, i))
+            out.copy_(self.view(b, i))
         finally:
             self._free.append(i)
+
+    def hold(self, b: int) -> int:
+        """Record b (its last good values) in a ring buffer, read ahead or read now, until
+        release(i): the buffer's index (view(b, i) is the piece). Read only."""
+        return self._load(b)
+
+    def release(self, i: int) -> None:
+        self._free.append(i)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -205,7 +217,7 @@ class ParamStore:
             return
         self._forget(b)
         i = self._take_buffer()
-        view = self._view(b, i)
+        view = self.view(b, i)
         view.copy_(values.reshape(-1))
         self.ring[i][self.piece_bytes[b]:self.record_bytes[b]].zero_()
         self._submit_write(b, i)
@@ -242,6 +254,39 @@ class ParamStore:
             self._free.append(i)
         if first is not None:
             raise first
+
+    def write_aside(self, buckets: Sequence[int], fill) -> None:
+        """Each bucket's piece as fill(b, piece) makes it (the piece zeroed first) written to the
+        slot that is not current, several writes in flight; none becomes current until
+        flip(buckets). Returns once every write has landed; raises the first error after all
+        have ended (the current slots are untouched either way)."""
+        if self._txn is not None:
+            raise RuntimeError("zero_py: a parameter-file transaction is open during a write "
+                               "aside; this is a bug, please report it")
+        try:
+            for b in buckets:
+                if self.piece_bytes[b] == 0:
+                    continue
+                i = self._take_buffer()
+                try:
+                    self.ring[i][:self.record_bytes[b]].zero_()
+                    fill(b, self.view(b, i))
+                except BaseException:
+                    self._free.append(i)
+                    raise
+                self._submit_write(b, i)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self._finish_writes()  # the buffers back; the first error is the one raised
+            raise
+        self._finish_writes()
+
+    def flip(self, buckets: Sequence[int]) -> None:
+        """The slots write_aside wrote become the current ones."""
+        for b in buckets:
+            if self.piece_bytes[b]:
+                self._forget(b)  # a read ahead of the slot that is no longer current
+                self.slot[b] ^= 1
 
     # -- the step's transaction -------------------------------------------------------------
 
@@ -294,7 +339,7 @@ class ParamStore:
         if b in order:
             k = order.index(b)
             self.read_ahead(order[k + 1:k + 2])
-        return self._view(b, i)
+        return self.view(b, i)
 
     def close(self, b: int) -> None:
         """Inside a transaction: bucket b's piece (opened) goes to its other slot (behind)."""

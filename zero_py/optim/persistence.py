@@ -105,14 +105,18 @@ class StateDicts:
         step are put back first: they are guesses."""
         return self._resident_both()
 
-    @contextlib.contextmanager
-    def params_resident(self):
-        """The part of resident() that checkpoints need (they stream the optimizer's NVMe
-        records themselves): overlap_step's early updates not yet taken by a step put back
-        (they are guesses), and under offload_params="nvme" the stage-3 parameter shards
-        (trainable and frozen) read in and written back (ShardedParams.resident)."""
+    def discard_early_updates(self) -> None:
+        """overlap_step's early updates not yet taken by a step put back (they are guesses):
+        what checkpoints and state dicts need before they read the optimizer."""
         if getattr(self, "_early", None) is not None:
             self._early.discard()
+
+    @contextlib.contextmanager
+    def params_resident(self):
+        """The parameter part of resident(): early updates put back (discard_early_updates),
+        and under offload_params="nvme" the stage-3 parameter shards (trainable and frozen)
+        read in and written back (ShardedParams.resident)."""
+        self.discard_early_updates()
         with contextlib.ExitStack() as stack:
             for storage in (self._flat, getattr(self._flat, "frozen_storage", None)):
                 if getattr(storage, "nvme", None) is not None:

@@ -442,6 +442,22 @@ class ShardedParams(FlatLayout):
         finally:
             self._cache.clear()  # copies read during the step may predate its records
 
+    @property
+    def pieces_on_file(self) -> bool:
+        """Whether this rank's pieces are only in the NVMe parameter file now (offload_params=
+        "nvme", outside resident()): checkpoints then copy them to and from its records."""
+        return self.nvme is not None and not self._resident
+
+    def write_pieces_aside(self, fill: Callable[[int, torch.Tensor], None]) -> None:
+        """On NVMe: every bucket's piece as fill(b, piece) makes it, written beside the current
+        one (ParamStore.write_aside); current only after flip_pieces()."""
+        self.nvme.write_aside(range(self.n_buckets), fill)
+
+    def flip_pieces(self) -> None:
+        """The pieces write_pieces_aside wrote become the current ones."""
+        self._cache.clear()
+        self.nvme.flip(range(self.n_buckets))
+
     @contextlib.contextmanager
     def resident(self):
         """On NVMe: the rank's shards in memory for the duration (read in on entry, every
