@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N benchmarks/offload.py steps [--params-m 64] [--dtype bf16]
              [--dir DIR] [--rounds 5]
-    python benchmarks/offload.py rss --params-m 400 [--dir DIR]
+    python benchmarks/offload.py rss --params-m 400 [--dir DIR] [--offload-params nvme]
+             [--steps 4] [--checkpoint DIR]
     torchrun --nproc-per-node N benchmarks/offload.py params [--params-m 64] [--dir DIR]
 
 `steps`: the modes None, "cpu", "cpu+overlap" (overlap_step=1.0: buckets updated on the host
@@ -18,7 +19,10 @@ engine's raw bandwidth on the same file in the same run: the same records read a
 no arithmetic (the ring's pattern) and large sequential direct reads and writes.
 
 `rss`: one rank whose optimizer (fp32 masters and AdamW states: 12 bytes per parameter) lives on
-NVMe, bf16 parameters: the resident memory after each step beside the optimizer's bytes on disk.
+NVMe, bf16 parameters: the resident memory after each step (and its peak within the step)
+beside the optimizer's bytes on disk. `--offload-params nvme`: stage 3 built on the meta device,
+the parameter shards on NVMe too. `--checkpoint DIR`: then a save_checkpoint and a
+load_checkpoint, with the resident memory each adds at its peak.
 
 `params`: stage 3 (each Linear a unit), three modes taking turns as in `steps`: everything in
 memory; the optimizer on NVMe; the optimizer and the parameter shards on NVMe
@@ -217,38 +221,86 @@ def steps(args) -> None:
               f"8 MiB blocks on the same drive: {raw['deepspeed'] / 1e9:.2f} GB/s")
 
 
+def reset_peak() -> bool:
+    """Resets VmHWM to the current VmRSS (Linux: /proc/self/clear_refs, "5"); False where the
+    system refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def rss(args) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
     offload_dir = args.dir or tempfile.mkdtemp(prefix="zp-offload-")
-    model = make_model(args.params_m, torch.bfloat16)
-    _, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-4,
-                                offload_optimizer="nvme", offload_dir=offload_dir)
+    on_nvme = args.offload_params == "nvme"
+    if on_nvme:  # stage 3, built on the meta device: the full model never exists in memory
+        with torch.device("meta"):
+            model = make_model(args.params_m, torch.bfloat16)
+        model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4,
+                                        wrap_policy={torch.nn.Linear},
+                                        offload_optimizer="nvme", offload_params="nvme",
+                                        offload_dir=offload_dir)
+    else:
+        model = make_model(args.params_m, torch.bfloat16)
+        _, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-4,
+                                    offload_optimizer="nvme", offload_dir=offload_dir)
     gen = torch.Generator().manual_seed(0)
     store = opt._update.store
     state = store.file_bytes // 2
-    print(f"# NVMe offload, resident memory: {args.params_m}M bf16 parameters, 1 rank")
+    params_on_disk = opt._flat.nvme.file_bytes // 2 if on_nvme else 0
+    where = ("stage 3, parameter shards on NVMe too (offload_params=\"nvme\")" if on_nvme
+             else "stage 2, parameters in memory")
+    print(f"# NVMe offload, resident memory: {args.params_m}M bf16 parameters, 1 rank, {where}")
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; offload_dir "
-          f"{offload_dir}; optimizer on disk {state / 1e9:.2f} GB (x2 slots); ring "
-          f"{store.host_bytes() / 1e6:.0f} MB")
+          f"{offload_dir}; optimizer on disk {state / 1e9:.2f} GB (x2 slots); parameters on "
+          f"disk {params_on_disk / 1e9:.2f} GB (x2 slots); rings "
+          f"{(store.host_bytes() + opt.memory_report()['host_params']) / 1e6:.0f} MB; "
+          f"VmHWM after construction {proc_status_kib('VmHWM') / 1024:.0f} MB")
     print()
     print("On the CPU the parameters and gradients (the \"device\" side) are host memory too: "
           "the last columns take them out of VmRSS, leaving what the process holds beside "
-          "them (the interpreter, torch, the ring).")
+          "them (the interpreter, torch, the rings).")
     print()
-    print("| step | VmRSS MB | VmHWM MB | optimizer state / VmRSS | device-side MB | "
+    print("| step | VmRSS MB | peak in the step MB | optimizer state / VmRSS | device-side MB | "
           "VmRSS - device-side MB | step (s) |")
     print("|---|---|---|---|---|---|---|")
+    peaks = reset_peak()
     for k in range(args.steps):
         _, st = train_step(model, opt, gen, torch.bfloat16)
         rss_b = proc_status_kib("VmRSS") * 1024
         rep = opt.memory_report()
         device = rep["params"] + rep["grads"] + rep["optimizer_states"]
-        print(f"| {k + 1} | {rss_b / 1e6:.0f} | {proc_status_kib('VmHWM') * 1024 / 1e6:.0f} | "
-              f"{state / rss_b:.2f}x | {device / 1e6:.0f} | {(rss_b - device) / 1e6:.0f} | "
-              f"{st:.2f} |")
+        peak = f"{proc_status_kib('VmHWM') * 1024 / 1e6:.0f}" if peaks else "n/a"
+        print(f"| {k + 1} | {rss_b / 1e6:.0f} | {peak} | {state / rss_b:.2f}x | "
+              f"{device / 1e6:.0f} | {(rss_b - device) / 1e6:.0f} | {st:.2f} |")
         sys.stdout.flush()
+        reset_peak()
+    if args.checkpoint:
+        path = os.path.join(args.checkpoint, "rss_ckpt")
+        print()
+        print("| checkpoint call | s | VmRSS before MB | peak during MB | added MB |")
+        print("|---|---|---|---|---|")
+        for what, call in (("save_checkpoint", zero_py.save_checkpoint),
+                           ("load_checkpoint", zero_py.load_checkpoint)):
+            reset_peak()
+            before = proc_status_kib("VmRSS")
+            t0 = time.perf_counter()
+            call(path, model, opt)
+            took = time.perf_counter() - t0
+            peak = proc_status_kib("VmHWM")
+            print(f"| {what} | {took:.2f} | {before / 1024:.0f} | {peak / 1024:.0f} | "
+                  f"{(peak - before) / 1024:.0f} |")
+            sys.stdout.flush()
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        print(f"\ncheckpoint: {size / 1e9:.2f} GB in {path}")
+        _, st = train_step(model, opt, gen, torch.bfloat16)
+        print(f"a step after the load: {st:.2f} s, VmRSS "
+              f"{proc_status_kib('VmRSS') / 1024:.0f} MB")
 
 
 PARAM_MODES = [("memory", {}), ("opt nvme", {"offload_optimizer": "nvme"}),
@@ -327,6 +379,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="offload_dir (default: a new temp directory)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--offload-params", choices=["none", "nvme"], default="none",
+                    help="rss: stage 3 with the parameter shards on NVMe too")
+    ap.add_argument("--checkpoint", default=None,
+                    help="rss: then save and load a checkpoint in this directory, with the "
+                         "resident memory each call adds")
     args = ap.parse_args()
     {"steps": steps, "rss": rss, "params": params}[args.what](args)
 

@@ -304,12 +304,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)
     opt._engine = engine
     if meta:
-        # on NVMe the shards are filled module by module in memory, then written back
-        with contextlib.ExitStack() as stack:
-            for s in engine.storages:
-                stack.enter_context(s.resident())
-            replay_init(model, engine, uninitialized, init_fn)
-            opt.sync_master_from_params()
+        # on NVMe each bucket's piece is written to its record once filled (filling())
+        replay_init(model, engine, uninitialized, init_fn)
+        opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
     _start_buffers(model, opt, broadcast_buffers)
     if dp.world_size > 1 and _takes_synced_gpus(model):

@@ -245,6 +245,7 @@ class ShardedParams(FlatLayout):
         self._resident = 0  # resident() nesting
         self._open: Dict[int, torch.Tensor] = {}  # pieces opened by update_pieces
         self._cache: Dict[int, torch.Tensor] = {}  # pieces read for bucket_piece, newest last
+        self._filling: Optional[Dict[int, list]] = None  # inside filling(): b -> [piece, params]
         if param_file is not None:
             self.nvme = param_file(self)
         # gather buffers (one per bucket, storage released between uses) and the parameters'
@@ -441,6 +442,48 @@ class ShardedParams(FlatLayout):
                     self.nvme.close(b)
         finally:
             self._cache.clear()  # copies read during the step may predate its records
+
+    @contextlib.contextmanager
+    def filling(self):
+        """A partitioned construction (stage3/meta_init.py) writes its parameters' slices
+        through write_slice inside. On NVMe each bucket's piece is read once, held while its
+        slices arrive, and written as soon as the last one has (the rest on exit), so the host
+        holds the buckets being filled, not the shard. A no-op otherwise."""
+        if not self.pieces_on_file or self._filling is not None:
+            yield
+            return
+        self._filling = {}
+        try:
+            yield
+            for b in list(self._filling):
+                self._write_filled(b)
+        finally:
+            self._filling = None
+
+    def write_slice(self, s, values: torch.Tensor) -> None:
+        """This rank's slice `s` (a ShardSlice) of a parameter set to `values` (its elements
+        [param_lo, param_hi)); on NVMe only inside filling()."""
+        if not self.pieces_on_file:
+            self.shards.piece(s.bucket)[s.piece_lo:s.piece_lo + s.numel].copy_(values)
+            return
+        if self._filling is None:
+            raise RuntimeError("zero_py: a parameter slice on NVMe was written outside "
+                               "filling(); this is a bug, please report it")
+        b = s.bucket
+        entry = self._filling.get(b)
+        if entry is None:
+            piece = torch.empty(self.bucket_shard_numel[b], dtype=self.bucket_dtype(b))
+            self.nvme.read_into(b, piece)
+            entry = self._filling[b] = [piece, set()]
+        entry[0][s.piece_lo:s.piece_lo + s.numel].copy_(values)
+        entry[1].add(s.param)
+        if len(entry[1]) == len(self.slices_of_bucket[b]):
+            self._write_filled(b)
+
+    def _write_filled(self, b: int) -> None:
+        piece, _ = self._filling.pop(b)
+        self._cache.pop(b, None)
+        self.nvme.write(b, piece)
 
     @property
     def pieces_on_file(self) -> bool:

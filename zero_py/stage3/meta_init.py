@@ -50,6 +50,8 @@ same seed."""
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -251,8 +253,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if i is not None:
                 s = storage.slice_of_param.get(i)
                 if s is not None:
-                    storage.shards.piece(s.bucket)[s.piece_lo:s.piece_hi].copy_(
-                        value.reshape(-1)[s.param_lo:s.param_hi])
+                    storage.write_slice(s, value.reshape(-1)[s.param_lo:s.param_hi])
 
     def meta_buffers(m: nn.Module) -> None:
         for name, buf in list(m._buffers.items()):
@@ -352,7 +353,10 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             closed.add(id(p))
 
     snapshots: Dict[int, torch.Tensor] = {}
-    with torch.no_grad():
+    # on NVMe each bucket's piece is written once its slices are all stored (filling())
+    with torch.no_grad(), contextlib.ExitStack() as filling:
+        for storage in storages:
+            filling.enter_context(storage.filling())
         for m in order:  # pass 1: what the constructors did
             had_meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
             meta_buffers(m)
