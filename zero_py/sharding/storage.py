@@ -245,7 +245,9 @@ class ShardedParams(FlatLayout):
         self._resident = 0  # resident() nesting
         self._open: Dict[int, torch.Tensor] = {}  # pieces opened by update_pieces
         self._cache: Dict[int, torch.Tensor] = {}  # pieces read for bucket_piece, newest last
-        self._filling: Optional[Dict[int, list]] = None  # inside filling(): b -> [piece, params]
+        # inside filling(): b -> [piece, params stored, its pool buffer]; free buffers by dtype
+        self._filling: Optional[Dict[int, list]] = None
+        self._fill_pool: Dict[torch.dtype, List[torch.Tensor]] = {}
         if param_file is not None:
             self.nvme = param_file(self)
         # gather buffers (one per bucket, storage released between uses) and the parameters'
@@ -448,17 +450,24 @@ class ShardedParams(FlatLayout):
         """A partitioned construction (stage3/meta_init.py) writes its parameters' slices
         through write_slice inside. On NVMe each bucket's piece is read once, held while its
         slices arrive, and written as soon as the last one has (the rest on exit), so the host
-        holds the buckets being filled, not the shard. A no-op otherwise."""
+        holds the buckets being filled, not the shard. A no-op otherwise.
+
+        The pieces being filled live in buffers of the largest piece, reused bucket after
+        bucket: a piece allocated and freed per bucket was measured to leave most of the shard
+        in glibc's heap (its mmap threshold rises after the first large free), 0.8 GB of a
+        400M-parameter bf16 model at one rank."""
         if not self.pieces_on_file or self._filling is not None:
             yield
             return
         self._filling = {}
+        self._fill_pool: Dict[torch.dtype, List[torch.Tensor]] = {}
         try:
             yield
             for b in list(self._filling):
                 self._write_filled(b)
         finally:
             self._filling = None
+            self._fill_pool = {}
 
     def write_slice(self, s, values: torch.Tensor) -> None:
         """This rank's slice `s` (a ShardSlice) of a parameter set to `values` (its elements
@@ -472,18 +481,24 @@ class ShardedParams(FlatLayout):
         b = s.bucket
         entry = self._filling.get(b)
         if entry is None:
-            piece = torch.empty(self.bucket_shard_numel[b], dtype=self.bucket_dtype(b))
+            dtype = self.bucket_dtype(b)
+            pool = self._fill_pool.setdefault(dtype, [])
+            buf = pool.pop() if pool else torch.empty(
+                max(self.bucket_shard_numel[c] for c in range(self.n_buckets)
+                    if self.bucket_dtype(c) == dtype), dtype=dtype)
+            piece = buf[:self.bucket_shard_numel[b]]
             self.nvme.read_into(b, piece)
-            entry = self._filling[b] = [piece, set()]
+            entry = self._filling[b] = [piece, set(), buf]
         entry[0][s.piece_lo:s.piece_lo + s.numel].copy_(values)
         entry[1].add(s.param)
         if len(entry[1]) == len(self.slices_of_bucket[b]):
             self._write_filled(b)
 
     def _write_filled(self, b: int) -> None:
-        piece, _ = self._filling.pop(b)
+        piece, _, buf = self._filling.pop(b)
         self._cache.pop(b, None)
         self.nvme.write(b, piece)
+        self._fill_pool[buf.dtype].append(buf)
 
     @property
     def pieces_on_file(self) -> bool:

@@ -51,6 +51,7 @@ same seed."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
@@ -400,3 +401,19 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
                          "them on a real device in the constructor or set them in init_fn")
     for storage in storages:  # the persistent unit's full values, from the new pieces
         storage.publish(None, ())
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Gives the memory the replay freed back to the system (glibc's malloc_trim; nothing
+    where the C library has none). The replay allocates and frees per module and per bucket
+    (gather buffers, values checked, pieces read), and glibc keeps freed blocks below its
+    rising mmap threshold in its heap: measured 0.27 GB kept after building a 400M-parameter
+    bf16 model at one rank with its shards on NVMe, resident for the whole run otherwise."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
