@@ -12,6 +12,8 @@ batches, with stage 2:
             parameters all-gathered as bf16 (quantized_weights="bf16")
     int8    int8 weights (qwZ) and int8 gradients (qgZ), one fp32 scale per 256 values
     int4    int8 weights and int4 gradients
+    (the gradients rounded stochastically, the library's default; "-nearest": to nearest;
+    "-ef": with grad_error_feedback; not run by default)
 
 Wire bytes are what this rank sends, counted from the buffers handed to the executor (a
 counting executor under zero_py's: a quantized collective hands it the int8/int4 packets with
@@ -41,6 +43,11 @@ MODES = {
              "quantized_weights": "bf16"},
     "int8": {"quantized_weights": "int8", "quantized_grads": "int8"},
     "int4": {"quantized_weights": "int8", "quantized_grads": "int4"},
+    # the gradients rounded to nearest instead of stochastically (the default)
+    "int8-nearest": {"quantized_weights": "int8", "quantized_grads": "int8",
+                     "quantized_grads_rounding": "nearest"},
+    "int4-nearest": {"quantized_weights": "int8", "quantized_grads": "int4",
+                     "quantized_grads_rounding": "nearest"},
     # with error feedback: each rank carries its gradients' rounding error to the next step
     "int8-ef": {"quantized_weights": "int8", "quantized_grads": "int8",
                 "grad_error_feedback": True},

@@ -10,12 +10,16 @@ import pytest
 import torch
 
 from zero_py.kernels.quantize import dequantize, quantize, quantized_bytes
+from zero_py.testing.reference import sr_bits, sr_key
 
 
-def reference_quantize(x: torch.Tensor, block: int, bits: int):
+def reference_quantize(x: torch.Tensor, block: int, bits: int, noise=None):
+    """noise=(seed, stream): stochastic rounding, quantize.h's definition with convert.h's
+    noise (zero_py.testing.reference's sr_key and sr_bits; n < 2**32 here)."""
     qmax = 127.0 if bits == 8 else 7.0
     x = x.float().reshape(-1)
     qs, scales = [], []
+    key = None if noise is None else sr_key(noise[0], noise[1], 0)
     for lo in range(0, x.numel(), block):
         b = x[lo:lo + block]
         absmax = b.abs().max()
@@ -27,7 +31,14 @@ def reference_quantize(x: torch.Tensor, block: int, bits: int):
             scales.append(0.0)
         else:
             inv = torch.tensor(qmax, dtype=torch.float32) / absmax
-            qs.append(torch.round(b * inv).clamp(-qmax, qmax).to(torch.int32))
+            if key is None:
+                qs.append(torch.round(b * inv).clamp(-qmax, qmax).to(torch.int32))
+            else:
+                y = b * inv
+                f = torch.floor(y)
+                r = sr_bits(key, torch.arange(lo, lo + b.numel())).to(torch.float32)
+                up = ((y - f) * 65536.0 > r).to(torch.float32)
+                qs.append((f + up).clamp(-qmax, qmax).to(torch.int32))
             scales.append(float(absmax / torch.tensor(qmax, dtype=torch.float32)))
     q = torch.cat(qs) if qs else torch.zeros(0, dtype=torch.int32)
     scales = torch.tensor(scales, dtype=torch.float32)
@@ -80,6 +91,49 @@ def test_matches_the_reference(bits, dtype, n, block):
     assert quantized_bytes(n, block, bits) == q.numel() + 4 * s.numel()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(1000, 64), (777, 32), (1, 2), (130_001, 4096)])
+def test_stochastic_rounding_matches_the_reference(bits, dtype, n, block):
+    x = _data(n, dtype, n % 7)
+    x[: min(block, n)] = 0.0  # a zero block
+    noise = (12345 + bits, 2 ** 40 + n)
+    q, s = quantize(x, block, bits, noise=noise)
+    rq, rs = reference_quantize(x, block, bits, noise)
+    assert torch.equal(q, rq)
+    assert torch.equal(s, rs)
+    # within one step of each block; the same noise gives the same bits, another does not
+    y = dequantize(q, s, n, block, bits)
+    step = s.repeat_interleave(block)[:n]
+    assert bool(((y - x.float()).abs() <= step * (1 + 1e-5) + 1e-6).all())
+    assert torch.equal(quantize(x, block, bits, noise=noise)[0], q)
+    if n > block:
+        assert not torch.equal(quantize(x, block, bits, noise=(noise[0] + 1, noise[1]))[0], q)
+        assert not torch.equal(quantize(x, block, bits, noise=(noise[0], noise[1] + 1))[0], q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not(bits):
+    """Values a fraction of a step apart from the grid: rounded to nearest, a block's values
+    below half a step are lost every time (the bias qgZ's int4 gradients suffer from);
+    stochastically, their mean over many roundings is the value."""
+    qmax = 127 if bits == 8 else 7
+    g = torch.Generator().manual_seed(3)
+    n, block, k = 4096, 256, 400
+    x = torch.rand(n, generator=g) * 0.9 - 0.45  # within half a step of zero ...
+    x[::block] = qmax  # ... once each block's scale is 1
+    x[1::block] = -qmax + 0.3
+    nearest = dequantize(*quantize(x, block, bits), n, block, bits)
+    mean = torch.zeros(n, dtype=torch.float64)
+    for seed in range(k):
+        mean += dequantize(*quantize(x, block, bits, noise=(seed, 7)), n, block, bits)
+    mean /= k
+    # the rounding error of one value has a standard deviation of at most half a step
+    assert float((mean - x).abs().max()) < 5 * 0.5 / k ** 0.5
+    assert float((mean - x).abs().mean()) < 0.02
+    assert float((nearest - x).abs().mean()) > 0.2  # nearest drops them all
+
+
 def test_non_finite_blocks_stay_visible():
     x = torch.randn(300)
     x[10], x[150] = float("inf"), float("nan")
@@ -114,9 +168,10 @@ x = torch.randn(300_001, generator=g) * 10
 out = []
 for bits in (8, 4):
     for t in (1, 2, 3):
-        q, s = quantize(x, 256, bits, n_threads=t)
-        y = dequantize(q, s, x.numel(), 256, bits, n_threads=t)
-        out.append(torch.cat([q.view(torch.uint8).float(), s, y]))
+        for noise in (None, (99, 5)):
+            q, s = quantize(x, 256, bits, n_threads=t, noise=noise)
+            y = dequantize(q, s, x.numel(), 256, bits, n_threads=t)
+            out.append(torch.cat([q.view(torch.uint8).float(), s, y]))
 torch.save(torch.cat(out), sys.argv[1])
 """
     results = {}
@@ -157,6 +212,11 @@ def test_cuda_kernel_code_equals_the_c_kernels(bits, dtype, n, block):
     eq, es = cuda.quantize_emulate(x, block, bits)
     assert torch.equal(eq, q)
     assert torch.equal(es.view(torch.int32), s.view(torch.int32))  # NaN scales: same bits
+    noise = (2 ** 63 + 11, 3)  # stochastic rounding: the same noise, the same bits
+    sq, ss = quantize(x, block, bits, noise=noise)
+    eq, es = cuda.quantize_emulate(x, block, bits, noise=noise)
+    assert torch.equal(eq, sq) and not (n > block and torch.equal(sq, q))
+    assert torch.equal(es.view(torch.int32), ss.view(torch.int32))
     for out_dtype in (torch.float32, torch.bfloat16):
         want = dequantize(q, s, n, block, bits, dtype=out_dtype)
         got = cuda.dequantize_emulate(q, s, n, block, bits, torch.empty(n, dtype=out_dtype))

@@ -91,10 +91,34 @@ def _reduce_scatter_body(rank, ws, n, block, bits, dtype):
     assert torch.equal(outb, want.to(torch.bfloat16))
 
 
+def _stochastic_reduce_scatter_body(rank, ws, n, block, bits, dtype):
+    """With noise: the chunk rank r sends peer q is quantized with the noise of (r's seed,
+    stream * 2**16 + q), against the reference's stochastic rounding."""
+    ex = TorchDistExecutor()
+    x = _data(rank, ws * n, 3, dtype)
+    out = torch.full((n,), float("nan"))
+    quantized_reduce_scatter(ex, out, x, block, bits, noise=(1000 + rank, 5)).wait()
+    everyone = [torch.empty(ws * n, dtype=dtype) for _ in range(ws)]
+    dist.all_gather(everyone, x)
+    want = nearest = torch.zeros(n)
+    for r in range(ws):
+        chunk = everyone[r][rank * n:(rank + 1) * n]
+        if r == rank:
+            want, nearest = want + chunk.float(), nearest + chunk.float()
+            continue
+        q, sc = reference_quantize(chunk, block, bits, noise=(1000 + r, (5 << 16) + rank))
+        want = want + reference_dequantize(q, sc, n, block, bits)
+        nearest = nearest + _ref_roundtrip(chunk, block, bits)
+    assert torch.equal(out, want), (out - want).abs().max()
+    assert not torch.equal(out, nearest)
+
+
 def _reduce_scatters(rank, ws):
     for bits in (8, 4):
         _reduce_scatter_body(rank, ws, 999, 32, bits, torch.float32)
         _reduce_scatter_body(rank, ws, 512, 64, bits, torch.bfloat16)
+        _stochastic_reduce_scatter_body(rank, ws, 999, 32, bits, torch.float32)
+        _stochastic_reduce_scatter_body(rank, ws, 512, 64, bits, torch.bfloat16)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -285,7 +309,9 @@ def test_options_are_checked(single_rank_group):
                           ({"grad_accum_dtype": torch.bfloat16}, "grad_accum_dtype"),
                           ({"grad_error_feedback": True}, "needs quantized_grads"),
                           ({"quantized_grads": "int8", "grad_error_feedback": 1},
-                           "grad_error_feedback must be")]:
+                           "grad_error_feedback must be"),
+                          ({"quantized_grads": "int4", "quantized_grads_rounding": "up"},
+                           "quantized_grads_rounding must be")]:
         with pytest.raises(ValueError, match=match):
             zero_py.ZeroOptimizer(p, torch.optim.AdamW, lr=0.1, **kwargs)
 
@@ -407,6 +433,58 @@ def _stage3_gather(rank, ws):
 
 def test_stage3_gathers_are_quantized_and_own_shard_exact():
     distributed.run(_stage3_gather, 2)
+
+
+def _stochastic_training(rank, ws, tmp):
+    """Stochastic rounding of int4 gradients (the default): each reduction's noise is its own
+    (rank, step, bucket, pass, peer); a run repeats to the bit, and so does its resumption from
+    a checkpoint; rounding to nearest trains otherwise."""
+    import zero_py.collectives.quantized as qmod
+
+    seen = []
+    real = qmod.quantize
+
+    def spy(x, block, bits, q=None, scales=None, noise=None):
+        if bits == 4:
+            seen.append(noise)
+        return real(x, block, bits, q=q, scales=scales, noise=noise)
+    options = {"quantized_grads": "int4", "quantize_block": 64}
+    qmod.quantize = spy
+    try:
+        losses, masters, model, opt = _train(rank, 2, 2, options)
+    finally:
+        qmod.quantize = real
+    out = {"noises": seen, "buckets": opt._flat.n_buckets}
+    out["again"] = torch.equal(_train(rank, 2, 2, options)[1], masters)
+    out["nearest differs"] = not torch.equal(
+        _train(rank, 2, 2, {**options, "quantized_grads_rounding": "nearest"})[1], masters)
+    # two steps, a checkpoint, two more; against the same four steps from the checkpoint
+    gen = torch.Generator().manual_seed(7 + rank)
+    batches = [gpt_batch(gen) for _ in range(2)]
+
+    def more(model, opt):
+        for batch in batches:
+            gpt_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return _masters(opt)
+    zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
+    reference = more(model, opt)
+    _, _, m2, o2 = _train(rank, 2, 0, options)
+    zero_py.load_checkpoint(f"{tmp}/ck", m2, o2)
+    out["resumed"] = torch.equal(more(m2, o2), reference)
+    return out
+
+
+def test_stochastic_gradient_rounding_repeats_and_resumes_exactly(tmp_path):
+    runs = distributed.run(_stochastic_training, 2, str(tmp_path))
+    for r in runs:
+        noises = r["noises"]
+        # one chunk a peer per bucket and step, every noise distinct (seeds and streams)
+        assert len(noises) == 2 * r["buckets"] and None not in noises
+        assert len(set(noises)) == len(noises)
+        assert r["again"] and r["nearest differs"] and r["resumed"]
+    assert not set(runs[0]["noises"]) & set(runs[1]["noises"])  # nor do the ranks share one
 
 
 @pytest.mark.slow

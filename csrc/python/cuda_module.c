@@ -251,23 +251,26 @@ static PyObject *zp_py_copy_workspace_bytes(PyObject *self, PyObject *args) {
   return PyLong_FromSize_t(zp_copy_workspace_bytes_cuda(n));
 }
 
-/* quantize(x, x_dtype, n, block, bits, q, scales, stream); stream 0 with emulate=True (the
- * _emulate variant): the kernels' code on host memory */
+/* quantize(x, x_dtype, n, block, bits, q, scales, stochastic, seed, stream, cuda_stream);
+ * emulate=True (the _emulate variant, no cuda_stream): the kernels' code on host memory */
 static PyObject *zp_py_quantize_any(PyObject *args, int emulate) {
-  unsigned long long x, q, scales, stream = 0;
-  int dtype, bits;
+  unsigned long long x, q, scales, seed, noise_stream, stream = 0;
+  int dtype, bits, stochastic;
   long long n, block;
-  if (!PyArg_ParseTuple(args, emulate ? "KiLLiKK:quantize_emulate" : "KiLLiKKK:quantize", &x,
-                        &dtype, &n, &block, &bits, &q, &scales, &stream))
+  if (!PyArg_ParseTuple(args, emulate ? "KiLLiKKpKK:quantize_emulate" : "KiLLiKKpKKK:quantize",
+                        &x, &dtype, &n, &block, &bits, &q, &scales, &stochastic, &seed,
+                        &noise_stream, &stream))
     return NULL;
+  const uint64_t noise[2] = {seed, noise_stream};
+  const uint64_t *noise_or_null = stochastic ? noise : NULL;
   zp_status st;
   if (emulate) {
     Py_BEGIN_ALLOW_THREADS st = zp_quantize_emulate(ZP_PTR(x), dtype, n, block, bits, ZP_PTR(q),
-                                                    ZP_PTR(scales));
+                                                    ZP_PTR(scales), noise_or_null);
     Py_END_ALLOW_THREADS
   } else {
     st = zp_quantize_cuda(ZP_PTR(x), dtype, n, block, bits, ZP_PTR(q), ZP_PTR(scales),
-                          ZP_PTR(stream));
+                          noise_or_null, ZP_PTR(stream));
   }
   return st == ZP_OK ? Py_NewRef(Py_None) : zp_raise(st);
 }
@@ -543,9 +546,10 @@ static PyMethodDef zp_methods[] = {
     {"copy_workspace_bytes", zp_py_copy_workspace_bytes, METH_VARARGS,
      "copy_workspace_bytes(n_segments)"},
     {"quantize", zp_py_quantize, METH_VARARGS,
-     "quantize(x, x_dtype, n, block, bits, q, scales, stream)"},
+     "quantize(x, x_dtype, n, block, bits, q, scales, stochastic, seed, noise_stream, stream)"},
     {"quantize_emulate", zp_py_quantize_emulate, METH_VARARGS,
-     "quantize_emulate(x, x_dtype, n, block, bits, q, scales) on host memory"},
+     "quantize_emulate(x, x_dtype, n, block, bits, q, scales, stochastic, seed, noise_stream) "
+     "on host memory"},
     {"dequantize", zp_py_dequantize, METH_VARARGS,
      "dequantize(q, scales, n, block, bits, out, out_dtype, accumulate, stream)"},
     {"dequantize_emulate", zp_py_dequantize_emulate, METH_VARARGS,

@@ -20,6 +20,22 @@ static PyObject *zp_py_quantize(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* quantize_sr(x, x_dtype, n, block, bits, q, scales, seed, stream, n_threads) */
+static PyObject *zp_py_quantize_sr(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long x, q, scales, seed, stream;
+  int dtype, bits, n_threads;
+  long long n, block;
+  if (!PyArg_ParseTuple(args, "KiLLiKKKKi:quantize_sr", &x, &dtype, &n, &block, &bits, &q,
+                        &scales, &seed, &stream, &n_threads))
+    return NULL;
+  zp_status st;
+  Py_BEGIN_ALLOW_THREADS st = zp_quantize_sr(ZP_PTR(x), (zp_dtype)dtype, n, block, bits,
+                                             ZP_PTR(q), ZP_PTR(scales), seed, stream, n_threads);
+  Py_END_ALLOW_THREADS if (st != ZP_OK) return zp_raise(st);
+  Py_RETURN_NONE;
+}
+
 /* dequantize(q, scales, n, block, bits, out, out_dtype, accumulate, n_threads) */
 static PyObject *zp_py_dequantize(PyObject *self, PyObject *args) {
   (void)self;
@@ -39,6 +55,8 @@ static PyObject *zp_py_dequantize(PyObject *self, PyObject *args) {
 static PyMethodDef zp_quantize_methods[] = {
     {"quantize", zp_py_quantize, METH_VARARGS,
      "quantize(x, x_dtype, n, block, bits, q, scales, n_threads)"},
+    {"quantize_sr", zp_py_quantize_sr, METH_VARARGS,
+     "quantize_sr(x, x_dtype, n, block, bits, q, scales, seed, stream, n_threads)"},
     {"dequantize", zp_py_dequantize, METH_VARARGS,
      "dequantize(q, scales, n, block, bits, out, out_dtype, accumulate, n_threads)"},
     {NULL, NULL, 0, NULL}};

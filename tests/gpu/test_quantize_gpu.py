@@ -39,6 +39,13 @@ def test_device_quantization_equals_the_c_kernels(bits, dtype, n, block):
     torch.cuda.synchronize()
     assert torch.equal(_bits(qd.cpu()), _bits(q))
     assert torch.equal(_bits(sd.cpu()), _bits(s))
+    noise = (2 ** 62 + n, 9)  # stochastic rounding: the C kernel's bits too
+    sq, ss = quantize(x, block, bits, noise=noise)
+    quantize(xd, block, bits, q=qd, scales=sd, noise=noise)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(qd.cpu()), _bits(sq))
+    assert torch.equal(_bits(sd.cpu()), _bits(ss))
+    quantize(xd, block, bits, q=qd, scales=sd)  # back to nearest for the rest
     for out_dtype in (torch.float32, torch.bfloat16):
         want = dequantize(q, s, n, block, bits, dtype=out_dtype)
         out = torch.full((n,), float("nan"), dtype=out_dtype, device=DEV)

@@ -17,6 +17,14 @@ Only the wire is quantized; what a rank owns never is:
 - error feedback (quantized_reduce_scatter's residual, grad_error_feedback): each rank adds
   what rounding lost from its last contribution to its next, so a gradient below half a step
   is delayed, not dropped.
+- stochastic rounding of the gradients (quantized_reduce_scatter's noise,
+  quantized_grads_rounding="stochastic", the default): each value rounds up with the
+  probability of its fraction of a step, so that a contribution is the gradient on average.
+  Rounded to nearest, every value below half its block's step is dropped at every step: at
+  int4 (7 steps to the block's largest value) most of a block, a bias that slowed the demo's
+  4-rank training by about 100 of 900 steps at one seed. The noise is a function of (the
+  optimizer's rounding seed: rank and step, the bucket, the pass, the peer), so runs and their
+  resumption from a checkpoint repeat to the bit.
 - layout_align_bytes: with a quantized wire the flat layout starts every parameter and every
   shard on a block boundary, so no block holds two parameters (one of them ~1, the other
   ~0.01, would be rounded on the first one's step).
@@ -42,7 +50,7 @@ messages are then what the wire carries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -58,6 +66,18 @@ class QuantSpec:
     """How one kind of buffer is quantized on the wire: bits (8 or 4), block (values a scale)."""
     bits: int  # 8, 4, or 16 (the values cast to bf16: the baseline the others are measured by)
     block: int
+
+
+ROUNDINGS = ("stochastic", "nearest")
+_M64 = (1 << 64) - 1
+
+
+def check_rounding(rounding) -> bool:
+    """quantized_grads_rounding checked; True for stochastic rounding."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"quantized_grads_rounding must be 'stochastic' or 'nearest', got "
+                         f"{rounding!r}")
+    return rounding == "stochastic"
 
 
 def spec(name: Optional[str], block: int, what: str,
@@ -102,9 +122,9 @@ def packet_bytes(n: int, block: int, bits: int) -> int:
     return (q + 3) // 4 * 4 + 4 * ((n + block - 1) // block)
 
 
-def _pack(x: torch.Tensor, packet: torch.Tensor, block: int, bits: int) -> None:
+def _pack(x: torch.Tensor, packet: torch.Tensor, block: int, bits: int, noise=None) -> None:
     q, scales = _views(packet, x.numel(), block, bits)
-    quantize(x, block, bits, q=q, scales=scales)
+    quantize(x, block, bits, q=q, scales=scales, noise=noise)
 
 
 def _views(packet: torch.Tensor, n: int, block: int, bits: int):
@@ -177,7 +197,8 @@ def residual_numel(world_size: int, n: int) -> int:
 
 def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor,
                              block: int, bits: int = 8,
-                             residual: Optional[torch.Tensor] = None) -> Work:
+                             residual: Optional[torch.Tensor] = None,
+                             noise: Optional[Tuple[int, int]] = None) -> Work:
     """output = this rank's chunk of the sum over ranks of `input`, the peers' chunks
     quantized once on the wire (one all-to-all), summed in fp32 in rank order.
 
@@ -186,7 +207,10 @@ def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor
     what that rounding lost, to be sent with the next reduction of this bucket. The rounding
     error no longer vanishes in the sum: over steps it reaches the peer (a gradient below half
     a step is sent when it has added up to one) instead of being dropped every time. A block
-    that overflows (scale NaN) leaves its slot at zero. `input` is never written."""
+    that overflows (scale NaN) leaves its slot at zero. `input` is never written.
+
+    noise (seed, stream): stochastic rounding, the chunk for peer r with the noise of
+    (seed, stream * 2**16 + r) (kernels.quantize); None rounds to nearest."""
     ws, me, n = executor.world_size, executor.rank, output.numel()
     if input.numel() != ws * n:
         raise ValueError(f"reduce-scatter input has {input.numel()} elements, not {ws} x {n}")
@@ -206,12 +230,13 @@ def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor
         if r == me:  # this rank's own chunk never leaves it: its slot goes unsent
             continue
         packet = send[r * p:(r + 1) * p]
+        peer_noise = None if noise is None else (noise[0], ((noise[1] << 16) + r) & _M64)
         if residual is None:
-            _pack(input[r * n:(r + 1) * n], packet, block, bits)
+            _pack(input[r * n:(r + 1) * n], packet, block, bits, peer_noise)
             continue
         slot = residual[(r - (r > me)) * n:(r - (r > me) + 1) * n]
         slot.add_(input[r * n:(r + 1) * n])  # what should reach r: its chunk + what is owed
-        _pack(slot, packet, block, bits)
+        _pack(slot, packet, block, bits, peer_noise)
         _unpack(packet, n, block, bits, sent)  # what will reach it
         # an overflowed block was sent as NaN (scale NaN): it owes nothing (the loss scaler
         # skips this step); no test of the scales, which would wait for a device
@@ -278,7 +303,8 @@ class QuantizedExecutor:
     Everything else is `inner`'s."""
 
     def __init__(self, inner, weights: Optional[QuantSpec] = None,
-                 grads: Optional[QuantSpec] = None, error_feedback: bool = False):
+                 grads: Optional[QuantSpec] = None, error_feedback: bool = False,
+                 stochastic_grads: bool = False):
         why = all_to_all_unavailable(inner) if grads is not None and inner.world_size > 1 \
             else None
         if why is not None:
@@ -291,6 +317,9 @@ class QuantizedExecutor:
         self.grads = grads
         # the caller keeps a residual per reduced buffer and passes it (GradReducer)
         self.error_feedback = bool(error_feedback) and grads is not None and inner.world_size > 1
+        # the caller passes the noise of each reduction (GradReducer: its seed and stream)
+        self.stochastic_grads = (bool(stochastic_grads) and grads is not None
+                                 and inner.world_size > 1)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -306,13 +335,16 @@ class QuantizedExecutor:
         return quantized_all_gather(self.inner, output, input, w.block, w.bits)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       residual: Optional[torch.Tensor] = None) -> Work:
+                       residual: Optional[torch.Tensor] = None,
+                       noise: Optional[Tuple[int, int]] = None) -> Work:
         """residual: the error feedback of this buffer (quantized_reduce_scatter), kept by the
-        caller across calls; used only when the gradients are quantized."""
+        caller across calls; noise: its stochastic rounding's (seed, stream); each used only
+        when the gradients are quantized with it."""
         g = self.grads
         if g is not None and input.dtype in _QUANTIZABLE and output.dtype in _QUANTIZABLE:
             return quantized_reduce_scatter(self.inner, output, input, g.block, g.bits,
-                                            residual if self.error_feedback else None)
+                                            residual if self.error_feedback else None,
+                                            noise if self.stochastic_grads else None)
         if output.dtype != input.dtype:
             return widening_reduce_scatter(self.inner, output, input)
         return self.inner.reduce_scatter(output, input)
@@ -323,8 +355,8 @@ class QuantizedExecutor:
 
 
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
-         widening: bool = False, error_feedback: bool = False):
+         widening: bool = False, error_feedback: bool = False, stochastic_grads: bool = False):
     """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""
     if weights is None and grads is None and not widening:
         return executor
-    return QuantizedExecutor(executor, weights, grads, error_feedback)
+    return QuantizedExecutor(executor, weights, grads, error_feedback, stochastic_grads)

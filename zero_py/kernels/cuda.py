@@ -212,13 +212,20 @@ _QDTYPES = (torch.float32, torch.bfloat16)
 
 
 def quantize(x: torch.Tensor, block: int, bits: int, q: torch.Tensor, scales: torch.Tensor,
-             *, stream=None) -> None:
-    """The C kernel's quantization of a CUDA tensor into q and scales, on x's current stream."""
+             *, noise=None, stream=None) -> None:
+    """The C kernel's quantization of a CUDA tensor into q and scales, on x's current stream;
+    noise=(seed, stream): its stochastic rounding (kernels.quantize.quantize), the same bits."""
     _check("x", x, None, _QDTYPES)
     device = _device_of(x.device)
     with torch.cuda.device(device):
         native().quantize(x.data_ptr(), table.dtype_code(x.dtype), x.numel(), int(block),
-                          int(bits), q.data_ptr(), scales.data_ptr(), _stream_ptr(device, stream))
+                          int(bits), q.data_ptr(), scales.data_ptr(), *_noise_args(noise),
+                          _stream_ptr(device, stream))
+
+
+def _noise_args(noise) -> tuple:
+    """(stochastic, seed, stream) for the bindings' quantize."""
+    return (False, 0, 0) if noise is None else (True, int(noise[0]), int(noise[1]))
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, block: int, bits: int,
@@ -231,15 +238,16 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int, block: int, bits: 
                             _stream_ptr(device, stream))
 
 
-def quantize_emulate(x: torch.Tensor, block: int, bits: int):
-    """The CUDA kernel's code on a CPU tensor: (q, scales) as kernels.quantize.quantize gives."""
+def quantize_emulate(x: torch.Tensor, block: int, bits: int, noise=None):
+    """The CUDA kernel's code on a CPU tensor: (q, scales) as kernels.quantize.quantize gives
+    (noise=(seed, stream): with its stochastic rounding)."""
     _check("x", x, torch.device("cpu"), _QDTYPES)
     n = x.numel()
     q = torch.empty(n if bits == 8 else (n + 1) // 2,
                     dtype=torch.int8 if bits == 8 else torch.uint8)
     scales = torch.empty((n + block - 1) // block if block > 0 else 0, dtype=torch.float32)
     _emulator().quantize_emulate(x.data_ptr(), table.dtype_code(x.dtype), n, int(block),
-                                 int(bits), q.data_ptr(), scales.data_ptr())
+                                 int(bits), q.data_ptr(), scales.data_ptr(), *_noise_args(noise))
     return q, scales
 
 

@@ -6,10 +6,12 @@ the C kernels of csrc/kernels/cpu/quantize.h on CPU tensors.
     dequantize(q, scales, n, 256, 8, out=acc, accumulate=True)   # acc += x' (fp32)
 
 Per block of `block` elements: scale = max|x| / Q (Q = 127, or 7 for int4), q = rint(x * Q /
-max|x|) clamped to [-Q, Q]; a block holding an inf or a NaN gets scale NaN (it dequantizes to
-NaN: an overflow stays visible). int4 packs two values per byte (low nibble first); its
-block must be even. Same bits on every instruction set and thread count. The wire layout of
-a quantized buffer is (q bytes, then the fp32 scales): quantized_bytes() gives its size.
+max|x|) clamped to [-Q, Q] (or, with noise=(seed, stream), rounded stochastically: up with
+the probability of the fraction, so that the mean of q * scale is x); a block holding an inf or
+a NaN gets scale NaN (it dequantizes to NaN: an overflow stays visible). int4 packs two values
+per byte (low nibble first); its block must be even. Same bits on every instruction set and
+thread count. The wire layout of a quantized buffer is (q bytes, then the fp32 scales):
+quantized_bytes() gives its size.
 """
 
 from __future__ import annotations
@@ -39,12 +41,20 @@ def _threads(n_threads: Optional[int]) -> int:
 
 def quantize(x: torch.Tensor, block: int = 256, bits: int = 8,
              n_threads: Optional[int] = None, q: Optional[torch.Tensor] = None,
-             scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             scales: Optional[torch.Tensor] = None,
+             noise: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): q int8 of x.numel() values (bits=8) or uint8 of ceil(n/2) packed pairs
     (bits=4), scales fp32 of one per block. x: a contiguous fp32 or bf16 tensor, on the CPU
     (the C kernels) or a CUDA device (kernels.cuda: the same bits). q= and scales= (both or
-    neither): where to write them, e.g. views of a message buffer."""
+    neither): where to write them, e.g. views of a message buffer. noise=(seed, stream), two
+    integers in [0, 2**64): stochastic rounding (unbiased: each value rounds up with the
+    probability of its fraction), its noise a function of (seed, stream, element index) only;
+    None rounds to nearest even."""
     n = x.numel()
+    if noise is not None:
+        seed, stream = (int(v) for v in noise)
+        if not (0 <= seed < 2 ** 64 and 0 <= stream < 2 ** 64):
+            raise ValueError(f"noise must be (seed, stream) in [0, 2**64), got {noise!r}")
     if (q is None) != (scales is None):
         raise ValueError("quantize takes q= and scales= together, or neither")
     if q is None:
@@ -55,11 +65,15 @@ def quantize(x: torch.Tensor, block: int = 256, bits: int = 8,
     _check_packed(q, scales, n, block, bits, x.device)
     if x.is_cuda:
         from zero_py.kernels import cuda  # CUDA runs only
-        cuda.quantize(x, int(block), int(bits), q, scales)
+        cuda.quantize(x, int(block), int(bits), q, scales, noise=noise)
         return q, scales
     check_tensor("x", x, torch.device("cpu"), _IN_DTYPES)
-    _C.quantize(x.data_ptr(), dtype_code(x.dtype), n, int(block), int(bits), q.data_ptr(),
-                scales.data_ptr(), _threads(n_threads))
+    if noise is None:
+        _C.quantize(x.data_ptr(), dtype_code(x.dtype), n, int(block), int(bits), q.data_ptr(),
+                    scales.data_ptr(), _threads(n_threads))
+    else:
+        _C.quantize_sr(x.data_ptr(), dtype_code(x.dtype), n, int(block), int(bits),
+                       q.data_ptr(), scales.data_ptr(), seed, stream, _threads(n_threads))
     return q, scales
 
 

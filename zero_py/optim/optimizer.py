@@ -116,6 +116,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             contributions lost (an fp32 residual of the peers' chunks of every bucket:
             (N - 1) / N of the gradients, counted in memory_report's grads) and adds it to its
             next contribution, so that no gradient is dropped for being below half a step.
+        quantized_grads_rounding: "stochastic" (default: each value rounds up with the
+            probability of its fraction of a step, so a contribution is the gradient on
+            average; the noise follows the rank, step, bucket and pass, so runs repeat) or
+            "nearest" (values below half a step of their block are dropped every step).
         loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
             scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
         stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
@@ -167,6 +171,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                  grad_accum_dtype: Optional[torch.dtype] = None,
                  quantized_weights: Optional[str] = None, quantized_grads: Optional[str] = None,
                  quantize_block: int = DEFAULT_QUANTIZE_BLOCK, grad_error_feedback: bool = False,
+                 quantized_grads_rounding: str = "stochastic",
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
                  device_mesh=None, hybrid: Optional[str] = None,
@@ -192,6 +197,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                                          quantized_grads=quantized_grads,
                                          quantize_block=quantize_block,
                                          grad_error_feedback=grad_error_feedback,
+                                         quantized_grads_rounding=quantized_grads_rounding,
                                          loss_scaler=loss_scaler,
                                          offload_optimizer=offload_optimizer,
                                          offload_dir=offload_dir, overlap_step=overlap_step,
@@ -235,6 +241,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                            "quantized_weights": quantized_weights,
                            "quantized_grads": quantized_grads, "quantize_block": quantize_block,
                            "grad_error_feedback": bool(grad_error_feedback),
+                           "quantized_grads_rounding": quantized_grads_rounding,
                            "stochastic_rounding": bool(stochastic_rounding),
                            "offload_optimizer": offload_optimizer,
                            "overlap_step": overlap_step, **optimizer_kwargs}
@@ -282,7 +289,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             self.executor, quantized.spec(quantized_weights, quantize_block, "quantized_weights",
                                           ("bf16", "int8")),
             quantized.spec(quantized_grads, quantize_block, "quantized_grads"),
-            widening=grad_accum_dtype is not None, error_feedback=grad_error_feedback)
+            widening=grad_accum_dtype is not None, error_feedback=grad_error_feedback,
+            stochastic_grads=quantized_grads_rounding == "stochastic")
         # quantization blocks never straddle two parameters (collectives/quantized.py)
         align_bytes = quantized.layout_align_bytes(
             align_bytes, quantize_block,
@@ -323,6 +331,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                         quantized_grads: Optional[str] = None,
                         quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
                         grad_error_feedback: bool = False,
+                        quantized_grads_rounding: str = "stochastic",
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
                         offload_optimizer: Optional[str] = None, offload_dir=None,
                         overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
@@ -353,6 +362,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         if grad_error_feedback and quantized_grads is None:
             raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
                              "it carries the gradients' quantization error to the next step")
+        quantized.check_rounding(quantized_grads_rounding)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         check_offload_optimizer(offload_optimizer, offload_dir)
@@ -373,6 +383,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         self._reducer, handles = compat.capture_hooks(fp.params, lambda: GradReducer(
             fp, self._wire, min(stage, 2), self._grad_reduce_dtype,
             MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1, accum_dtype=self._grad_accum_dtype))
+        self._reducer.noise_seed = lambda: self._sr_seed  # a quantized wire's rounding
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor

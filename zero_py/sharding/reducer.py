@@ -159,6 +159,11 @@ class GradReducer:
         # residual of the peers' chunks, made at its first reduction and kept across steps
         self.error_feedback = getattr(executor, "error_feedback", False)
         self._residual: Dict[int, torch.Tensor] = {}
+        # stochastic rounding of a quantized wire: each reduction's noise is (the seed
+        # noise_seed() gives: the optimizer's rounding seed, per rank and step; a stream of the
+        # bucket and the pass), so a run and its resumption repeat to the bit
+        self.stochastic = getattr(executor, "stochastic_grads", False)
+        self.noise_seed: Callable[[], int] = lambda: 0
         if stage == 2:
             for i, p in enumerate(flat.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -374,7 +379,9 @@ class GradReducer:
         what = (f"reduce-scatter of the gradients of "
                 f"{describe(b) if describe is not None else f'bucket {b}'}")
         mirror = self.mirror
-        extra = (self._residual_of(b),) if self.error_feedback else ()  # QuantizedExecutor's
+        extra = ((self._residual_of(b) if self.error_feedback else None,
+                  self._noise(b)) if self.stochastic
+                 else (self._residual_of(b),) if self.error_feedback else ())  # its extras
         if not self.grad_shard_valid:
             if mirror is not None:
                 mirror.writing(b)
@@ -389,6 +396,11 @@ class GradReducer:
                 piece.add_(tmp)
             work = Work(work, accumulate, what=what)
         self._in_flight.append((work, buf if pooled else None, b))
+
+    def _noise(self, b: int) -> Tuple[int, int]:
+        """The noise of bucket b's reduction in this pass: (seed, stream)."""
+        seed = (self.noise_seed() * 0x9E3779B97F4A7C15 + 0x6A09E667) & 0xFFFFFFFFFFFFFFFF
+        return seed, (b << 16) + min(self.passes_since_step, 0xFFFF)
 
     def _residual_of(self, b: int) -> torch.Tensor:
         r = self._residual.get(b)

@@ -22,6 +22,8 @@ typedef struct {
   void *out;
   int accumulate;
   zp_isa isa;
+  int stochastic;  /* zp_quantize_sr: round with the noise of (seed, stream, element index) */
+  uint64_t seed, stream;
 } zp_q_job;
 
 static inline __attribute__((always_inline)) float zp_q_load(const void *x, zp_dtype dt,
@@ -35,9 +37,48 @@ static inline __attribute__((always_inline)) int32_t zp_q_one(float x, float inv
   return (int32_t)v;
 }
 
-/* One block [lo, hi) of values read by LOAD(i): the absmax pass, then the rounding pass
- * straight into q (int8) or into packed pairs (int4). A macro, so that each dtype gets its
- * own loops with the load inlined (the compiler vectorizes them per target). */
+/* Stochastic rounding of x * inv with 16 bits of noise r (quantize.h): up with probability
+ * (y - floor(y)), to 2^-16. No addition of the noise, so no fused multiply-add can change the
+ * bits between targets (CUDA's zp_cuq_one_sr is the same expression). */
+static inline __attribute__((always_inline)) int32_t zp_q_one_sr(float x, float inv, float qmax,
+                                                                 uint32_t r) {
+  const float y = x * inv;
+  float v = floorf(y);
+  v += (y - v) * 65536.0f > (float)r ? 1.0f : 0.0f;
+  v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+  return (int32_t)v;
+}
+
+/* Stochastic rounding of element i (zp_q_one_sr with its noise). A block holds at most 2^24
+ * elements, so it crosses at most one multiple of 2^32: `key` is the key of the high bits of
+ * the block's first element (hi32), `key_next` of the next. */
+#define ZP_Q_SR(i, xv)                                                                        \
+  zp_q_one_sr((xv), inv, qmax,                                                                \
+              zp_sr_bits(((uint64_t)(i) >> 32) == hi32 ? key : key_next, (uint32_t)(i)))
+#define ZP_Q_RN(i, xv) zp_q_one((xv), inv, qmax)
+
+/* The rounding pass of one block [lo, hi) with ROUND(i, x): straight into q (int8) or into
+ * packed pairs (int4). */
+#define ZP_Q_WRITE(LOAD, ROUND)                                                               \
+  do {                                                                                        \
+    if (j->bits == 8) {                                                                       \
+      int8_t *q = j->q;                                                                       \
+      for (int64_t i = lo; i < hi; i++)                                                       \
+        q[i] = (int8_t)ROUND(i, LOAD(i));                                                     \
+    } else {                                                                                  \
+      uint8_t *out = (uint8_t *)j->q;                                                         \
+      const int64_t pairs_end = lo + ((hi - lo) & ~(int64_t)1);                               \
+      for (int64_t i = lo; i < pairs_end; i += 2)                                             \
+        out[i / 2] = (uint8_t)((ROUND(i, LOAD(i)) & 0xF) |                                    \
+                               ((ROUND(i + 1, LOAD(i + 1)) & 0xF) << 4));                     \
+      if (pairs_end < hi) /* an odd last value: its high nibble is 0 */                       \
+        out[pairs_end / 2] = (uint8_t)(ROUND(pairs_end, LOAD(pairs_end)) & 0xF);              \
+    }                                                                                         \
+  } while (0)
+
+/* One block [lo, hi) of values read by LOAD(i): the absmax pass, then the rounding pass. A
+ * macro, so that each dtype and rounding gets its own loops with the load inlined (the
+ * compiler vectorizes them per target). */
 #define ZP_Q_BLOCK(LOAD)                                                                      \
   do {                                                                                        \
     float absmax = 0.0f;                                                                      \
@@ -53,18 +94,13 @@ static inline __attribute__((always_inline)) int32_t zp_q_one(float x, float inv
     if (zero) {                                                                               \
       memset((uint8_t *)j->q + (j->bits == 8 ? lo : lo / 2), 0,                               \
              (size_t)(j->bits == 8 ? hi - lo : (hi - lo + 1) / 2));                           \
-    } else if (j->bits == 8) {                                                                \
-      int8_t *q = j->q;                                                                       \
-      for (int64_t i = lo; i < hi; i++)                                                       \
-        q[i] = (int8_t)zp_q_one(LOAD(i), inv, qmax);                                          \
+    } else if (j->stochastic) {                                                               \
+      const uint64_t hi32 = (uint64_t)lo >> 32;                                               \
+      const uint32_t key = zp_sr_key(j->seed, j->stream, hi32);                               \
+      const uint32_t key_next = zp_sr_key(j->seed, j->stream, hi32 + 1);                      \
+      ZP_Q_WRITE(LOAD, ZP_Q_SR);                                                              \
     } else {                                                                                  \
-      uint8_t *out = (uint8_t *)j->q;                                                         \
-      const int64_t pairs_end = lo + ((hi - lo) & ~(int64_t)1);                               \
-      for (int64_t i = lo; i < pairs_end; i += 2)                                             \
-        out[i / 2] = (uint8_t)((zp_q_one(LOAD(i), inv, qmax) & 0xF) |                         \
-                               ((zp_q_one(LOAD(i + 1), inv, qmax) & 0xF) << 4));              \
-      if (pairs_end < hi) /* an odd last value: its high nibble is 0 */                       \
-        out[pairs_end / 2] = (uint8_t)(zp_q_one(LOAD(pairs_end), inv, qmax) & 0xF);           \
+      ZP_Q_WRITE(LOAD, ZP_Q_RN);                                                              \
     }                                                                                         \
   } while (0)
 
@@ -153,12 +189,8 @@ static int32_t zp_q_threads(int32_t n_threads) {
   return n_threads > 0 ? n_threads : zp_default_threads();
 }
 
-zp_status zp_quantize(const void *x, zp_dtype x_dtype, int64_t n, int64_t block, int bits,
-                      int8_t *q, float *scales, int32_t n_threads) {
-  ZP_TRY(zp_q_check("quantize", x_dtype, n, block, bits, x, q, scales));
-  if (n == 0)
-    return ZP_OK;
-  zp_q_job job = {x, x_dtype, n, block, bits, q, scales, NULL, 0, zp_isa_pick()};
+static zp_status zp_quantize_job(zp_q_job job, int32_t n_threads) {
+  const int64_t n = job.n, block = job.block;
   zp_range_fn fn = zp_q_scalar;
 #if defined(__x86_64__)
   fn = job.isa == ZP_ISA_AVX512 ? zp_q_avx512 : job.isa == ZP_ISA_AVX2 ? zp_q_avx2 : fn;
@@ -166,6 +198,26 @@ zp_status zp_quantize(const void *x, zp_dtype x_dtype, int64_t n, int64_t block,
   const int64_t n_blocks = (n - 1) / block + 1;
   const int64_t per = (1 << 16) / block + 1; /* blocks per thread at the least: 64K values */
   return zp_parallel_for(n_blocks, zp_q_threads(n_threads), 1, per, fn, &job);
+}
+
+zp_status zp_quantize(const void *x, zp_dtype x_dtype, int64_t n, int64_t block, int bits,
+                      int8_t *q, float *scales, int32_t n_threads) {
+  ZP_TRY(zp_q_check("quantize", x_dtype, n, block, bits, x, q, scales));
+  if (n == 0)
+    return ZP_OK;
+  zp_q_job job = {x, x_dtype, n, block, bits, q, scales, NULL, 0, zp_isa_pick(), 0, 0, 0};
+  return zp_quantize_job(job, n_threads);
+}
+
+zp_status zp_quantize_sr(const void *x, zp_dtype x_dtype, int64_t n, int64_t block, int bits,
+                         int8_t *q, float *scales, uint64_t seed, uint64_t stream,
+                         int32_t n_threads) {
+  ZP_TRY(zp_q_check("quantize_sr", x_dtype, n, block, bits, x, q, scales));
+  if (n == 0)
+    return ZP_OK;
+  zp_q_job job = {x, x_dtype, n, block, bits, q, scales, NULL, 0, zp_isa_pick(), 1, seed,
+                  stream};
+  return zp_quantize_job(job, n_threads);
 }
 
 zp_status zp_dequantize(const int8_t *q, const float *scales, int64_t n, int64_t block, int bits,
@@ -176,7 +228,7 @@ zp_status zp_dequantize(const int8_t *q, const float *scales, int64_t n, int64_t
   if (n == 0)
     return ZP_OK;
   zp_q_job job = {NULL, out_dtype, n, block, bits, (int8_t *)q, (float *)scales, out,
-                  accumulate, zp_isa_pick()};
+                  accumulate, zp_isa_pick(), 0, 0, 0};
   zp_range_fn fn = zp_dq_scalar;
 #if defined(__x86_64__)
   fn = job.isa == ZP_ISA_AVX512 ? zp_dq_avx512 : job.isa == ZP_ISA_AVX2 ? zp_dq_avx2 : fn;

@@ -6,7 +6,7 @@
  * over the threads through shared memory (a max is exact in any order, so the scale is the C
  * kernel's), then the same threads round their elements (int4: their bytes, two elements
  * each). Dequantize: one thread per element. Every float operation is the C kernel's: x * inv
- * rounded by rintf (to nearest even), clamped; q * scale; the bf16 rounding of convert.h. */
+ * rounded by rintf (to nearest even), or stochastically with convert.h's noise, clamped; q * scale; the bf16 rounding of convert.h. */
 #include <math.h>
 
 #include "kernels/cuda/elementwise.cuh"
@@ -25,6 +25,8 @@ typedef struct {
   float *scales;
   void *out;
   int32_t accumulate;
+  int32_t stochastic; /* quantize with noise (seed, stream): quantize.c's zp_quantize_sr */
+  uint64_t seed, stream;
 } zp_cuq_args;
 
 ZP_HD float zp_cuq_load(const zp_cuq_args *a, int64_t i) {
@@ -36,6 +38,26 @@ ZP_HD int32_t zp_cuq_one(float x, float inv, float qmax) {
   float v = rintf(x * inv);
   v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
   return (int32_t)v;
+}
+
+/* quantize.c's zp_q_one_sr (no contraction: --fmad=false, see elementwise.cuh). */
+ZP_HD int32_t zp_cuq_one_sr(float x, float inv, float qmax, uint32_t r) {
+  const float y = x * inv;
+  float v = floorf(y);
+  v += (y - v) * 65536.0f > (float)r ? 1.0f : 0.0f;
+  v = v > qmax ? qmax : (v < -qmax ? -qmax : v);
+  return (int32_t)v;
+}
+
+/* Element i of a block rounded to nearest or, stochastic, with the noise of its index (the
+ * block's keys: `key` for the high bits hi32 of its first element, `key_next` past them). */
+ZP_HD int32_t zp_cuq_round(const zp_cuq_args *a, int64_t i, float inv, float qmax,
+                           uint64_t hi32, uint32_t key, uint32_t key_next) {
+  const float x = zp_cuq_load(a, i);
+  if (!a->stochastic)
+    return zp_cuq_one(x, inv, qmax);
+  const uint32_t k = ((uint64_t)i >> 32) == hi32 ? key : key_next;
+  return zp_cuq_one_sr(x, inv, qmax, zp_cu_sr_bits(k, (uint32_t)i));
 }
 
 /* Thread tid's part of block b: the max |x| of its elements and whether they are finite. */
@@ -62,17 +84,20 @@ ZP_HD void zp_cuq_write(const zp_cuq_args *a, int64_t b, int32_t tid, float absm
   const float inv = zero ? 0.0f : qmax / absmax;
   if (tid == 0)
     a->scales[b] = !finite ? zp_cu_float(0x7FC00000u) : (zero ? 0.0f : absmax / qmax);
+  const uint64_t hi32 = (uint64_t)lo >> 32;
+  const uint32_t key = a->stochastic ? zp_cu_sr_key(a->seed, a->stream, hi32) : 0u;
+  const uint32_t key_next = a->stochastic ? zp_cu_sr_key(a->seed, a->stream, hi32 + 1) : 0u;
   if (a->bits == 8) {
     for (int64_t i = lo + tid; i < hi; i += ZP_CU_THREADS)
-      a->q[i] = zero ? (int8_t)0 : (int8_t)zp_cuq_one(zp_cuq_load(a, i), inv, qmax);
+      a->q[i] = zero ? (int8_t)0 : (int8_t)zp_cuq_round(a, i, inv, qmax, hi32, key, key_next);
     return;
   }
   uint8_t *out = (uint8_t *)a->q;
   for (int64_t i = lo + 2 * (int64_t)tid; i < hi; i += 2 * ZP_CU_THREADS) {
     int32_t v0 = 0, v1 = 0;
     if (!zero) {
-      v0 = zp_cuq_one(zp_cuq_load(a, i), inv, qmax);
-      v1 = i + 1 < hi ? zp_cuq_one(zp_cuq_load(a, i + 1), inv, qmax) : 0;
+      v0 = zp_cuq_round(a, i, inv, qmax, hi32, key, key_next);
+      v1 = i + 1 < hi ? zp_cuq_round(a, i + 1, inv, qmax, hi32, key, key_next) : 0;
     }
     out[i / 2] = (uint8_t)((v0 & 0xF) | ((v1 & 0xF) << 4));
   }
@@ -147,15 +172,26 @@ static zp_cuq_args zp_cuq_make(const void *x, int32_t dtype, int64_t n, int64_t 
   zp_cuq_args a;
   a.x = x, a.n = n, a.block = block, a.dtype = dtype, a.bits = bits;
   a.q = (int8_t *)q, a.scales = (float *)scales, a.out = out, a.accumulate = accumulate;
+  a.stochastic = 0, a.seed = 0, a.stream = 0;
+  return a;
+}
+
+/* The quantize arguments, with noise = {seed, stream} (stochastic rounding) or NULL. */
+static zp_cuq_args zp_cuq_make_q(const void *x, int32_t dtype, int64_t n, int64_t block,
+                                 int bits, int8_t *q, float *scales, const uint64_t *noise) {
+  zp_cuq_args a = zp_cuq_make(x, dtype, n, block, bits, q, scales, NULL, 0);
+  if (noise != NULL)
+    a.stochastic = 1, a.seed = noise[0], a.stream = noise[1];
   return a;
 }
 
 extern "C" zp_status zp_quantize_cuda(const void *x, int32_t x_dtype, int64_t n, int64_t block,
-                                      int bits, int8_t *q, float *scales, cudaStream_t stream) {
+                                      int bits, int8_t *q, float *scales, const uint64_t *noise,
+                                      cudaStream_t stream) {
   ZP_TRY(zp_cuq_check("quantize", x_dtype, n, block, bits, x, q, scales));
   if (n == 0)
     return ZP_OK;
-  const zp_cuq_args a = zp_cuq_make(x, x_dtype, n, block, bits, q, scales, NULL, 0);
+  const zp_cuq_args a = zp_cuq_make_q(x, x_dtype, n, block, bits, q, scales, noise);
   zp_cuq_quantize_kernel<<<(unsigned)((n - 1) / block + 1), ZP_CU_THREADS, 0, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ZP_OK : zp_cuda_fail("quantize: launch", e);
@@ -177,9 +213,10 @@ extern "C" zp_status zp_dequantize_cuda(const int8_t *q, const float *scales, in
 }
 
 extern "C" zp_status zp_quantize_emulate(const void *x, int32_t x_dtype, int64_t n,
-                                         int64_t block, int bits, int8_t *q, float *scales) {
+                                         int64_t block, int bits, int8_t *q, float *scales,
+                                         const uint64_t *noise) {
   ZP_TRY(zp_cuq_check("quantize", x_dtype, n, block, bits, x, q, scales));
-  const zp_cuq_args a = zp_cuq_make(x, x_dtype, n, block, bits, q, scales, NULL, 0);
+  const zp_cuq_args a = zp_cuq_make_q(x, x_dtype, n, block, bits, q, scales, noise);
   const int64_t n_blocks = n == 0 ? 0 : (n - 1) / block + 1;
   for (int64_t b = 0; b < n_blocks; b++) {
     float m[ZP_CU_THREADS];

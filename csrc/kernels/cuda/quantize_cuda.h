@@ -20,9 +20,11 @@ extern "C" {
 #endif
 
 /* x: n values of x_dtype (0 fp32, 1 bf16); bits 8 or 4; q: n bytes (int8) or (n + 1) / 2
- * (int4, element 2j in the low nibble); scales: ceil(n / block) floats. Device addresses. */
+ * (int4, element 2j in the low nibble); scales: ceil(n / block) floats. Device addresses.
+ * noise: NULL (round to nearest even) or {seed, stream} (host memory): quantize.h's
+ * stochastic rounding, the bits of zp_quantize_sr. */
 zp_status zp_quantize_cuda(const void *x, int32_t x_dtype, int64_t n, int64_t block, int bits,
-                           int8_t *q, float *scales, cudaStream_t stream);
+                           int8_t *q, float *scales, const uint64_t *noise, cudaStream_t stream);
 
 /* out: n values of out_dtype (0 fp32, 1 bf16); accumulate (fp32 only): out += q * scale. */
 zp_status zp_dequantize_cuda(const int8_t *q, const float *scales, int64_t n, int64_t block,
@@ -30,7 +32,7 @@ zp_status zp_dequantize_cuda(const int8_t *q, const float *scales, int64_t n, in
                              cudaStream_t stream);
 
 zp_status zp_quantize_emulate(const void *x, int32_t x_dtype, int64_t n, int64_t block, int bits,
-                              int8_t *q, float *scales);
+                              int8_t *q, float *scales, const uint64_t *noise);
 
 zp_status zp_dequantize_emulate(const int8_t *q, const float *scales, int64_t n, int64_t block,
                                 int bits, void *out, int32_t out_dtype, int32_t accumulate);
