@@ -50,7 +50,7 @@ import torch.distributed as dist
 import zero_py
 import zero_py.offload
 from zero_py.io.engine import DirectFile, IoEngine, aligned_empty
-from zero_py.tools.env import cpu_model, proc_status_kib
+from zero_py.tools.env import cpu_model, proc_status_kib, reset_peak_rss
 
 WIDTH = 1024
 MODES = [None, "cpu", "cpu+overlap", "nvme"]
@@ -221,17 +221,6 @@ def steps(args) -> None:
               f"8 MiB blocks on the same drive: {raw['deepspeed'] / 1e9:.2f} GB/s")
 
 
-def reset_peak() -> bool:
-    """Resets VmHWM to the current VmRSS (Linux: /proc/self/clear_refs, "5"); False where the
-    system refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def rss(args) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -269,7 +258,7 @@ def rss(args) -> None:
     print("| step | VmRSS MB | peak in the step MB | optimizer state / VmRSS | device-side MB | "
           "VmRSS - device-side MB | step (s) |")
     print("|---|---|---|---|---|---|---|")
-    peaks = reset_peak()
+    peaks = reset_peak_rss()
     for k in range(args.steps):
         _, st = train_step(model, opt, gen, torch.bfloat16)
         rss_b = proc_status_kib("VmRSS") * 1024
@@ -279,7 +268,7 @@ def rss(args) -> None:
         print(f"| {k + 1} | {rss_b / 1e6:.0f} | {peak} | {state / rss_b:.2f}x | "
               f"{device / 1e6:.0f} | {(rss_b - device) / 1e6:.0f} | {st:.2f} |")
         sys.stdout.flush()
-        reset_peak()
+        reset_peak_rss()
     if args.checkpoint:
         path = os.path.join(args.checkpoint, "rss_ckpt")
         print()
@@ -287,7 +276,7 @@ def rss(args) -> None:
         print("|---|---|---|---|---|")
         for what, call in (("save_checkpoint", zero_py.save_checkpoint),
                            ("load_checkpoint", zero_py.load_checkpoint)):
-            reset_peak()
+            reset_peak_rss()
             before = proc_status_kib("VmRSS")
             t0 = time.perf_counter()
             call(path, model, opt)

@@ -386,22 +386,7 @@ def run_nvme_checkpoints(rank, world, tmp):
     # raises, and the optimizer (its current slots) and the parameters are as they were: the
     # run goes on as if the load had never been tried
     train(model, opt, rank, 2, 3)
-    params = {k: v.clone() for k, v in model.state_dict().items()}
-    store = opt._update.store
-    good = store.file
-    if rank == 1:
-        store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
-    try:
-        zero_py.load_checkpoint(f"{tmp}/ck_nvme", model, opt)
-        out["failed load"] = "no error"
-    except zero_py.CheckpointError as exc:
-        out["failed load"] = str(exc)
-    finally:
-        if store.file is not good:
-            store.file.close()
-            store.file = good
-    out["failed load kept params"] = all(torch.equal(params[k], v)
-                                         for k, v in model.state_dict().items())
+    out.update(load_failing_on_rank_1(f"{tmp}/ck_nvme", model, opt, opt._update.store, rank))
     train(model, opt, rank, 3, STEPS)
     out["after failed load"] = worst(full(model), reference)
     # host memory: the copy goes through the store's ring whatever the model's size, and never
@@ -457,6 +442,29 @@ def test_nvme_checkpoint_host_memory_does_not_grow_with_the_model(runs):
         # every byte went through the ring: many more requests for the larger shard
         assert save_l["requests"] > 4 * save_s["requests"] > 0
         assert load_l["requests"] > 10 * load_s["requests"] > 0
+
+
+def load_failing_on_rank_1(path, model, opt, store, rank) -> dict:
+    """load_checkpoint(path) while rank 1's offload file `store.file` (the optimizer's or the
+    parameters') refuses writes: {"failed load": what it raised, "failed load kept params":
+    whether the model's values are as before}."""
+    out = {}
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    good = store.file
+    if rank == 1:
+        store.file = DirectFile(f"/proc/self/fd/{good.fd}", writable=False)
+    try:
+        zero_py.load_checkpoint(path, model, opt)
+        out["failed load"] = "no error"
+    except zero_py.CheckpointError as exc:
+        out["failed load"] = str(exc)
+    finally:
+        if store.file is not good:
+            store.file.close()
+            store.file = good
+    out["failed load kept params"] = all(torch.equal(params[k], v)
+                                         for k, v in model.state_dict().items())
+    return out
 
 
 def nvme_refusals(rank, world, tmp):

@@ -6,20 +6,10 @@ from __future__ import annotations
 import sys
 
 
-def _reset_peak_rss() -> bool:
-    """Resets the kernel's record of this process's peak RSS (Linux); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _consolidate(args) -> int:
     import torch
 
-    from zero_py.tools.env import proc_status_kib
+    from zero_py.tools.env import proc_status_kib, reset_peak_rss
 
     from zero_py.checkpoint.consolidate import consolidate
     from zero_py.checkpoint.reader import CheckpointError
@@ -31,7 +21,7 @@ def _consolidate(args) -> int:
             print(f"--dtype {args.dtype}: not a torch dtype (e.g. bfloat16, float32)",
                   file=sys.stderr)
             return 2
-    measured = _reset_peak_rss()  # the peak of consolidation alone, not of the imports
+    measured = reset_peak_rss()  # the peak of consolidation alone, not of the imports
     before = proc_status_kib("VmRSS")
     try:
         sizes = consolidate(args.checkpoint, args.out, dtype, args.optimizer,

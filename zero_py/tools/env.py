@@ -16,6 +16,17 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def reset_peak_rss() -> bool:
+    """Resets the kernel's record of this process's peak RSS (VmHWM) to its current RSS
+    (Linux: /proc/self/clear_refs); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def proc_status_kib(field: str) -> int:
     """A kB field of this process's /proc/self/status (VmRSS, VmHWM, ...; Threads counts);
     0 where the system has none."""
