@@ -12,7 +12,7 @@ batches, with stage 2:
             parameters all-gathered as bf16 (quantized_weights="bf16")
     int8    int8 weights (qwZ) and int8 gradients (qgZ), one fp32 scale per 256 values
     int4    int8 weights and int4 gradients
-    (the gradients rounded stochastically, the library's default; "-nearest": to nearest;
+    (the gradients rounded to nearest, the library's default; "-sr": stochastically;
     "-ef": with grad_error_feedback; not run by default)
 
 Wire bytes are what this rank sends, counted from the buffers handed to the executor (a
@@ -43,11 +43,11 @@ MODES = {
              "quantized_weights": "bf16"},
     "int8": {"quantized_weights": "int8", "quantized_grads": "int8"},
     "int4": {"quantized_weights": "int8", "quantized_grads": "int4"},
-    # the gradients rounded to nearest instead of stochastically (the default)
-    "int8-nearest": {"quantized_weights": "int8", "quantized_grads": "int8",
-                     "quantized_grads_rounding": "nearest"},
-    "int4-nearest": {"quantized_weights": "int8", "quantized_grads": "int4",
-                     "quantized_grads_rounding": "nearest"},
+    # the gradients rounded stochastically instead of to nearest (the default)
+    "int8-sr": {"quantized_weights": "int8", "quantized_grads": "int8",
+                "quantized_grads_rounding": "stochastic"},
+    "int4-sr": {"quantized_weights": "int8", "quantized_grads": "int4",
+                "quantized_grads_rounding": "stochastic"},
     # with error feedback: each rank carries its gradients' rounding error to the next step
     "int8-ef": {"quantized_weights": "int8", "quantized_grads": "int8",
                 "grad_error_feedback": True},

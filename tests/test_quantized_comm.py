@@ -436,9 +436,10 @@ def test_stage3_gathers_are_quantized_and_own_shard_exact():
 
 
 def _stochastic_training(rank, ws, tmp):
-    """Stochastic rounding of int4 gradients (the default): each reduction's noise is its own
-    (rank, step, bucket, pass, peer); a run repeats to the bit, and so does its resumption from
-    a checkpoint; rounding to nearest trains otherwise."""
+    """Stochastic rounding of int4 gradients (quantized_grads_rounding="stochastic"): each
+    reduction's noise is its own (rank, step, bucket, pass, peer); a run repeats to the bit,
+    and so does its resumption from a checkpoint; rounding to nearest (the default) trains
+    otherwise. Without the option, no noise reaches the kernels."""
     import zero_py.collectives.quantized as qmod
 
     seen = []
@@ -448,7 +449,8 @@ def _stochastic_training(rank, ws, tmp):
         if bits == 4:
             seen.append(noise)
         return real(x, block, bits, q=q, scales=scales, noise=noise)
-    options = {"quantized_grads": "int4", "quantize_block": 64}
+    options = {"quantized_grads": "int4", "quantize_block": 64,
+               "quantized_grads_rounding": "stochastic"}
     qmod.quantize = spy
     try:
         losses, masters, model, opt = _train(rank, 2, 2, options)
@@ -456,8 +458,15 @@ def _stochastic_training(rank, ws, tmp):
         qmod.quantize = real
     out = {"noises": seen, "buckets": opt._flat.n_buckets}
     out["again"] = torch.equal(_train(rank, 2, 2, options)[1], masters)
-    out["nearest differs"] = not torch.equal(
-        _train(rank, 2, 2, {**options, "quantized_grads_rounding": "nearest"})[1], masters)
+    default = {k: v for k, v in options.items() if k != "quantized_grads_rounding"}
+    seen_before = len(seen)
+    qmod.quantize = spy
+    try:
+        out["nearest differs"] = not torch.equal(_train(rank, 2, 2, default)[1], masters)
+    finally:
+        qmod.quantize = real
+    out["default noise"] = seen[seen_before:]
+    del seen[seen_before:]
     # two steps, a checkpoint, two more; against the same four steps from the checkpoint
     gen = torch.Generator().manual_seed(7 + rank)
     batches = [gpt_batch(gen) for _ in range(2)]
@@ -484,6 +493,7 @@ def test_stochastic_gradient_rounding_repeats_and_resumes_exactly(tmp_path):
         assert len(noises) == 2 * r["buckets"] and None not in noises
         assert len(set(noises)) == len(noises)
         assert r["again"] and r["nearest differs"] and r["resumed"]
+        assert r["default noise"] and set(r["default noise"]) == {None}
     assert not set(runs[0]["noises"]) & set(runs[1]["noises"])  # nor do the ranks share one
 
 

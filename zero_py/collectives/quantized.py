@@ -18,13 +18,14 @@ Only the wire is quantized; what a rank owns never is:
   what rounding lost from its last contribution to its next, so a gradient below half a step
   is delayed, not dropped.
 - stochastic rounding of the gradients (quantized_reduce_scatter's noise,
-  quantized_grads_rounding="stochastic", the default): each value rounds up with the
-  probability of its fraction of a step, so that a contribution is the gradient on average.
+  quantized_grads_rounding="stochastic"; "nearest" is the default): each value rounds up with
+  the probability of its fraction of a step, so that a contribution is the gradient on average.
   Rounded to nearest, every value below half its block's step is dropped at every step: at
   int4 (7 steps to the block's largest value) most of a block, a bias that slowed the demo's
-  4-rank training by about 100 of 900 steps at one seed. The noise is a function of (the
-  optimizer's rounding seed: rank and step, the bucket, the pass, the peer), so runs and their
-  resumption from a checkpoint repeat to the bit.
+  4-rank training by about 100 of 900 steps at one seed; stochastically, the variance grows
+  instead (docs/scale-out.md has both measured). The noise is a function of (the optimizer's
+  rounding seed: rank and step, the bucket, the pass, the peer), so runs and their resumption
+  from a checkpoint repeat to the bit.
 - layout_align_bytes: with a quantized wire the flat layout starts every parameter and every
   shard on a block boundary, so no block holds two parameters (one of them ~1, the other
   ~0.01, would be rounded on the first one's step).

@@ -116,10 +116,11 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             contributions lost (an fp32 residual of the peers' chunks of every bucket:
             (N - 1) / N of the gradients, counted in memory_report's grads) and adds it to its
             next contribution, so that no gradient is dropped for being below half a step.
-        quantized_grads_rounding: "stochastic" (default: each value rounds up with the
+        quantized_grads_rounding: "nearest" (default: values below half a step of their
+            block are sent as zero, every step) or "stochastic" (each value rounds up with the
             probability of its fraction of a step, so a contribution is the gradient on
-            average; the noise follows the rank, step, bucket and pass, so runs repeat) or
-            "nearest" (values below half a step of their block are dropped every step).
+            average, with more variance; the noise follows the rank, step, bucket and pass, so
+            runs repeat). Measured trade-offs: docs/scale-out.md.
         loss_scaler: a zero_py.LossScaler for fp16 training: scale the loss with
             scale_loss(loss); a step whose gradients overflow on any rank is skipped on all.
         stochastic_rounding: round bf16 parameters stochastically from their fp32 masters
@@ -171,7 +172,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                  grad_accum_dtype: Optional[torch.dtype] = None,
                  quantized_weights: Optional[str] = None, quantized_grads: Optional[str] = None,
                  quantize_block: int = DEFAULT_QUANTIZE_BLOCK, grad_error_feedback: bool = False,
-                 quantized_grads_rounding: str = "stochastic",
+                 quantized_grads_rounding: str = "nearest",
                  loss_scaler: Optional[LossScaler] = None, stochastic_rounding: bool = False,
                  executor="auto", replicate_group: Optional[dist.ProcessGroup] = None,
                  device_mesh=None, hybrid: Optional[str] = None,
@@ -331,7 +332,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
                         quantized_grads: Optional[str] = None,
                         quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
                         grad_error_feedback: bool = False,
-                        quantized_grads_rounding: str = "stochastic",
+                        quantized_grads_rounding: str = "nearest",
                         loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
                         offload_optimizer: Optional[str] = None, offload_dir=None,
                         overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
