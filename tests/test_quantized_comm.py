@@ -511,6 +511,46 @@ def test_quantized_training_tracks_the_unquantized_run():
             assert abs(losses[-1] - base) <= tol * abs(base), (base, losses)
 
 
+def _feedback_resume(rank, ws, tmp):
+    """grad_error_feedback's residuals travel in checkpoints: a run resumed at the same world
+    size and layout continues as the uninterrupted run (its own residuals before the load are
+    dropped); another stage's layout starts them at zero; consolidation ignores them."""
+    from zero_py.checkpoint.consolidate import consolidate
+
+    options = {"quantized_grads": "int4", "grad_error_feedback": True}
+    gen = torch.Generator().manual_seed(11 + rank)
+    batches = [gpt_batch(gen) for _ in range(2)]
+
+    def more(model, opt):
+        for batch in batches:
+            gpt_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return _masters(opt)
+    _, _, model, opt = _train(rank, 2, 2, options)
+    saved = {b: r.clone() for b, r in opt._reducer.residuals().items()}
+    zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
+    reference = more(model, opt)
+    _, _, m2, o2 = _train(rank, 2, 1, options)  # residuals of its own, to be dropped
+    zero_py.load_checkpoint(f"{tmp}/ck", m2, o2)
+    got = o2._reducer.residuals()
+    out = {"restored": saved.keys() == got.keys() and len(saved) > 0
+           and all(torch.equal(saved[b], got[b]) for b in saved)}
+    out["resumed"] = torch.equal(more(m2, o2), reference)
+    _, _, m3, o3 = _train(rank, 1, 1, options)
+    zero_py.load_checkpoint(f"{tmp}/ck", m3, o3)
+    out["other layout"] = o3._reducer.residuals()
+    if rank == 0:
+        consolidate(f"{tmp}/ck", f"{tmp}/full.safetensors")
+    return out
+
+
+def test_error_feedback_residuals_resume_from_checkpoints(tmp_path):
+    for r in distributed.run(_feedback_resume, 2, str(tmp_path)):
+        assert r["restored"] and r["resumed"]
+        assert r["other layout"] == {}
+
+
 def _feedback_memory(rank, ws):
     _, _, _, plain = _train(rank, 2, 1, {"quantized_grads": "int4"})
     _, _, _, fed = _train(rank, 2, 1, {"quantized_grads": "int4", "grad_error_feedback": True})

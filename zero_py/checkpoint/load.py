@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from zero_py.checkpoint import plain
+from zero_py.checkpoint import feedback, plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
@@ -126,6 +126,8 @@ class _Plan:
         # slots (offloaded.write_pieces), flipped at the commit (the storages, once written)
         self.on_file = False
         self.piece_files: list = []
+        # grad_error_feedback's residuals this rank gets back (feedback.py; none: zeros)
+        self.feedback: Dict[int, torch.Tensor] = {}
 
     def stage(self, ck: Checkpoint, kind: str, name: str, lo: int, hi: int,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -190,6 +192,7 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
         h.load_into.copy_(t)
     for storage in plan.piece_files:  # written by offloaded.write_pieces
         storage.flip_pieces()
+    feedback.install(opt, plan.feedback)
     if not plan.records:
         opt._update.reset()
     opt._step_count = [0] * len(opt._step_count)
@@ -274,6 +277,7 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
                 plan.piece_files = write_pieces(ck, held)
             if plan.records:
                 write_records(ck, opt, held, {id(h): t for h, t in plan.params})
+            plan.feedback = feedback.stage(ck, opt, ex.rank)
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
     except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)

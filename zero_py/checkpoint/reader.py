@@ -249,6 +249,14 @@ class Checkpoint:
     def buffer(self, name: str) -> torch.Tensor:
         return self._handle(0).get_tensor(f"buffer/{name}")
 
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        """Tensor `key` of rank `rank`'s file, whole (small ones: feedback.py's)."""
+        try:
+            return self._handle(rank).get_tensor(key)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+            raise CheckpointError(f"{os.path.join(self.path, rank_file(rank))} lacks tensor "
+                                  f"{key} that the manifest places there ({exc})") from None
+
     def extra(self, rank: int) -> Any:
         """The `extra` that rank `rank` saved (None when it saved none)."""
         if not self.manifest["files"][rank_file(rank)].get("extra"):

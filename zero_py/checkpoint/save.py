@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from zero_py.checkpoint import plain
+from zero_py.checkpoint import feedback, plain
 from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
                                       wait_for_removals, write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
@@ -124,7 +124,9 @@ def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[Spa
 
     encoded = None if extra is None else plain.encode(extra, sink, "extra")
     tensors.extend(extra_tensors)
-    record = {"pieces": pieces, "states": states, "extra": encoded}
+    residuals, fed = feedback.payload(opt)  # grad_error_feedback's residuals
+    tensors.extend(residuals)
+    record = {"pieces": pieces, "states": states, "extra": encoded, "feedback": fed}
     return tensors, record
 
 
@@ -183,7 +185,9 @@ def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
             raise CheckpointError(f"no rank reported the optimizer state of {name}")
     manifest["files"] = {rank_file(r): {"rank": r, "bytes": rec["bytes"],
                                         "crc32c": rec["crc32c"],
-                                        "extra": rec["extra"] is not None}
+                                        "extra": rec["extra"] is not None,
+                                        **({"feedback": rec["feedback"]}
+                                           if rec.get("feedback") else {})}
                          for r, rec in enumerate(records)}
     return manifest
 

@@ -409,6 +409,19 @@ class GradReducer:
             r = self._residual[b] = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
         return r
 
+    def residuals(self) -> Dict[int, torch.Tensor]:
+        """The error-feedback residuals made so far, by bucket (checkpoint/feedback.py)."""
+        return dict(self._residual)
+
+    def set_residuals(self, residuals: Dict[int, torch.Tensor]) -> None:
+        """The residuals from now on (a load's; the buckets not given start at zero)."""
+        for b, r in residuals.items():
+            want = residual_numel(self.executor.world_size, self.grads.piece(b).numel())
+            if r.dtype != torch.float32 or r.numel() != want:
+                raise ValueError(f"the error-feedback residual of bucket {b} must be {want} "
+                                 f"float32, got {r.dtype} x {r.numel()}")
+        self._residual = dict(residuals)
+
     @property
     def residual_bytes(self) -> int:
         """Bytes of the error-feedback residuals once every bucket has been reduced."""
