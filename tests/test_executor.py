@@ -149,3 +149,22 @@ def test_shared_memory_without_room_falls_back_to_messages():
     shared bytes, no file left behind."""
     for r in run(_no_room, 2):
         assert r["ok"] and r["shared_bytes"] == 0 and not r["left"], r
+
+
+def test_all_to_all_checks_its_arguments(single_rank_group):
+    """The torch.distributed executor refuses what the NCCL one refuses (collectives/
+    arguments.py), before anything is sent or counted."""
+    executor = ex.TorchDistExecutor(single_rank_group)
+    buf = torch.zeros(200)
+    bad = [((buf[:40], buf[40:80].to(torch.bfloat16)), ValueError, "one dtype"),
+           ((buf[:40], buf[40:84]), ValueError, "same number of elements"),
+           ((buf[:40], buf[20:60]), ValueError, "overlap"),
+           ((buf[:40], buf[40:120:2]), ValueError, "contiguous"),
+           ((buf[:40], [0.0] * 40), TypeError, "takes tensors")]
+    for (output, input), exc, match in bad:
+        with pytest.raises(exc, match=match):
+            executor.all_to_all(output, input)
+    assert "all_to_all" not in executor.stats.snapshot()
+    out = torch.empty(40)
+    executor.all_to_all(out, buf[:40] + 1).wait()  # a good call still runs
+    assert torch.equal(out, buf[:40] + 1)

@@ -37,6 +37,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from zero_py.collectives.arguments import check_all_to_all
 from zero_py.collectives.stats import CommStats
 from zero_py.collectives.timeout import group_timeout_s
 from zero_py.collectives.work import CollectiveError, Work
@@ -51,12 +52,6 @@ _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 
 _id_counter = itertools.count()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if the memory of the two (contiguous) tensors overlaps."""
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 def nccl_op(op) -> int:
@@ -303,15 +298,7 @@ class NcclExecutor:
         self._tensor("output", output)
         self._tensor("input", input)
         ws = self.world_size
-        if input.dtype != output.dtype or input.numel() != output.numel() or \
-                input.numel() % ws:
-            raise ValueError(f"all_to_all: input and output must have the same number of "
-                             f"elements, a multiple of world_size ({ws}), and one dtype; got "
-                             f"input {input.numel()} of {input.dtype}, output {output.numel()} "
-                             f"of {output.dtype}")
-        if input.numel() and _overlaps(output, input):
-            raise ValueError("all_to_all: output and input overlap; an all-to-all cannot run in "
-                             "place (give output its own memory)")
+        check_all_to_all(output, input, ws)
         work = self._issue(ALL_TO_ALL, input, output, input.numel() // ws)
         self._count("all_to_all", input)
         return work

@@ -55,6 +55,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from zero_py.collectives.arguments import overlaps
 from zero_py.collectives.work import Work
 from zero_py.kernels.quantize import dequantize, quantize
 
@@ -246,7 +247,7 @@ def quantized_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor
     work = executor.all_to_all(recv, send)
 
     def finish() -> None:
-        acc = output if output.dtype == torch.float32 and not _overlaps(output, input) \
+        acc = output if output.dtype == torch.float32 and not overlaps(output, input) \
             else torch.empty(n, dtype=torch.float32, device=output.device)
         for r in range(ws):
             if r == me:
@@ -290,11 +291,6 @@ def widening_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor)
         for r in range(1, ws):
             output.add_(recv[r * n:(r + 1) * n])
     return Work(work, finish, keep=(recv,))
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 class QuantizedExecutor:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from zero_py.collectives import shm
+from zero_py.collectives.arguments import check_all_to_all, overlaps
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.shm import HostAllGather
 from zero_py.collectives.stats import CommStats
@@ -52,12 +53,6 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _P2P_TAG_ALL_GATHER = 0x5A500000
 _P2P_TAG_REDUCE_SCATTER = 0x5A510000
 _P2P_TAG_ALL_TO_ALL = 0x5A520000
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if the memory of the two (contiguous) tensors overlaps."""
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 class TorchDistExecutor:
@@ -223,7 +218,7 @@ class TorchDistExecutor:
         # the first peer in rank order is received straight into output (unless output is
         # this rank's chunk of input), the others into scratch: none at 2 ranks
         first = 1 if me == 0 else 0
-        direct = not _overlaps(output, input)
+        direct = not overlaps(output, input)
         others = [r for r in range(n) if r != me and not (direct and r == first)]
         scratch = None
         if others:
@@ -256,6 +251,7 @@ class TorchDistExecutor:
         """Chunk r of `input` goes to rank r; chunk r of `output` comes from rank r (equal
         chunks; the quantized reduce-scatter's one hop). Point-to-point messages on gloo,
         all_to_all_single elsewhere."""
+        check_all_to_all(output, input, self.world_size)
         work = issue(f"all-to-all of {self._size(input)}", self._all_to_all, output, input)
         self._count("all_to_all", input)
         return work
