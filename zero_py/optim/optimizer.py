@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from array import array
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
@@ -384,7 +385,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         self._reducer, handles = compat.capture_hooks(fp.params, lambda: GradReducer(
             fp, self._wire, min(stage, 2), self._grad_reduce_dtype,
             MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1, accum_dtype=self._grad_accum_dtype))
-        self._reducer.noise_seed = lambda: self._sr_seed  # a quantized wire's rounding
+        # a quantized wire's stochastic rounding; weakly, so that the parameters' hooks (they
+        # hold the reducer) do not keep the optimizer alive
+        me = weakref.ref(self)
+        self._reducer.noise_seed = lambda: me()._sr_seed
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor
