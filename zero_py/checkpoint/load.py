@@ -8,15 +8,11 @@ shapes, optimizer class and state, param groups, loss scaler, buffers). What eac
 outside the optimizer's storage, frozen under stages 1-2, whole) is read into staging tensors
 and fresh state tensors, from the same pass that checks the checksums where the rank checks
 the file that holds it (at an unchanged world size and layout: all of it), then from the other
-files. Under stages 1-2 with the parameters on the CPU the staging of the parameters is a new
-set of flat buffers (the image) that also takes the other ranks' slices, read from the files
-those ranks are reading (the page cache serves them, during this rank's own read: reader.py's
-Checkpoint.filling); the commit adopts it, so no copy and no read is left after the agreement.
-Otherwise (device parameters: an image would cost each rank the whole model's size in host
-memory; the torch.optim path, whose optimizer keeps views of the live buffers) the rank's own
-slices are staged and copied in at the commit, and the other ranks' slices read after it
-(_read_replicas). The ranks agree on the outcome, so a bad checkpoint raises the same error
-on every rank; only then is it installed (no I/O: a failure up to there changes nothing).
+files. The ranks agree on the outcome, so a bad checkpoint raises the same error on every rank;
+only then is it installed (no I/O: a failure up to there changes nothing). Under stages 1-2
+every rank then reads the other ranks' slices of the parameters straight into its flat buffers
+(_read_replicas), from files their ranks have just read and checked: the page cache serves
+them, for less than the all-gather a step ends with.
 """
 
 from __future__ import annotations
@@ -123,11 +119,6 @@ class _Plan:
         self.slices: List[Tuple[Held, Dict[str, Any]]] = []      # torch.optim path's states
         self.fresh: Optional[List[torch.Tensor]] = None
         self.segments: list = []
-        # stages 1-2 with the parameters on the CPU: new flat buffers that take every parameter
-        # value (this rank's slices and the other ranks') before the commit adopts them
-        self.image: Optional[List[torch.Tensor]] = None
-        self.replicas: list = []  # the segments of the other ranks' slices
-        self.casts: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (image view, staged)
         # offload_optimizer="nvme": the masters and states go straight to the offload file's
         # other slots (offloaded.write_records), flipped at the commit
         self.records = False
@@ -138,38 +129,15 @@ class _Plan:
         self.segments.extend(segs)
         return t
 
-    def stage_image(self, ck: Checkpoint, kind: str, name: str, h: Held,
-                    full: torch.Tensor) -> torch.Tensor:
-        """Every element of parameter `name` into `full` (its view in the image): this rank's
-        slice as stage() plans it, the rest as replicas; a piece stored in another dtype goes
-        through a staged tensor, cast into place before the commit. Returns this rank's
-        slice."""
-        for lo, hi, into in ((h.lo, h.hi, self.segments), (0, h.lo, self.replicas),
-                             (h.hi, h.numel, self.replicas)):
-            if hi > lo:
-                view = full[lo:hi]
-                t, segs = ck.stage(kind, name, lo, hi, view)
-                into.extend(segs)
-                if t is not view:
-                    self.casts.append((view, t))
-        return full[h.lo:h.hi]
-
 
 def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
     """What this rank reads (its own ranges) and where it goes; reads nothing yet."""
     plan = _Plan()
-    flat = opt._flat
-    if _adopts_image(opt):
-        plan.image = flat.fresh_buffers()
     for name, h in held.items():
         entry = ck.params[name]
         same = entry["dtype"] == plain.dtype_name(h.dtype)
         kind = "param" if same or not entry.get("master") else "master"
-        if plan.image is not None and h.index is not None:
-            full = flat.param_view(h.index, plan.image)
-            plan.params.append((h, plan.stage_image(ck, kind, name, h, full)))
-        else:
-            plan.params.append((h, plan.stage(ck, kind, name, h.load_lo, h.load_hi)))
+        plan.params.append((h, plan.stage(ck, kind, name, h.load_lo, h.load_hi)))
     if streamed(opt) is not None:
         plan.records = True
         return plan
@@ -207,17 +175,6 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
     return plan
 
 
-def _adopts_image(opt) -> bool:
-    """Whether a load fills new flat buffers and adopts them (stages 1-2, parameters on the
-    CPU), rather than staging this rank's slices and copying them in at the commit, then
-    reading the other ranks' slices (_read_replicas). Not for device parameters (an image of
-    the whole model in host memory would cost each rank the model's size), nor under the
-    torch.optim path (its optimizer keeps views of the live buffers)."""
-    flat = opt._flat
-    return (hasattr(flat, "adopt_buffers") and flat.device.type == "cpu"
-            and not opt._update.keeps_param_views)
-
-
 def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict],
             plan: _Plan) -> None:
     """Installs what the plan staged: no I/O but the buffers (rank 0's file, small)."""
@@ -225,10 +182,7 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
     buffers = {name: ck.buffer(name) for name in persistent_buffers(model)}
     opt._set_hyperparameters(groups)
     for h, t in plan.params:
-        if plan.image is None or h.index is None:
-            h.load_into.copy_(t)
-    if plan.image is not None:
-        opt._flat.adopt_buffers(plan.image)
+        h.load_into.copy_(t)
     if not plan.records:
         opt._update.reset()
     opt._step_count = [0] * len(opt._step_count)
@@ -263,9 +217,8 @@ def _commit_optimizer(opt, plan: _Plan) -> None:
 
 
 def _read_replicas(ck: Checkpoint, opt, held: Dict[str, Held]) -> None:
-    """Stages 1-2 with device parameters (without an image), after the commit: the values of
-    the other ranks' slices of every parameter in the optimizer's storage, into this rank's
-    flat buffers, from the files the other
+    """Stages 1-2, after the commit: the values of the other ranks' slices of every parameter in
+    the optimizer's storage, straight into this rank's flat buffers, from the files the other
     ranks have just read and checked (so from the page cache): what the all-gather at the end
     of a step gives, for a fraction of its cost (no staging copy, no collective). Pieces
     stored in another dtype (a bf16 parameter with an fp32 master) go through a temporary and
@@ -306,17 +259,11 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
             # this rank's share of the files, checked (verify) and read whole in one pass
             # (sequential reads), taking what it needs of them on the way
             files = sorted(ck.manifest["files"])
-            mine = files[ex.rank::ex.world_size]
-            # meanwhile, what this rank takes from the files the other ranks check (the other
-            # ranks' slices of the parameters; at another world size or layout, parts of its
-            # own too), from the page cache as their reads bring it in; then the rest. It
-            # counts once the agreement below says that every file's checksum held
-            later = [g for g in plan.segments if g.file not in mine] + plan.replicas
-            with ck.filling(later):
-                ck.verify(mine, plan.segments, check=verify)
-            ck.fill(plan.segments + plan.replicas)
-            for dst, t in plan.casts:
-                dst.copy_(t)
+            ck.verify(files[ex.rank::ex.world_size], plan.segments, check=verify)
+            # the rest of what this rank owns, from the files the other ranks check (none at an
+            # unchanged world size and layout): it counts once the agreement below says that
+            # every file's checksum held
+            ck.fill(plan.segments)
             if plan.records:  # into the offload file's other slots: nothing changes yet
                 write_records(ck, opt, held, {id(h): t for h, t in plan.params})
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
@@ -329,7 +276,7 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     try:
         with torch.no_grad():
             _commit(ck, model, opt, held, groups, plan)
-            if not flat.params_sharded and plan.image is None:
+            if not flat.params_sharded:
                 try:
                     _read_replicas(ck, opt, held)
                 except (CheckpointError, OSError, ValueError) as exc:
@@ -344,6 +291,6 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
             frozen = getattr(flat, "frozen_storage", None)
             if frozen is not None:
                 frozen.publish(ex, [])
-    elif plan.image is None:  # every rank took the same path (the parameters' device)
+    else:
         agree(ex, error, "load_checkpoint")
     return extra

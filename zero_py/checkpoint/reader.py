@@ -15,11 +15,8 @@ the reader's resident memory. Buffers and `extra` (small) go through the safeten
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -33,7 +30,6 @@ from zero_py.collectives.objects import gather_json
 FORMAT = "zero_py-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-_POLL_S = 0.002  # Checkpoint.filling: how long its thread waits when the page cache had nothing
 
 
 class CheckpointError(RuntimeError):
@@ -215,58 +211,6 @@ class Checkpoint:
                                           "it is truncated")
                 at += n
             seg.got = at
-
-    @contextlib.contextmanager
-    def filling(self, segments: Sequence["Segment"]):
-        """While the body runs, a thread fills `segments` with what the page cache already
-        holds of them, never waiting for the disk (RWF_NOWAIT reads), in file order, and looks
-        again every _POLL_S while the next one is not there; fill() reads what is left. The
-        body is this rank's own checked read (verify); the other ranks' reads of the files these
-        segments lie in bring their pages in as it goes, so the copies ride along with the
-        disk's time instead of following it. Where the system lacks RWF_NOWAIT the body runs
-        alone."""
-        nowait = getattr(os, "RWF_NOWAIT", None)
-        if nowait is None or not segments:
-            yield
-            return
-        stop = threading.Event()
-        thread = threading.Thread(target=self._fill_cached, args=(segments, stop, nowait),
-                                  name="zero_py-checkpoint-fill", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    def _fill_cached(self, segments: Sequence["Segment"], stop: threading.Event,
-                     nowait: int) -> None:
-        by_file: Dict[str, collections.deque] = {}
-        for seg in sorted(segments, key=lambda g: (g.file, g.fb)):
-            by_file.setdefault(seg.file, collections.deque()).append(seg)
-        queues = list(by_file.values())
-        while queues and not stop.is_set():
-            moved = False
-            for queue in queues:
-                while queue:
-                    seg = queue[0]
-                    if seg.got == seg.fe - seg.fb:
-                        queue.popleft()
-                        continue
-                    try:
-                        n = os.preadv(self._raws[seg.file].fd, [seg.dst[seg.got:]],
-                                      seg.fb + seg.got, nowait)
-                    except BlockingIOError:  # not in the page cache (yet)
-                        break
-                    except OSError:  # fill() meets it again and says what it is
-                        return
-                    if n <= 0:  # the file ends early: fill() says so
-                        return
-                    seg.got += n
-                    moved = True
-            queues = [q for q in queues if q]
-            if not moved:
-                stop.wait(_POLL_S)
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -65,11 +65,6 @@ class _Update:
     copy, masters and staging replace `grads`, `masters` and the parameter pieces, and the
     state lives on the host."""
 
-    # the update keeps views of the parameters' flat buffers between calls (the torch.optim
-    # path: its inner optimizer's parameters), so those buffers cannot be swapped for new ones
-    # (FlatParams.adopt_buffers, a checkpoint load)
-    keeps_param_views = False
-
     def __init__(self, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
                  param_groups: List[dict], host=None):
         self.flat = flat
@@ -255,8 +250,6 @@ class FusedUpdate(_Update):
 
 
 class TorchUpdate(_Update):
-    keeps_param_views = True  # self.views: an fp32 parameter's master is its flat piece
-
     def __init__(self, optimizer_class, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
                  param_groups: List[dict], host=None):
         super().__init__(flat, grads, masters, param_groups, host)

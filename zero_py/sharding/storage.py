@@ -62,34 +62,11 @@ class FlatParams(FlatLayout):
         n = self.bucket_shard_numel[b]
         return self.bucket_region(b)[self.rank * n:(self.rank + 1) * n]
 
-    def param_view(self, i: int, buffers: Optional[Sequence[torch.Tensor]] = None
-                   ) -> torch.Tensor:
-        """Parameter i as a 1-D view into its flat buffer (or into `buffers`, laid out alike:
-        fresh_buffers())."""
+    def param_view(self, i: int) -> torch.Tensor:
+        """Parameter i as a 1-D view into its flat buffer."""
         b = self.param_bucket[i]
         lo = self.bucket_flat_offset[b] + self.param_offset[i]
-        return (buffers or self.buffers)[self.bucket_buffer[b]][lo:lo + self.param_numel[i]]
-
-    def fresh_buffers(self) -> List[torch.Tensor]:
-        """New flat buffers laid out as the live ones (not installed: see adopt_buffers), zero
-        in the padding and unset where the parameters lie, which the caller fills at once (a
-        checkpoint load reads the values straight into them: their pages are written once)."""
-        fresh = [torch.empty(n, dtype=self.dtypes[k], device=self.device)
-                 for k, n in enumerate(self.plan["buffer_numel"])]
-        for b in range(self.n_buckets):
-            buf, lo = fresh[self.bucket_buffer[b]], self.bucket_flat_offset[b]
-            for g0, g1 in self.bucket_gaps[b]:
-                buf[lo + g0:lo + g1].zero_()
-        return fresh
-
-    def adopt_buffers(self, buffers: List[torch.Tensor]) -> None:
-        """Installs buffers made by fresh_buffers (and filled) in place of the live ones: every
-        managed parameter's .data becomes its view into them. The Parameter objects stay; the
-        old buffers are freed once nothing else holds them."""
-        self.buffers = buffers
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                p.data = self.param_view(i).view_as(p)
+        return self.buffers[self.bucket_buffer[b]][lo:lo + self.param_numel[i]]
 
     def owned_values(self, i: int) -> torch.Tensor:
         """This rank's slice of parameter i (the part its shard owns), a 1-D view; empty
