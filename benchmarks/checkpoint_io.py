@@ -22,10 +22,11 @@ ways (buffered or direct) of the same kind. The saves take turns going first, ro
 round (this disk slows down during a burst of writes), and so do the loads, after a pause
 (--settle) that lets the disk finish with the saves; a zero_py save that replaces a
 checkpoint removes the old one on a thread, which is waited for, untimed, before the next
-measurement. The first --warmup rounds (1) are run and not counted: this machine is a VM whose
-memory costs several times more the first time the guest touches it (1.5 GB took 2.0 s the
-first time and 0.3-0.4 s after, in a fresh process each time), so whichever measurement first
-touched new memory paid for it (the first round's zero_py load read at 40-45% of the disk
+measurement; the loads run in the reverse order every other round, so that no load always
+follows the same one. The first --warmup rounds (1) are run and not counted: this machine is a
+VM whose memory costs several times more the first time the guest touches it (1.5 GB took 2.0 s
+the first time and 0.3-0.4 s after, in a fresh process each time), so whichever measurement
+first touched new memory paid for it (the first round's zero_py load read at 40-45% of the disk
 twice, 69-104% in the rounds after). Rank 0 prints the medians, ranges and ratios, the CPU
 model and the load average (the machine may be shared); then `python -m zero_py consolidate`
 runs on the zero_py checkpoint and its peak RSS is printed beside the largest tensor.
@@ -221,11 +222,15 @@ def main() -> None:
                  ("dcp load", [dpath], dcp_load)]
         # the disk is still busy for a while after a burst of writes (the first read after the
         # saves was up to 6x slower than the same read later): let it settle, then the loads
-        # take turns going first, round by round, like the saves
+        # take turns going first, round by round, like the saves. Every other round runs them
+        # in the reverse order, so a load does not always follow the same one: a load that
+        # comes right after another zero_py load gets the memory that load just freed, which
+        # this machine gives faster than memory it has not used for a while
         os.sync()
         time.sleep(args.settle)
-        for k in range(len(loads)):
-            name, files, fn = loads[(k + r) % len(loads)]
+        order = loads if r % 2 == 0 else loads[::-1]
+        for k in range(len(order)):
+            name, files, fn = order[(k + r) % len(order)]
             evict(files)
             t = timed(fn)
             if counted:
