@@ -1,7 +1,7 @@
 """Checkpoint save and load throughput: zero_py against the disk and torch.distributed.checkpoint.
 
     torchrun --nproc-per-node 2 benchmarks/checkpoint_io.py [--params-m 64] [--rounds 3]
-             [--dir /tmp/zp_ckpt_bench]
+             [--warmup 1] [--dir /tmp/zp_ckpt_bench]
 
 One model (a stack of square fp32 Linear layers, --params-m million parameters) trained one
 step with AdamW two ways: zero_py stage 2 and DDP + torch.optim.AdamW. Both checkpoints hold
@@ -22,10 +22,14 @@ ways (buffered or direct) of the same kind. The saves take turns going first, ro
 round (this disk slows down during a burst of writes), and so do the loads, after a pause
 (--settle) that lets the disk finish with the saves; a zero_py save that replaces a
 checkpoint removes the old one on a thread, which is waited for, untimed, before the next
-measurement. Rank 0 prints the medians, ranges and ratios, the CPU model and the load
-average (the machine may be shared); then `python -m zero_py
-consolidate` runs on the zero_py checkpoint and its peak RSS is printed beside the largest
-tensor.
+measurement; the loads run in the reverse order every other round, so that no load always
+follows the same one. The first --warmup rounds (1) are run and not counted: this machine is a
+VM whose memory costs several times more the first time the guest touches it (1.5 GB took 2.0 s
+the first time and 0.3-0.4 s after, in a fresh process each time), so whichever measurement
+first touched new memory paid for it (the first round's zero_py load read at 40-45% of the disk
+twice, 69-104% in the rounds after). Rank 0 prints the medians, ranges and ratios, the CPU
+model and the load average (the machine may be shared); then `python -m zero_py consolidate`
+runs on the zero_py checkpoint and its peak RSS is printed beside the largest tensor.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/zp_ckpt_bench")
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds between the last save and the first load of a round")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds run first and not counted (see the module docstring)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,7 +182,8 @@ def main() -> None:
                              "zero_py load", "zero_py load (no verify)", "dcp load")}
     ck_bytes = None
     load_avg = [os.getloadavg()]  # the machine is shared: said beside the numbers
-    for r in range(args.rounds):
+    for r in range(args.warmup + args.rounds):
+        counted = r >= args.warmup
         if rank == 0:
             shutil.rmtree(dpath, ignore_errors=True)
         dist.barrier()
@@ -194,7 +201,9 @@ def main() -> None:
                  ("zero_py save", lambda: zero_py.save_checkpoint(zpath, zmodel, zopt))]
         for k in range(len(saves)):  # each goes first in one round of three: a disk slows
             name, fn = saves[(k + r) % len(saves)]  # down during a burst of writes
-            times[name].append(timed(fn))
+            t = timed(fn)
+            if counted:
+                times[name].append(t)
             wait_for_removals()  # zero_py removes a replaced checkpoint on a thread: untimed
         ck_bytes = dir_bytes(zpath)
 
@@ -213,13 +222,19 @@ def main() -> None:
                  ("dcp load", [dpath], dcp_load)]
         # the disk is still busy for a while after a burst of writes (the first read after the
         # saves was up to 6x slower than the same read later): let it settle, then the loads
-        # take turns going first, round by round, like the saves
+        # take turns going first, round by round, like the saves. Every other round runs them
+        # in the reverse order, so a load does not always follow the same one: a load that
+        # comes right after another zero_py load gets the memory that load just freed, which
+        # this machine gives faster than memory it has not used for a while
         os.sync()
         time.sleep(args.settle)
-        for k in range(len(loads)):
-            name, files, fn = loads[(k + r) % len(loads)]
+        order = loads if r % 2 == 0 else loads[::-1]
+        for k in range(len(order)):
+            name, files, fn = order[(k + r) % len(order)]
             evict(files)
-            times[name].append(timed(fn))
+            t = timed(fn)
+            if counted:
+                times[name].append(t)
     dcp_bytes = dir_bytes(dpath) if rank == 0 else 0
     load_avg.append(os.getloadavg())
     if rank == 0:
@@ -228,7 +243,8 @@ def main() -> None:
               f"cores), torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
         print(f"# {n_params / 1e6:.1f}M fp32 parameters + AdamW: zero_py checkpoint "
               f"{ck_bytes / 1e6:.1f} MB, DCP checkpoint {dcp_bytes / 1e6:.1f} MB; "
-              f"median and range of {args.rounds} rounds, page cache evicted before loads; "
+              f"median and range of {args.rounds} rounds after {args.warmup} not counted, "
+              "page cache evicted before loads; "
               "load average (1/5/15 min) "
               + " at the start, ".join("/".join(f"{x:.2f}" for x in a) for a in load_avg)
               + " at the end\n")
