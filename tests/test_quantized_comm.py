@@ -435,6 +435,21 @@ def test_stage3_gathers_are_quantized_and_own_shard_exact():
     distributed.run(_stage3_gather, 2)
 
 
+def _more_steps(seed: int):
+    """more(model, opt): two steps on the batches of `seed` (the same for every call), then
+    the masters; a run and its resumption from a checkpoint are compared by it."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = [gpt_batch(gen) for _ in range(2)]
+
+    def more(model, opt):
+        for batch in batches:
+            gpt_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return _masters(opt)
+    return more
+
+
 def _stochastic_training(rank, ws, tmp):
     """Stochastic rounding of int4 gradients (quantized_grads_rounding="stochastic"): each
     reduction's noise is its own (rank, step, bucket, pass, peer); a run repeats to the bit,
@@ -468,15 +483,7 @@ def _stochastic_training(rank, ws, tmp):
     out["default noise"] = seen[seen_before:]
     del seen[seen_before:]
     # two steps, a checkpoint, two more; against the same four steps from the checkpoint
-    gen = torch.Generator().manual_seed(7 + rank)
-    batches = [gpt_batch(gen) for _ in range(2)]
-
-    def more(model, opt):
-        for batch in batches:
-            gpt_loss(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
-        return _masters(opt)
+    more = _more_steps(7 + rank)
     zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
     reference = more(model, opt)
     _, _, m2, o2 = _train(rank, 2, 0, options)
@@ -518,15 +525,7 @@ def _feedback_resume(rank, ws, tmp):
     from zero_py.checkpoint.consolidate import consolidate
 
     options = {"quantized_grads": "int4", "grad_error_feedback": True}
-    gen = torch.Generator().manual_seed(11 + rank)
-    batches = [gpt_batch(gen) for _ in range(2)]
-
-    def more(model, opt):
-        for batch in batches:
-            gpt_loss(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
-        return _masters(opt)
+    more = _more_steps(11 + rank)
     _, _, model, opt = _train(rank, 2, 2, options)
     saved = {b: r.clone() for b, r in opt._reducer.residuals().items()}
     zero_py.save_checkpoint(f"{tmp}/ck", model, opt)
