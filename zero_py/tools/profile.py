@@ -55,9 +55,12 @@ LABELS: Dict[str, str] = {
     "zero_py.all_reduce_max": "a max all-reduce started (which parameters got gradients, the "
                               "stage-3 order)",
     "zero_py.broadcast": "a broadcast started",
+    "zero_py.all_to_all": "an all-to-all started (quantized gradients, or bf16 gradients "
+                          "summed in fp32)",
 }
 
-_EXECUTOR_METHODS = ("reduce_scatter", "all_gather", "all_reduce", "all_reduce_max", "broadcast")
+_EXECUTOR_METHODS = ("reduce_scatter", "all_gather", "all_reduce", "all_reduce_max", "broadcast",
+                     "all_to_all")
 
 
 class Profile:
