@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zero_py
-from zero_py.collectives import TorchDistExecutor, make_executor, nccl, quantized
+from zero_py.collectives import TorchDistExecutor, arguments, make_executor, nccl, quantized
 from zero_py.collectives.stats import CommStats
 from zero_py.collectives.work import Work
 
@@ -93,7 +93,7 @@ def test_nccl_all_to_all_issues_one_grouped_exchange(monkeypatch):
                                                   "bytes_received": 72}}
     # CPU tensors go through the device: the device copies are what is issued and counted
     # (two meta tensors share the fake address 0: the overlap check would refuse them)
-    monkeypatch.setattr(nccl, "_overlaps", lambda a, b: False)
+    monkeypatch.setattr(arguments, "overlaps", lambda a, b: False)
     ex.all_to_all(torch.empty(8), torch.arange(8, dtype=torch.float32))
     coll, send, recv, count = ex.issued[-1]
     assert (coll, count, send.device.type, recv.device.type) == (nccl.ALL_TO_ALL, 2, "meta",
@@ -148,7 +148,8 @@ def test_quantized_collectives_use_the_nccl_all_to_all(monkeypatch):
     ex = _stand_in()
     assert quantized.all_to_all_unavailable(ex) is None
     quantized.QuantizedExecutor(ex, grads=quantized.spec("int4", 64, "quantized_grads"))
-    monkeypatch.setattr(nccl, "_overlaps", lambda a, b: False)  # meta tensors share address 0
+    # meta tensors share address 0
+    monkeypatch.setattr(arguments, "overlaps", lambda a, b: False)
     quantized.QuantizedExecutor(ex).reduce_scatter(
         torch.empty(10, device="meta"), torch.empty(40, dtype=torch.bfloat16, device="meta"))
     (coll, send, recv, count), = ex.issued
