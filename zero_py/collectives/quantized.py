@@ -351,6 +351,32 @@ class QuantizedExecutor:
         return self.grads is not None or getattr(self.inner, "reduce_scatter_keeps_input", False)
 
 
+def check_options(weights: Optional[str], grads: Optional[str], block: int, error_feedback,
+                  rounding) -> None:
+    """The ZeroOptimizer options of the wire (quantized_weights, quantized_grads,
+    quantize_block, grad_error_feedback, quantized_grads_rounding), checked."""
+    spec(weights, block, "quantized_weights", ("bf16", "int8"))
+    spec(grads, block, "quantized_grads")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"grad_error_feedback must be True or False, got {error_feedback!r}")
+    if error_feedback and grads is None:
+        raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
+                         "it carries the gradients' quantization error to the next step")
+    check_rounding(rounding)
+
+
+def wire(executor, align_bytes: int, weights: Optional[str], grads: Optional[str], block: int,
+         widening: bool, error_feedback: bool, rounding: str):
+    """(the executor the reducer and the publish use, the flat layout's alignment) for the
+    checked options (check_options): `executor` itself without a quantized or widened wire,
+    and the alignment raised so that no quantization block straddles two parameters."""
+    wrapped = wrap(executor, spec(weights, block, "quantized_weights", ("bf16", "int8")),
+                   spec(grads, block, "quantized_grads"), widening=widening,
+                   error_feedback=error_feedback, stochastic_grads=check_rounding(rounding))
+    return wrapped, layout_align_bytes(align_bytes, block,
+                                       weights == "int8" or grads is not None)
+
+
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
          widening: bool = False, error_feedback: bool = False, stochastic_grads: bool = False):
     """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""

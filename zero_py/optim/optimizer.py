@@ -287,16 +287,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         self._grad_accum_dtype = grad_accum_dtype
         # the reducer's and the stages 1-2 publish's executor: the wire may be quantized or
         # widened (collectives/quantized.py); everything else uses self.executor
-        self._wire = quantized.wrap(
-            self.executor, quantized.spec(quantized_weights, quantize_block, "quantized_weights",
-                                          ("bf16", "int8")),
-            quantized.spec(quantized_grads, quantize_block, "quantized_grads"),
+        self._wire, align_bytes = quantized.wire(
+            self.executor, align_bytes, quantized_weights, quantized_grads, quantize_block,
             widening=grad_accum_dtype is not None, error_feedback=grad_error_feedback,
-            stochastic_grads=quantized_grads_rounding == "stochastic")
-        # quantization blocks never straddle two parameters (collectives/quantized.py)
-        align_bytes = quantized.layout_align_bytes(
-            align_bytes, quantize_block,
-            quantized_weights == "int8" or quantized_grads is not None)
+            rounding=quantized_grads_rounding)
         self._bucket_bytes, self._align_bytes = bucket_bytes, align_bytes
         self._kind = kind
         self.uses_fused_kernel = kind is not None
@@ -356,15 +350,8 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         if grad_accum_dtype not in (None, torch.float32):
             raise ValueError(f"grad_accum_dtype must be None or torch.float32 (sum the "
                              f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
-        quantized.spec(quantized_weights, quantize_block, "quantized_weights", ("bf16", "int8"))
-        quantized.spec(quantized_grads, quantize_block, "quantized_grads")
-        if not isinstance(grad_error_feedback, bool):
-            raise ValueError(f"grad_error_feedback must be True or False, got "
-                             f"{grad_error_feedback!r}")
-        if grad_error_feedback and quantized_grads is None:
-            raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
-                             "it carries the gradients' quantization error to the next step")
-        quantized.check_rounding(quantized_grads_rounding)
+        quantized.check_options(quantized_weights, quantized_grads, quantize_block,
+                                grad_error_feedback, quantized_grads_rounding)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
         check_offload_optimizer(offload_optimizer, offload_dir)
