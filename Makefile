@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: peers all deps build test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: peers all deps build install test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -53,8 +53,16 @@ deps:
 
 # Editable install, without dependencies (torch is handled above) and without build
 # isolation (the build needs only setuptools, which is already here).
-build: deps
-	ZP_WERROR=1 $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+# ZP_WERROR=1: warnings fail the build here (gpu-check's machine, whose compilers may warn of
+# more, builds with 0).
+ZP_WERROR ?= 1
+
+build: deps install
+
+# The install alone, with nothing fetched: for a machine without a network (gpu-check's), whose
+# own torch and pytest are used. It needs setuptools >= 77 (pyproject.toml's SPDX license).
+install:
+	ZP_WERROR=$(ZP_WERROR) $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	@$(PYTHON) -c "import zero_py._C as c; print('zero_py._C built, CPU kernels:', c.cpu_isa())"
 	@$(PYTHON) -c "import zero_py.kernels.cuda as c; m = c.native_module(); \
 	print('zero_py._cuda', 'built' if m else 'not built', '(GPU: ' + (c.unavailable_reason() or 'usable') + ')')"
@@ -151,15 +159,23 @@ bench: build
 	$(PYTHON) benchmarks/adamw_kernel.py
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/step_time.py
 
-# On a machine with a GPU: builds (zero_py._cuda too), runs the GPU tests with ZP_REQUIRE_CUDA=1
-# (a missing GPU fails instead of skipping) and the CPU tests of the CUDA code, then the GPU
-# benchmarks (kernels; step time of DDP, stages 1-3 and FSDP2). Writes env.txt, tests.log,
-# bench.log, gpu_adamw.md, step_time.log, gpu_step_time.md and summary.md to $(GPU_OUT)
-# ($$OUT when set, else build/gpu-check); exits non-zero when the tests or the benchmark failed.
+# On a machine with a GPU: builds (zero_py._cuda too, ZP_CUDA=1: a failed nvcc is an error;
+# nothing is fetched: `install`), runs the GPU tests with ZP_REQUIRE_CUDA=1 (a missing GPU fails
+# instead of skipping) and the CPU tests of the CUDA code (GPU_PYTEST_N workers when
+# pytest-xdist is there), then the GPU benchmarks: kernels; step time of DDP, stages 1-3, FSDP2
+# and ZeRO-Offload; and ZeRO-Offload alone at batch GPU_OFFLOAD_BATCH (the share of the host
+# step hidden behind backward). Writes env.txt, tests.log, bench.log, gpu_adamw.md,
+# step_time.log, gpu_step_time.md, offload.log, gpu_offload.md and summary.md to $(GPU_OUT)
+# ($$OUT when set, else build/gpu-check); exits non-zero when the tests or a benchmark failed.
 GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu-check)
 
+GPU_OFFLOAD_BATCH ?= 32
+GPU_PYTEST_N ?= 4
+
 gpu-check: SHELL := /bin/bash
-gpu-check: build
+gpu-check: ZP_WERROR := 0
+gpu-check: export ZP_CUDA := 1
+gpu-check: install
 	@mkdir -p "$(GPU_OUT)"
 	@{ date -u; nvidia-smi || echo "nvidia-smi: not found"; \
 	  $(PYTHON) -c "import torch, zero_py.kernels.cuda as c, zero_py.collectives.nccl as n; \
@@ -168,7 +184,8 @@ gpu-check: build
 	print('NCCL:', n.unavailable_reason() or n.load_nccl())"; } > "$(GPU_OUT)/env.txt" 2>&1; \
 	cat "$(GPU_OUT)/env.txt"
 	@set -o pipefail; \
-	ZP_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -v -rs tests/gpu \
+	n=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(GPU_PYTEST_N)"); \
+	ZP_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -v -rs $$n tests/gpu \
 	  tests/test_cuda_kernels.py tests/test_cuda_build.py 2>&1 | tee "$(GPU_OUT)/tests.log"; \
 	t=$$?; \
 	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_adamw.py --out "$(GPU_OUT)/gpu_adamw.md" 2>&1 \
@@ -177,13 +194,19 @@ gpu-check: build
 	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --out "$(GPU_OUT)/gpu_step_time.md" \
 	  2>&1 | tee "$(GPU_OUT)/step_time.log"; \
 	s=$$?; \
+	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --only z2,z2-cpu,z2-cpu-ov \
+	  --batch-size $(GPU_OFFLOAD_BATCH) --out "$(GPU_OUT)/gpu_offload.md" 2>&1 \
+	  | tee "$(GPU_OUT)/offload.log"; \
+	o=$$?; \
 	{ echo "# make gpu-check, $$(date -u +%F)"; echo; \
 	  echo "tests: exit $$t: $$(grep -v "^\s*$$" "$(GPU_OUT)/tests.log" | tail -n 1)"; \
-	  echo "kernel benchmark: exit $$b"; echo "step-time benchmark: exit $$s"; echo; \
+	  echo "kernel benchmark: exit $$b"; echo "step-time benchmark: exit $$s"; \
+	  echo "offload benchmark: exit $$o"; echo; \
 	  cat "$(GPU_OUT)/gpu_adamw.md" 2>/dev/null; echo; \
-	  cat "$(GPU_OUT)/gpu_step_time.md" 2>/dev/null; } > "$(GPU_OUT)/summary.md"; \
+	  cat "$(GPU_OUT)/gpu_step_time.md" 2>/dev/null; echo; \
+	  cat "$(GPU_OUT)/gpu_offload.md" 2>/dev/null; } > "$(GPU_OUT)/summary.md"; \
 	cat "$(GPU_OUT)/summary.md"; \
-	test $$t -eq 0 -a $$b -eq 0 -a $$s -eq 0
+	test $$t -eq 0 -a $$b -eq 0 -a $$s -eq 0 -a $$o -eq 0
 
 clean:
 	rm -rf build dist *.egg-info zero_py/_C*.so zero_py/_cuda*.so

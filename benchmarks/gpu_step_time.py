@@ -1,5 +1,6 @@
 """GPU training step time and peak memory of a GPT-2-small-shaped model on one GPU (world size 1,
-a one-rank NCCL group): DDP + torch's fused AdamW, zero_py stages 1, 2 and 3, and FSDP2.
+a one-rank NCCL group): DDP + torch's fused AdamW, zero_py stages 1, 2 and 3, FSDP2, and
+ZeRO-Offload (stage 2 with the optimizer step on the host, with and without overlap_step).
 
     python benchmarks/gpu_step_time.py [--batch-size 8] [--out build/gpu-check/gpu_step_time.md]
 
@@ -14,6 +15,14 @@ configuration (so none keeps more or fewer bytes per parameter than another by r
                              wrap_policy={Block}); executor "auto": zero_py's NCCL executor
     FSDP2 + AdamW(fused)     torch.distributed.fsdp.fully_shard on every Block and on the
                              model, torch.optim.AdamW(fused=True)
+    z2-cpu, z2-cpu-ov        stage 2 with offload_optimizer="cpu" (fp32 masters and AdamW
+                             states in pinned host memory, the fused CPU kernel), without and
+                             with overlap_step=1.0 (buckets updated on the host during backward)
+
+With z2, z2-cpu and z2-cpu-ov in one run, the share of the host step hidden behind backward is
+printed under the table: (T[z2-cpu] - T[z2-cpu-ov]) / (T[z2-cpu] - T[z2]), the part of what
+offload adds to a step (the host step and its copies) that overlap_step removes (issue 13's
+goal: >= 70%). It needs a backward at least as long as the host step: raise --batch-size.
 
 A step is forward, backward, optimizer.step() and zero_grad(set_to_none=True). Every
 configuration starts from the same weights (same seed) and sees the same batches (random
@@ -71,7 +80,11 @@ CONFIGS = {  # key: table name
     "z2": "zero_py stage 2",
     "z3": "zero_py stage 3",
     "fsdp2": "FSDP2 + AdamW(fused)",
+    "z2-cpu": "zero_py stage 2, offload_optimizer=\"cpu\"",
+    "z2-cpu-ov": "zero_py stage 2, offload_optimizer=\"cpu\", overlap_step=1.0",
 }
+OFFLOAD = {"z2-cpu": {"offload_optimizer": "cpu"},  # ZeRO-Offload: the step on the host
+           "z2-cpu-ov": {"offload_optimizer": "cpu", "overlap_step": 1.0}}
 REFERENCE = "ddp"
 DEFAULT_OUT = os.path.join("build", "gpu-check", "gpu_step_time.md")
 SMOKE_SHAPE = dict(n_layer=2, d_model=64, n_head=2, vocab=512, seq_len=64, batch_size=2)
@@ -127,6 +140,7 @@ class Config:
         elif key.startswith("z"):
             stage = int(key[1])
             extra = {"wrap_policy": {Block}} if stage == 3 else {}
+            extra.update(OFFLOAD.get(key, {}))
             self.model, self.optimizer = zero_py.initialize(model, torch.optim.AdamW,
                                                             stage=stage, **extra, **hyper)
             self.forward = self.model
@@ -340,6 +354,20 @@ def _table(keys, failed, mem, report) -> list:
     return rows
 
 
+def _hidden(report) -> list:
+    """The share of the host step that overlap_step hides, from the three medians."""
+    if not all(k in report and report[k][0] for k in ("z2", "z2-cpu", "z2-cpu-ov")):
+        return []
+    gpu, cpu, ov = (statistics.median(report[k][0]) * 1e3 for k in ("z2", "z2-cpu", "z2-cpu-ov"))
+    added = cpu - gpu
+    if added <= 0:
+        return ["", f"offload added nothing measurable to a step ({cpu:.2f} ms against "
+                f"{gpu:.2f} ms on the GPU): no hidden share to report"]
+    return ["", f"offload adds {added:.2f} ms to a step ({cpu:.2f} against {gpu:.2f} ms); "
+            f"overlap_step leaves {ov - gpu:.2f} ms of it: **{(cpu - ov) / added:.0%} of the "
+            "host step hidden** behind backward (goal >= 70%)"]
+
+
 def _init_group(device):
     if dist.is_initialized():
         if dist.get_world_size() != 1:
@@ -433,7 +461,7 @@ def main() -> int:
             _round_robin([k for k in keys if k not in failed], args, device, pool, failed,
                          report)
         text = "\n".join(["# zero_py GPU step time", ""] + [f"- {h}" for h in head] + [""]
-                         + _table(keys, failed, mem, report)) + "\n"
+                         + _table(keys, failed, mem, report) + _hidden(report)) + "\n"
         print()
         print(text)
         if out:
