@@ -194,7 +194,7 @@ gpu-check: install
 	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --out "$(GPU_OUT)/gpu_step_time.md" \
 	  2>&1 | tee "$(GPU_OUT)/step_time.log"; \
 	s=$$?; \
-	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --only z2,z2-cpu,z2-cpu-ov \
+	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --only z2,z2-cpu,z2-cpu-ov,z2-cpu-sync \
 	  --batch-size $(GPU_OFFLOAD_BATCH) --out "$(GPU_OUT)/gpu_offload.md" 2>&1 \
 	  | tee "$(GPU_OUT)/offload.log"; \
 	o=$$?; \

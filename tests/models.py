@@ -106,7 +106,7 @@ class TiedGPT(nn.Module):
             block, x, use_reentrant=self.checkpoint == "reentrant")
 
     def forward(self, idx, targets=None, skip=()):
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for k, block in enumerate(self.blocks):
             if k in skip:
                 continue

@@ -94,7 +94,12 @@ def test_adamw_against_torch_fused_adamw_on_gpu():
         opt.step()
         kernels.optim_step_flat("adamw", master, g, m, v, step=step, lr=1e-3, weight_decay=0.1)
     torch.cuda.synchronize()
-    assert (master - ref.detach()).abs().max().item() <= 1e-6
+    # torch's fused AdamW contracts into fma and orders the update its own way; ours does
+    # neither (the numerics contract): each step may round a parameter differently by an ulp,
+    # so 10 steps stay within 16 ulps of each value (seen on an H100: 8 ulps at |p| ~ 4)
+    err = (master - ref.detach()).abs()
+    bound = 16 * torch.finfo(torch.float32).eps * ref.detach().abs() + 1e-9
+    assert (err <= bound).all(), f"{(err / bound).max().item():.2f} x the bound"
     st = opt.state[ref]
     assert torch.allclose(m, st["exp_avg"], rtol=1e-5, atol=1e-8)
     assert torch.allclose(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
