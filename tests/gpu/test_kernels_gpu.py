@@ -82,24 +82,30 @@ def test_optimizer_family_on_device_equals_cpu_family(kind, extra, grad_dtype, p
 
 
 def test_adamw_against_torch_fused_adamw_on_gpu():
+    """Ours and torch's fused AdamW against AdamW in float64: ours as close as torch's. The two
+    round differently (torch's contracts into fma and orders the update its own way; ours does
+    neither: the numerics contract), so they are not compared bit for bit with each other (on an
+    H100 they differed by up to 8 ulps at |p| ~ 4 after 10 steps)."""
     torch.manual_seed(0)
     n = 4_000_000
     p_ref = torch.randn(n, device=DEV)
     master, m, v = p_ref.clone(), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
-    ref = torch.nn.Parameter(p_ref)
-    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1, fused=True)
+    ref = torch.nn.Parameter(p_ref.clone())
+    ref64 = torch.nn.Parameter(p_ref.double())
+    hyper = dict(lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW([ref], fused=True, **hyper)
+    opt64 = torch.optim.AdamW([ref64], foreach=False, **hyper)
     for step in range(1, 11):
         g = torch.randn(n, device=DEV)
-        ref.grad = g.clone()
+        ref.grad, ref64.grad = g.clone(), g.double()
         opt.step()
-        kernels.optim_step_flat("adamw", master, g, m, v, step=step, lr=1e-3, weight_decay=0.1)
+        opt64.step()
+        kernels.optim_step_flat("adamw", master, g, m, v, step=step, **hyper)
     torch.cuda.synchronize()
-    # torch's fused AdamW contracts into fma and orders the update its own way; ours does
-    # neither (the numerics contract): each step may round a parameter differently by an ulp,
-    # so 10 steps stay within 16 ulps of each value (seen on an H100: 8 ulps at |p| ~ 4)
-    err = (master - ref.detach()).abs()
-    bound = 16 * torch.finfo(torch.float32).eps * ref.detach().abs() + 1e-9
-    assert (err <= bound).all(), f"{(err / bound).max().item():.2f} x the bound"
+    exact = ref64.detach()
+    ours, theirs = ((t.double() - exact).abs().max().item() for t in (master, ref.detach()))
+    assert ours <= 2 * theirs + 1e-9, f"ours {ours:.3g} from float64, torch fused {theirs:.3g}"
+    assert ours <= 1e-5
     st = opt.state[ref]
     assert torch.allclose(m, st["exp_avg"], rtol=1e-5, atol=1e-8)
     assert torch.allclose(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
