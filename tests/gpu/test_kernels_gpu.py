@@ -102,13 +102,14 @@ def test_adamw_against_torch_fused_adamw_on_gpu():
         opt64.step()
         kernels.optim_step_flat("adamw", master, g, m, v, step=step, **hyper)
     torch.cuda.synchronize()
-    exact = ref64.detach()
-    ours, theirs = ((t.double() - exact).abs().max().item() for t in (master, ref.detach()))
-    assert ours <= 2 * theirs + 1e-9, f"ours {ours:.3g} from float64, torch fused {theirs:.3g}"
-    assert ours <= 1e-5
-    st = opt.state[ref]
-    assert torch.allclose(m, st["exp_avg"], rtol=1e-5, atol=1e-8)
-    assert torch.allclose(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+    st, st64 = opt.state[ref], opt64.state[ref64]
+    for name, mine, torchs, exact in (("param", master, ref.detach(), ref64.detach()),
+                                      ("exp_avg", m, st["exp_avg"], st64["exp_avg"]),
+                                      ("exp_avg_sq", v, st["exp_avg_sq"], st64["exp_avg_sq"])):
+        ours, theirs = ((t.double() - exact).abs().max().item() for t in (mine, torchs))
+        ulp = torch.finfo(torch.float32).eps * exact.abs().max().item()  # of the largest value
+        assert ours <= 2 * theirs + ulp, \
+            f"{name}: ours {ours:.3g} from float64, torch fused {theirs:.3g} (1 ulp: {ulp:.3g})"
 
 
 def test_multi_row_table_on_device_equals_emulation():
