@@ -45,7 +45,7 @@ def test_default_builds_cuda_where_nvcc_is(setup_py, monkeypatch):
         return
     assert ext is not None and ext.name == "zero_py._cuda"
     assert sorted(os.path.basename(s) for s in ext.zp_cuda["cu"]) == [
-        "buffers.cu", "optim.cu", "quantize.cu"]
+        "buffers.cu", "optim.cu", "quantize.cu", "upload.cu"]
     assert "csrc/python/module.c" not in ext.sources  # the CPU binding stays CUDA-free
     assert "csrc/python/cuda_module.c" in ext.sources
     # the CUDA module shares the table contract with the CPU kernel family, not its code

@@ -88,8 +88,15 @@ def _stream_ptr(device: torch.device, stream) -> int:
     return s.cuda_stream
 
 
-def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    return torch.empty(max(int(nbytes), 16), dtype=torch.uint8, device=device)
+def _workspace(device: torch.device, nbytes: int, stream=None) -> torch.Tensor:
+    """A launch's device workspace (its table, its partial sums). Freed when the call returns
+    while the launch may not have run yet (uploads do not wait: csrc/kernels/cuda/upload.cu):
+    safe on the current stream, whose later work comes after it; on another stream the caching
+    allocator is told that stream uses it."""
+    ws = torch.empty(max(int(nbytes), 16), dtype=torch.uint8, device=device)
+    if stream is not None:
+        ws.record_stream(stream)
+    return ws
 
 
 def _device_of(device) -> torch.device:
@@ -119,7 +126,7 @@ def optim_step_segments(rows: array, groups: Sequence[list], device, *,
         scale_ptr = scale.data_ptr()
     n_rows = len(rows) // table.OPT_SEGMENT_FIELDS
     with torch.cuda.device(device):
-        ws = _workspace(device, mod.opt_workspace_bytes(n_rows))
+        ws = _workspace(device, mod.opt_workspace_bytes(n_rows), stream)
         mod.opt_step(rows, flat_groups, scale_ptr, ws.data_ptr(), ws.numel(),
                      _stream_ptr(device, stream))
 
@@ -138,7 +145,8 @@ def grad_stats_segments(rows: array, grad_dtype: int, norm_type: float, out: tor
     n_rows = len(rows) // table.OPT_SEGMENT_FIELDS
     total = sum(rows[i * table.OPT_SEGMENT_FIELDS + table.SEGMENT_NUMEL] for i in range(n_rows))
     with torch.cuda.device(device):
-        ws = _workspace(device, mod.grad_stats_workspace_bytes(n_rows, max(int(total), 0)))
+        ws = _workspace(device, mod.grad_stats_workspace_bytes(n_rows, max(int(total), 0)),
+                        stream)
         mod.grad_stats(rows, int(grad_dtype), float(norm_type), out.data_ptr(), bool(accumulate),
                        ws.data_ptr(), ws.numel(), _stream_ptr(device, stream))
 
@@ -149,7 +157,7 @@ def copy_segments(rows: array, device, *, stream=None) -> None:
     device = _device_of(device)
     n_rows = len(rows) // COPY_FIELDS
     with torch.cuda.device(device):
-        ws = _workspace(device, mod.copy_workspace_bytes(n_rows))
+        ws = _workspace(device, mod.copy_workspace_bytes(n_rows), stream)
         mod.copy(rows, ws.data_ptr(), ws.numel(), _stream_ptr(device, stream))
 
 

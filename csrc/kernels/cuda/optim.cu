@@ -144,19 +144,6 @@ extern "C" zp_status zp_cuda_fail(const char *what, cudaError_t e) {
                  cudaGetErrorString(e));
 }
 
-extern "C" zp_status zp_cuda_upload(const char *what, const void *table, size_t bytes,
-                                    void *workspace, size_t workspace_bytes,
-                                    cudaStream_t stream) {
-  if (workspace == NULL || workspace_bytes < bytes)
-    return zp_fail(ZP_ERR_INVALID, "%s: the workspace has %zu bytes at %p, the table needs %zu",
-                   what, workspace_bytes, workspace, bytes);
-  if ((uintptr_t)workspace % 16 != 0)
-    return zp_fail(ZP_ERR_INVALID, "%s: the workspace at %p is not 16-byte aligned", what,
-                   workspace);
-  cudaError_t e = cudaMemcpyAsync(workspace, table, bytes, cudaMemcpyHostToDevice, stream);
-  return e == cudaSuccess ? ZP_OK : zp_cuda_fail(what, e);
-}
-
 extern "C" size_t zp_opt_workspace_bytes_cuda(int32_t n_segments) {
   return (size_t)(n_segments > 0 ? n_segments : 0) * sizeof(zp_cu_opt_row);
 }

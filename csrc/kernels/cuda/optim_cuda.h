@@ -108,8 +108,10 @@ zp_status zp_cuda_device_count(int32_t *count);
 zp_status zp_cuda_fail(const char *what, cudaError_t e);
 
 /* Checks the workspace (large enough, 16-byte aligned) and copies the host table into it on
- * `stream`. The host table may be freed on return: a pageable source is staged before
- * cudaMemcpyAsync returns. */
+ * `stream`, for the current device; the host table may be freed on return (upload.cu). The
+ * table goes through a ring of pinned staging slots, so the host does not wait for the stream
+ * (a copy from pageable memory would: the driver synchronizes with the stream first); a table
+ * larger than a slot, or a device whose ring could not be made, takes the pageable copy. */
 zp_status zp_cuda_upload(const char *what, const void *table, size_t bytes, void *workspace,
                          size_t workspace_bytes, cudaStream_t stream);
 
