@@ -484,3 +484,27 @@ def test_streaming_stores_at_every_alignment(monkeypatch, isa, out_dtype):
                                     seed=offset)
             outs.append(base)
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), offset
+
+
+def test_copy_tensors_equals_torch_copy_and_refuses_bad_pairs():
+    """kernels.copy_tensors (the offloaded early step's backups) against torch's copy: several
+    pairs in one call, sizes around the C side's 1 MiB blocks, at 1 and 2 threads; bad pairs
+    raise and copy nothing."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 3, (1 << 18) - 1, 1 << 18, (1 << 18) + 7, 900_001]
+    for threads in (1, 2):
+        src = [torch.randn(n, generator=g) for n in sizes] + [torch.randn(77).bfloat16()]
+        dst = [torch.full_like(t, float("nan")) for t in src]
+        kernels.copy_tensors(list(zip(dst, src)), n_threads=threads)
+        for d, s in zip(dst, src):
+            assert torch.equal(d, s)
+    a, b = torch.randn(100, generator=g), torch.zeros(100)
+    with pytest.raises(ValueError, match="overlaps"):
+        kernels.copy_tensors([(b[:50], a[:50]), (b[40:90], a[50:])])
+    with pytest.raises(ValueError, match="overlaps"):
+        kernels.copy_tensors([(a[:50], a[25:75])])
+    assert torch.equal(b, torch.zeros(100))
+    with pytest.raises(ValueError, match="one dtype and size"):
+        kernels.copy_tensors([(b[:10], a[:11])])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.copy_tensors([(b[::2], a[:50])])

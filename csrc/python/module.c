@@ -15,6 +15,7 @@
 #include "common/shared_flags.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cpu/memcopy.h"
 #include "kernels/cpu/stream_bound.h"
 #include "kernels/cpu/tuning.h"
 #include "layout/layout.h"
@@ -314,6 +315,32 @@ static PyObject *zp_py_stream_bound(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* copy_spans(spans, n_threads): spans are int64 rows (dst, src, bytes) of the caller's checked
+ * tensors. */
+static PyObject *zp_py_copy_spans(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer buf;
+  int n_threads;
+  if (!PyArg_ParseTuple(args, "y*i:copy_spans", &buf, &n_threads))
+    return NULL;
+  zp_copy_span spans[64];
+  Py_ssize_t n = buf.len / (3 * 8);
+  if (buf.len % (3 * 8) != 0 || n > 64) {
+    PyBuffer_Release(&buf);
+    return PyErr_Format(PyExc_ValueError, "copy_spans: spans must be 0 to 64 int64 rows of 3");
+  }
+  for (Py_ssize_t k = 0; k < n; k++) {
+    int64_t row[3];
+    memcpy(row, (const char *)buf.buf + k * sizeof row, sizeof row);
+    spans[k] = (zp_copy_span){(void *)(uintptr_t)row[0], (const void *)(uintptr_t)row[1], row[2]};
+  }
+  PyBuffer_Release(&buf);
+  zp_status status;
+  Py_BEGIN_ALLOW_THREADS status = zp_copy_spans(spans, (int32_t)n, n_threads);
+  Py_END_ALLOW_THREADS if (status != ZP_OK) return zp_raise(status);
+  Py_RETURN_NONE;
+}
+
 static PyObject *zp_py_default_threads(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
@@ -469,6 +496,7 @@ static PyMethodDef zp_methods[] = {
     {"default_threads", zp_py_default_threads, METH_NOARGS, "threads the CPU kernels use"},
     {"cpu_tuning", zp_py_cpu_tuning, METH_NOARGS, "ISA, vendor and prefetch of the CPU kernels"},
     {"stream_bound", zp_py_stream_bound, METH_VARARGS, "stream_bound(streams, numel, n_threads)"},
+    {"copy_spans", zp_py_copy_spans, METH_VARARGS, "copy_spans(spans, n_threads)"},
     {NULL, NULL, 0, NULL}};
 
 static int zp_exec(PyObject *module) {

@@ -49,7 +49,9 @@
   X(test_checksum_paths_agree)       \
   X(test_checksum_three_chains)      \
   X(test_io_engine_round_trip)       \
-  X(test_io_engine_errors)
+  X(test_io_engine_errors)           \
+  X(test_copy_spans_matches_memcpy)  \
+  X(test_copy_spans_errors)
 
 #define ZT_DECLARE(name) void name(void);
 ZT_ALL_TESTS(ZT_DECLARE)

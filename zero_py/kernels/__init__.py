@@ -18,7 +18,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from zero_py.kernels import cpu
-from zero_py.kernels.cpu import cpu_isa, cpu_tuning, default_threads, stream_bound
+from zero_py.kernels.cpu import (copy_tensors, cpu_isa, cpu_tuning, default_threads,
+                                 stream_bound)
 from zero_py.kernels.table import (AMSGRAD, BF16, F16, F32, MAXIMIZE, NESTEROV,
                                    OPT_ADAGRAD, OPT_ADAM, OPT_ADAMW, OPT_GROUP_FIELDS,
                                    OPT_KIND_NAMES, OPT_LION, OPT_SEGMENT_FIELDS, OPT_SGD,
@@ -28,7 +29,8 @@ from zero_py.kernels.table import (AMSGRAD, BF16, F16, F32, MAXIMIZE, NESTEROV,
 
 __all__ = ["AMSGRAD", "BF16", "F16", "F32", "MAXIMIZE", "NESTEROV", "OPT_ADAGRAD", "OPT_ADAM",
            "OPT_ADAMW", "OPT_GROUP_FIELDS", "OPT_KIND_NAMES", "OPT_LION", "OPT_SEGMENT_FIELDS",
-           "OPT_SGD", "STOCHASTIC_ROUNDING", "adamw_step_flat", "cpu_isa", "cpu_tuning",
+           "OPT_SGD", "STOCHASTIC_ROUNDING", "adamw_step_flat", "copy_tensors", "cpu_isa",
+           "cpu_tuning",
            "default_threads", "dtype_code", "flat_step_table", "grad_stats", "grad_stats_flat",
            "grad_stats_segments", "opt_flags", "opt_group_row", "opt_kind", "optim_step_flat",
            "optim_step_segments", "segment_row", "stream_bound"]

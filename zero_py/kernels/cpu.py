@@ -58,6 +58,23 @@ def stream_bound(streams: Sequence[Tuple[torch.Tensor, str]],
     _C.stream_bound(rows, numel, 0 if n_threads is None else int(n_threads))
 
 
+def copy_tensors(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                 n_threads: Optional[int] = None) -> None:
+    """dst.copy_(src) for every (dst, src) pair in one call on the kernels' threads: contiguous
+    CPU tensors of one dtype and size per pair, no destination overlapping any source or
+    other destination (checked in C; an error copies nothing)."""
+    rows = array("q")
+    for dst, src in pairs:
+        if dst.device.type != "cpu" or src.device.type != "cpu" or not dst.is_contiguous() \
+                or not src.is_contiguous():
+            raise ValueError("copy_tensors: contiguous CPU tensors only")
+        if dst.dtype != src.dtype or dst.numel() != src.numel():
+            raise ValueError(f"copy_tensors: {src.dtype} x {src.numel()} into {dst.dtype} x "
+                             f"{dst.numel()}: a pair needs one dtype and size")
+        rows.extend((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+    _C.copy_spans(rows, 0 if n_threads is None else int(n_threads))
+
+
 def default_threads() -> int:
     """Threads the C kernels use: ZP_NUM_THREADS, else the CPUs this process may run on."""
     return _C.default_threads()
