@@ -164,8 +164,10 @@ bench: build
 # instead of skipping) and the CPU tests of the CUDA code (GPU_PYTEST_N workers when
 # pytest-xdist is there), then the GPU benchmarks: kernels; step time of DDP, stages 1-3, FSDP2
 # and ZeRO-Offload; and ZeRO-Offload alone at batch GPU_OFFLOAD_BATCH (the share of the host
-# step hidden behind backward). Writes env.txt, tests.log, bench.log, gpu_adamw.md,
-# step_time.log, gpu_step_time.md, offload.log, gpu_offload.md and summary.md to $(GPU_OUT)
+# step hidden behind backward) with one step's timeline; the CPU kernels on the host (an x86
+# other than this one). Writes env.txt, tests.log, bench.log, gpu_adamw.md, step_time.log,
+# gpu_step_time.md, offload.log, gpu_offload.md, offload_timeline.txt, host_kernels.txt and
+# summary.md to $(GPU_OUT)
 # ($$OUT when set, else build/gpu-check); exits non-zero when the tests or a benchmark failed.
 GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu-check)
 
@@ -198,13 +200,24 @@ gpu-check: install
 	  --batch-size $(GPU_OFFLOAD_BATCH) --out "$(GPU_OUT)/gpu_offload.md" 2>&1 \
 	  | tee "$(GPU_OUT)/offload.log"; \
 	o=$$?; \
+	PYTHONUNBUFFERED=1 timeout 180 $(PYTHON) benchmarks/gpu_offload_timeline.py \
+	  --batch-size $(GPU_OFFLOAD_BATCH) > "$(GPU_OUT)/offload_timeline.txt" 2>&1; \
+	PYTHONUNBUFFERED=1 timeout 300 $(PYTHON) benchmarks/optim_kernels.py --sizes 10,30 \
+	  --kinds adamw,sgd \
+	  --params fp32,bf16 > "$(GPU_OUT)/host_kernels.txt" 2>&1; \
 	{ echo "# make gpu-check, $$(date -u +%F)"; echo; \
 	  echo "tests: exit $$t: $$(grep -v "^\s*$$" "$(GPU_OUT)/tests.log" | tail -n 1)"; \
 	  echo "kernel benchmark: exit $$b"; echo "step-time benchmark: exit $$s"; \
 	  echo "offload benchmark: exit $$o"; echo; \
 	  cat "$(GPU_OUT)/gpu_adamw.md" 2>/dev/null; echo; \
 	  cat "$(GPU_OUT)/gpu_step_time.md" 2>/dev/null; echo; \
-	  cat "$(GPU_OUT)/gpu_offload.md" 2>/dev/null; } > "$(GPU_OUT)/summary.md"; \
+	  cat "$(GPU_OUT)/gpu_offload.md" 2>/dev/null; echo; \
+	  echo "## One offloaded step (host ms from the start of backward; offload_timeline.txt)"; \
+	  grep -E "^## |backward returned|GPU backward done|finish|settle|host.step|step returned" \
+	    "$(GPU_OUT)/offload_timeline.txt"; echo; \
+	  echo "## The CPU kernels on this machine's host (host_kernels.txt)"; \
+	  grep -E "^CPU:|^\| [0-9]+M \| (fp32|bf16) \| [a-z]+ \| [0-9.]+x \(" \
+	    "$(GPU_OUT)/host_kernels.txt"; } > "$(GPU_OUT)/summary.md"; \
 	cat "$(GPU_OUT)/summary.md"; \
 	test $$t -eq 0 -a $$b -eq 0 -a $$s -eq 0 -a $$o -eq 0
 
