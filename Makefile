@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: peers all deps build install test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: peers all deps build install gpu-wheels test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -171,6 +171,24 @@ bench: build
 # ($$OUT when set, else build/gpu-check); exits non-zero when the tests or a benchmark failed.
 GPU_OUT ?= $(if $(OUT),$(OUT),build/gpu-check)
 
+# The wheels gpu-check's machine lacks (it has no network), into .whl/ (ignored by git) for its
+# Python (GPU_PY): setuptools >= 77, and DeepSpeed built here (no ops: it builds them there at
+# first use) with what it needs, for the ZeRO-Offload comparison (ds2, ds2-cpu), which
+# gpu-check runs when deepspeed imports. Carry .whl with the command and install it there
+# first (docs/cuda.md, section 6).
+GPU_PY ?= 3.12
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+                 --platform manylinux2014_x86_64
+
+gpu-wheels:
+	mkdir -p .whl build/ds-sdist
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
+	  --implementation cp $(GPU_PLATFORMS) -d .whl "setuptools>=77" hjson "pydantic>=2"
+	$(PYTHON) -m pip download -q --no-deps --no-binary=:all: -d build/ds-sdist "deepspeed>=0.15"
+	DS_BUILD_OPS=0 $(PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w .whl \
+	  build/ds-sdist/deepspeed-*.tar.gz
+	@ls .whl
+
 GPU_OFFLOAD_BATCH ?= 32
 GPU_PYTEST_N ?= 4
 
@@ -196,7 +214,9 @@ gpu-check: install
 	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --out "$(GPU_OUT)/gpu_step_time.md" \
 	  2>&1 | tee "$(GPU_OUT)/step_time.log"; \
 	s=$$?; \
-	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py --only z2,z2-cpu,z2-cpu-ov,z2-cpu-sync \
+	ds=$$($(PYTHON) -c "import deepspeed" >/dev/null 2>&1 && echo ",ds2,ds2-cpu"); \
+	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_step_time.py \
+	  --only z2,z2-cpu,z2-cpu-ov,z2-cpu-sync$$ds \
 	  --batch-size $(GPU_OFFLOAD_BATCH) --out "$(GPU_OUT)/gpu_offload.md" 2>&1 \
 	  | tee "$(GPU_OUT)/offload.log"; \
 	o=$$?; \

@@ -21,6 +21,10 @@ configuration (so none keeps more or fewer bytes per parameter than another by r
 
     z2-cpu-sync              z2-cpu with torch.cuda.synchronize() between backward and step():
                              the host step and its copies exposed whole
+    ds2, ds2-cpu             DeepSpeed (pyproject's `peers` extra) at ZeRO stage 2: torch's
+                             AdamW on the GPU, and ZeRO-Offload (DeepSpeedCPUAdam, which
+                             DeepSpeed builds at first use); only with --only, since DeepSpeed
+                             may be missing (its failure is reported, like FSDP2's)
 
 With z2 and z2-cpu-sync in the run, the share of the host step hidden behind backward is
 printed under the table for z2-cpu and z2-cpu-ov: 1 - (T[mode] - T[z2]) / (T[z2-cpu-sync] -
@@ -48,7 +52,7 @@ ratios to DDP. --mode sequential times each configuration alone, right after its
 measurement, for when all of them do not fit at once.
 
 A configuration that fails (while built or at any step) is reported in the table and freed; the
-others go on. Exit status: 0; 1 when DDP or a zero_py configuration failed (an FSDP2 failure is
+others go on. Exit status: 0; 1 when DDP or a zero_py configuration failed (a peer's failure is
 reported only); 2 without a usable GPU (the reason is printed), as benchmarks/gpu_adamw.py.
 --cpu-smoke runs the same code on the CPU (gloo, a tiny model, no memory figures) to check the
 script on a machine without a GPU; its times mean nothing.
@@ -88,7 +92,10 @@ CONFIGS = {  # key: table name
     "z2-cpu": "zero_py stage 2, offload_optimizer=\"cpu\"",
     "z2-cpu-ov": "zero_py stage 2, offload_optimizer=\"cpu\", overlap_step=1.0",
     "z2-cpu-sync": "zero_py stage 2, offload_optimizer=\"cpu\", step after a synchronize",
+    "ds2": "DeepSpeed ZeRO-2 + torch AdamW",
+    "ds2-cpu": "DeepSpeed ZeRO-2, offload_optimizer cpu (ZeRO-Offload, DeepSpeedCPUAdam)",
 }
+PEERS = {"fsdp2", "ds2", "ds2-cpu"}  # a failure is reported, not fatal
 OFFLOAD = {"z2-cpu": {"offload_optimizer": "cpu"},  # ZeRO-Offload: the step on the host
            "z2-cpu-ov": {"offload_optimizer": "cpu", "overlap_step": 1.0},
            "z2-cpu-sync": {"offload_optimizer": "cpu"}}
@@ -152,6 +159,9 @@ class Config:
             self.model, self.optimizer = zero_py.initialize(model, torch.optim.AdamW,
                                                             stage=stage, **extra, **hyper)
             self.forward = self.model
+        elif key.startswith("ds"):
+            self.model = self.forward = _deepspeed(model, key, args, device)
+            self.optimizer = self.model.optimizer
         elif key == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -173,6 +183,12 @@ class Config:
         self.next_batch += 1
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.forward(x, y)
+        if self.key.startswith("ds"):  # DeepSpeed's engine: its backward, its step
+            self.model.backward(loss)
+            self.model.step()
+            self.last_loss = loss.detach()
+            self.steps += 1
+            return
         loss.backward()
         if self.key in SYNC_BEFORE_STEP:
             _sync(self.device)
@@ -183,6 +199,31 @@ class Config:
 
     def release(self):
         self.model = self.forward = self.optimizer = self.last_loss = None
+
+
+def _deepspeed(model, key, args, device):
+    """DeepSpeed's engine over `model` at ZeRO stage 2 on the existing one-rank group: torch's
+    AdamW on the device (ds2), or ZeRO-Offload (ds2-cpu: DeepSpeedCPUAdam on pinned host
+    memory, which DeepSpeed builds at first use). fp32 parameters under the same bf16
+    autocast as the other configurations; the same hyperparameters."""
+    import deepspeed  # optional: pyproject's `peers` extra
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}
+    hyper = {"lr": args.lr, "weight_decay": 0.1, "betas": [0.9, 0.999], "eps": 1e-8}
+    if key == "ds2-cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    else:
+        hyper["torch_adam"] = True  # torch's AdamW: no op of DeepSpeed's to build
+    config = {"train_micro_batch_size_per_gpu": args.batch_size,
+              "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": hyper},
+              "zero_optimization": zero, "steps_per_print": 1 << 30}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    return engine
 
 
 def _sync(device):
@@ -411,9 +452,10 @@ def main() -> int:
     ap.add_argument("--steps-per-round", type=int, default=3)
     ap.add_argument("--batches", type=int, default=4, help="batches in the pool (cycled)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=",".join(CONFIGS),
+    ap.add_argument("--only", default=",".join(k for k in CONFIGS if not k.startswith("ds")),
                     help=f"configurations, comma-separated, of {','.join(CONFIGS)} "
-                         f"({REFERENCE} is always run: the reference)")
+                         f"({REFERENCE} is always run: the reference; default: all but "
+                         "DeepSpeed's)")
     ap.add_argument("--mode", choices=["round-robin", "sequential"], default="round-robin")
     ap.add_argument("--out", default=None,
                     help=f"markdown table written here (default {DEFAULT_OUT}; with "
@@ -484,7 +526,7 @@ def main() -> int:
             with open(out, "w") as f:
                 f.write(text)
             print(f"wrote {out}")
-        hard = [k for k in failed if k != "fsdp2"]
+        hard = [k for k in failed if k not in PEERS]
         return 1 if hard else 0
     finally:
         dist.destroy_process_group()
