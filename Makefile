@@ -223,8 +223,9 @@ gpu-check: install
 	PYTHONUNBUFFERED=1 timeout 180 $(PYTHON) benchmarks/gpu_offload_timeline.py \
 	  --batch-size $(GPU_OFFLOAD_BATCH) > "$(GPU_OUT)/offload_timeline.txt" 2>&1; \
 	PYTHONUNBUFFERED=1 timeout 300 $(PYTHON) benchmarks/optim_kernels.py --sizes 10,30 \
-	  --kinds adamw,sgd \
-	  --params fp32,bf16 > "$(GPU_OUT)/host_kernels.txt" 2>&1; \
+	  --kinds adamw,sgd --params fp32,bf16 \
+	  --variants "ZP_CPU_SPLIT=static;ZP_CPU_PREFETCH=0;ZP_CPU_ISA=avx2" \
+	  > "$(GPU_OUT)/host_kernels.txt" 2>&1; \
 	{ echo "# make gpu-check, $$(date -u +%F)"; echo; \
 	  echo "tests: exit $$t: $$(grep -v "^\s*$$" "$(GPU_OUT)/tests.log" | tail -n 1)"; \
 	  echo "kernel benchmark: exit $$b"; echo "step-time benchmark: exit $$s"; \
