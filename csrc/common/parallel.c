@@ -181,8 +181,10 @@ static void *zp_pool_worker(void *arg) {
 }
 
 /* Starts workers until there are `want` (ZP_MAX_THREADS - 1 at most); stops at the first
- * failure, whose tasks the caller then runs. Workers block every signal: they are delivered
- * to the application's own threads (Python's handlers run on its main thread anyway). */
+ * failure, whose tasks the caller then runs. Workers block the asynchronous signals, which
+ * then go to the application's own threads (Python's handlers run on its main thread anyway);
+ * the synchronous ones (a fault in a range function) stay deliverable, so that crash handlers
+ * such as faulthandler still report them. */
 static void zp_pool_grow(zp_pool *p, int32_t want) {
   if (p->n_workers >= want)
     return;
@@ -192,6 +194,9 @@ static void zp_pool_grow(zp_pool *p, int32_t want) {
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
   sigset_t all, old;
   sigfillset(&all);
+  static const int synchronous[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS};
+  for (size_t i = 0; i < sizeof synchronous / sizeof synchronous[0]; i++)
+    sigdelset(&all, synchronous[i]);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   while (p->n_workers < want) {
     pthread_t thread;
