@@ -24,6 +24,10 @@
   X(test_prefetch_errors_leave_no_trace) \
   X(test_parallel_for_coverage)    \
   X(test_parallel_for_small_n)     \
+  X(test_parallel_for_same_ranges) \
+  X(test_parallel_for_concurrent_callers) \
+  X(test_parallel_for_nested)      \
+  X(test_parallel_for_fork)        \
   X(test_convert_isa)                 \
   X(test_convert_f16_widen_exhaustive) \
   X(test_convert_narrow_rne)          \
