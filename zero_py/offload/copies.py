@@ -1,15 +1,10 @@
 """The copy queue between the device and the host memory of an offloaded optimizer: copies run
 beside the caller, in submission order, and each returns a handle to wait on.
 
-CUDA: two copy streams, one each way (PCIe copies both ways at once). A copy first waits (by an
-event) for the work already queued on the caller's current stream, which produced its source or
-still reads its destination; its handle is an event recorded after it. A copy to the device may
-instead name the copy it must follow (`after`): it then waits for that one alone, not for what
-the current stream queued since. That lets an updated bucket go back to the device while
-backward still runs on the buckets reduced later (the reducer's copy of bucket b's gradient
-comes after the last device work that reads b's parameters). The host waits on a handle before
-it reads a host destination; the current stream waits on it before it reads a device
-destination. Host buffers are pinned, so the copies are asynchronous.
+CUDA: one copy stream. A copy first waits (by an event) for the work already queued on the
+caller's current stream, which produced its source; its handle is an event recorded after it.
+The host waits on the handle before it reads a host destination; the current stream waits on it
+before it reads a device destination. Host buffers are pinned, so the copies are asynchronous.
 
 CPU (the "device" is host memory: every CPU run, and the test suite): one worker thread. torch's
 copy releases the GIL, so a copy runs beside the optimizer kernel's threads and beside backward.
@@ -56,33 +51,23 @@ class CopyQueue:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self._to_device = torch.cuda.Stream(self.device) if cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[Copy] = None) -> Copy:
-        """dst.copy_(src), after the current stream's queued work (CUDA) or on the copy thread.
-        `after` (CUDA, a copy to the device): after that copy instead of the current stream's
-        work; a handle with no event (DONE) gives no such order, so the current stream's is
-        kept."""
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        """dst.copy_(src), after the current stream's queued work (CUDA) or on the copy thread."""
         if self._stream is not None:
-            stream = self._stream
-            if after is not None and after._event is not None and dst.is_cuda:
-                stream = self._to_device
-                stream.wait_event(after._event)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(stream)
+                event.record(self._stream)
             # the caller's tensors must outlive the copy: the caching allocator is told that the
             # copy stream uses them (a device tensor freed early would be reused under it)
             for t in (dst, src):
                 if t.is_cuda:
-                    t.record_stream(stream)
+                    t.record_stream(self._stream)
             return Copy(event=event)
         with self._lock:
             if self._pool is None:
@@ -99,7 +84,6 @@ class CopyQueue:
             pool.shutdown(wait=True)
         if self._stream is not None:
             self._stream.synchronize()
-            self._to_device.synchronize()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -109,14 +109,9 @@ class HostShard:
             if b not in done:
                 self.grads_ready(b)
                 update.step(*args, buckets=[b])
-            # after the copy of b's gradient, which follows the last device work reading b's
-            # parameters: on a GPU the copy back overlaps the rest of backward
-            back.append(self.copies.submit(self.flat.bucket_piece(b), self._new_values(b),
-                                           after=self._grad_copy[b]))
+            back.append(self.copies.submit(self.flat.bucket_piece(b), self._new_values(b)))
         for c in back:
             c.order_device()
-        for b in buckets:  # each waited for (grads_ready); one not reduced again before the
-            self._grad_copy[b] = DONE  # next step has no gradient copy to follow
 
     def push_all(self) -> None:
         """Copies every bucket's masters back to the device, cast to the parameter dtype (the
