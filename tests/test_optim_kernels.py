@@ -508,3 +508,58 @@ def test_copy_tensors_equals_torch_copy_and_refuses_bad_pairs():
         kernels.copy_tensors([(b[:10], a[:11])])
     with pytest.raises(ValueError, match="contiguous"):
         kernels.copy_tensors([(b[::2], a[:50])])
+
+
+def _adamw_bits(seed: int, n: int, threads: int) -> torch.Tensor:
+    """Ten fused AdamW steps on seeded data, on `threads` of the kernels' pool; the master."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step in range(1, 11):
+        kernels.optim_step_flat("adamw", master, torch.randn(n, generator=g), m, v, step=step,
+                                lr=1e-3, weight_decay=0.1, n_threads=threads)
+    return master
+
+
+def _adamw_in_child(seed, n, threads, queue):
+    # torch's own OpenMP pool does not survive fork() (its large randn hangs in the child,
+    # with or without zero_py): keep torch on this thread; ours must start afresh
+    torch.set_num_threads(1)
+    queue.put(_adamw_bits(seed, n, threads).numpy().tobytes())
+
+
+def test_kernels_from_several_threads_and_after_fork_give_the_same_bits():
+    """The kernels' persistent thread pool (csrc/common/parallel.c) under Python's use of it:
+    four Python threads calling at once (one holds the pool, the others run on threads of
+    their own), then a forked child (whose pool starts afresh) calling after the parent's pool
+    has run; every result equals the same steps run alone, bit for bit."""
+    import multiprocessing
+    import threading
+
+    n = 300_000  # several of the kernels' blocks: more than one thread takes part
+    want = {seed: _adamw_bits(seed, n, 2) for seed in range(4)}
+    got = {}
+
+    def run(seed):
+        got[seed] = _adamw_bits(seed, n, 2)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(got) == list(range(4))
+    for seed in range(4):
+        assert torch.equal(got[seed], want[seed]), seed
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_adamw_in_child, args=(1, n, 2, queue))
+    child.start()
+    try:
+        out = queue.get(timeout=120)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert out == want[1].numpy().tobytes()
