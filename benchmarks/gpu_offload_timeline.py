@@ -30,6 +30,7 @@ import gpu_step_time as gst  # noqa: E402
 
 import zero_py  # noqa: E402
 from zero_py.offload import early, host  # noqa: E402
+from zero_py.optim.update import FusedUpdate  # noqa: E402
 from zero_py.sharding import reducer  # noqa: E402
 
 LOG: list = []
@@ -72,6 +73,7 @@ def main() -> int:
     wrap(host.HostShard, "step", "host.step")
     wrap(reducer.GradReducer, "finish", "finish")
     wrap(reducer.GradReducer, "_launch", "launch b")
+    wrap(FusedUpdate, "step", "kernel")
     for overlap in (0.0, 1.0):
         torch.manual_seed(0)
         with torch.device(device):
@@ -79,10 +81,6 @@ def main() -> int:
                             shape["seq_len"])
         model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-4,
                                         offload_optimizer="cpu", overlap_step=overlap)
-        from zero_py.optim.update import FusedUpdate
-        if not getattr(FusedUpdate.step, "_wrapped", False):
-            wrap(FusedUpdate, "step", "kernel")
-            FusedUpdate.step._wrapped = True
         idx = torch.randint(0, shape["vocab"], (args.batch_size, shape["seq_len"] + 1),
                             device=device)
         x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()

@@ -186,14 +186,12 @@ class Config:
         if self.key.startswith("ds"):  # DeepSpeed's engine: its backward, its step
             self.model.backward(loss)
             self.model.step()
-            self.last_loss = loss.detach()
-            self.steps += 1
-            return
-        loss.backward()
-        if self.key in SYNC_BEFORE_STEP:
-            _sync(self.device)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        else:
+            loss.backward()
+            if self.key in SYNC_BEFORE_STEP:
+                _sync(self.device)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.last_loss = loss.detach()
         self.steps += 1
 

@@ -323,11 +323,12 @@ static PyObject *zp_py_copy_spans(PyObject *self, PyObject *args) {
   int n_threads;
   if (!PyArg_ParseTuple(args, "y*i:copy_spans", &buf, &n_threads))
     return NULL;
-  zp_copy_span spans[64];
+  zp_copy_span spans[ZP_COPY_MAX_SPANS];
   Py_ssize_t n = buf.len / (3 * 8);
-  if (buf.len % (3 * 8) != 0 || n > 64) {
+  if (buf.len % (3 * 8) != 0 || n > ZP_COPY_MAX_SPANS) {
     PyBuffer_Release(&buf);
-    return PyErr_Format(PyExc_ValueError, "copy_spans: spans must be 0 to 64 int64 rows of 3");
+    return PyErr_Format(PyExc_ValueError, "copy_spans: spans must be 0 to %d int64 rows of 3",
+                        ZP_COPY_MAX_SPANS);
   }
   for (Py_ssize_t k = 0; k < n; k++) {
     int64_t row[3];

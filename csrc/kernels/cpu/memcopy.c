@@ -9,7 +9,6 @@
 #include "common/parallel.h"
 
 #define ZP_COPY_BLOCK ((int64_t)1 << 20)
-#define ZP_COPY_MAX_SPANS 64
 
 typedef struct {
   const zp_copy_span *spans;

@@ -8,6 +8,8 @@
 
 #include "common/status.h"
 
+#define ZP_COPY_MAX_SPANS 64 /* spans per call */
+
 typedef struct {
   void *dst;
   const void *src;
