@@ -14,6 +14,12 @@ batches, with stage 2:
     int4    int8 weights and int4 gradients
     (the gradients rounded to nearest, the library's default; "-sr": stochastically;
     "-ef": with grad_error_feedback; not run by default)
+    fp32-reorder  a null: fp32 on the wire, but the reduce-scatter sums the ranks' chunks in
+            reverse rank order (as another correct fp32 collective may: a ring or a tree).
+            Its distance from fp32 is what 1-ulp differences alone grow into by the last
+            step. At 2 ranks it is fp32 itself (a + b = b + a)
+    fp32-ulp  a null at any world size: fp32, every initial weight moved by one ulp (toward
+            +inf) before the first step
 
 Wire bytes are what this rank sends, counted from the buffers handed to the executor (a
 counting executor under zero_py's: a quantized collective hands it the int8/int4 packets with
@@ -57,6 +63,8 @@ MODES = {
     "int8-weights": {"quantized_weights": "int8"},
     "int8-grads": {"quantized_grads": "int8"},
     "int4-grads": {"quantized_grads": "int4"},
+    "fp32-reorder": {},  # CountingExecutor(reorder=True): the null, see the docstring
+    "fp32-ulp": {},  # the initial weights one ulp up: the null at any world size
 }
 DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 
@@ -64,8 +72,9 @@ DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 class CountingExecutor:
     """An executor that counts the bytes this rank sends through `inner`."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, reorder: bool = False):
         self.inner = inner
+        self.reorder = reorder  # fp32-reorder: reduce-scatter summed in reverse rank order
         self.bytes = {"reduce-scatter": 0, "all-gather": 0, "all-to-all": 0, "other": 0}
 
     def __getattr__(self, name):
@@ -77,7 +86,19 @@ class CountingExecutor:
 
     def reduce_scatter(self, output, input):
         self.bytes["reduce-scatter"] += self._peer_chunks(input)
-        return self.inner.reduce_scatter(output, input)
+        if not self.reorder:
+            return self.inner.reduce_scatter(output, input)
+        from zero_py.collectives.work import Work
+        ws, n = self.inner.world_size, output.numel()
+        recv = torch.empty_like(input)
+        work = self.inner.all_to_all(recv, input)  # chunk r: rank r's copy of this rank's
+
+        def finish():
+            acc = recv[(ws - 1) * n:].to(torch.float32, copy=True)
+            for r in reversed(range(ws - 1)):
+                acc += recv[r * n:(r + 1) * n]
+            output.copy_(acc)
+        return Work(work, finish, keep=(recv,))
 
     def all_gather(self, output, input):
         self.bytes["all-gather"] += input.numel() * input.element_size() * (
@@ -113,12 +134,16 @@ def train(mode: str, seed: int, args, train_tokens, val_tokens, vocab) -> dict:
     block_size = 64
     torch.manual_seed(seed)
     model = TinyGPT(len(vocab), block_size=block_size)
-    counter = CountingExecutor(TorchDistExecutor())
+    counter = CountingExecutor(TorchDistExecutor(), reorder=mode == "fp32-reorder")
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, executor=counter,
                                     bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
                                     weight_decay=0.1, **MODES[mode],
                                     **({"quantize_block": args.quantize_block}
                                        if args.quantize_block else {}))
+    if mode == "fp32-ulp":
+        with torch.no_grad():  # every rank alike: the replicas stay equal
+            for p in model.parameters():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     losses = []
     for step in range(1, args.steps + 1):
