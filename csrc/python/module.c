@@ -286,6 +286,23 @@ static PyObject *zp_py_cpu_tuning(PyObject *self, PyObject *args) {
                        (long long)t.stream_min_bytes);
 }
 
+/* The int64 rows of 3 in `buf` (released here), lo to hi of them, copied into rows: their
+ * count, or -1 with a ValueError naming fn and what the rows are. */
+static Py_ssize_t zp_py_rows3(Py_buffer *buf, int64_t (*rows)[3], Py_ssize_t lo, Py_ssize_t hi,
+                              const char *fn, const char *what) {
+  const Py_ssize_t n = buf->len / (Py_ssize_t)sizeof rows[0];
+  if (buf->len % (Py_ssize_t)sizeof rows[0] != 0 || n < lo || n > hi) {
+    PyBuffer_Release(buf);
+    PyErr_Format(PyExc_ValueError, "%s: %s must be %zd to %zd int64 rows of 3", fn, what, lo,
+                 hi);
+    return -1;
+  }
+  if (n > 0)
+    memcpy(rows, buf->buf, (size_t)n * sizeof rows[0]);
+  PyBuffer_Release(buf);
+  return n;
+}
+
 /* stream_bound(streams, numel, n_threads): streams are int64 rows (address, elem_bytes,
  * access) of the caller's checked tensors. */
 static PyObject *zp_py_stream_bound(PyObject *self, PyObject *args) {
@@ -295,19 +312,14 @@ static PyObject *zp_py_stream_bound(PyObject *self, PyObject *args) {
   int n_threads;
   if (!PyArg_ParseTuple(args, "y*Li:stream_bound", &buf, &numel, &n_threads))
     return NULL;
+  int64_t rows[ZP_STREAM_MAX][3];
+  const Py_ssize_t n = zp_py_rows3(&buf, rows, 1, ZP_STREAM_MAX, "stream_bound", "streams");
+  if (n < 0)
+    return NULL;
   zp_stream streams[ZP_STREAM_MAX];
-  Py_ssize_t n = buf.len / (3 * 8);
-  if (buf.len % (3 * 8) != 0 || n < 1 || n > ZP_STREAM_MAX) {
-    PyBuffer_Release(&buf);
-    return PyErr_Format(PyExc_ValueError, "stream_bound: streams must be 1 to %d int64 rows of 3",
-                        ZP_STREAM_MAX);
-  }
-  for (Py_ssize_t k = 0; k < n; k++) {
-    int64_t row[3];
-    memcpy(row, (const char *)buf.buf + k * sizeof row, sizeof row);
-    streams[k] = (zp_stream){(void *)(uintptr_t)row[0], (int32_t)row[1], (int32_t)row[2]};
-  }
-  PyBuffer_Release(&buf);
+  for (Py_ssize_t k = 0; k < n; k++)
+    streams[k] = (zp_stream){(void *)(uintptr_t)rows[k][0], (int32_t)rows[k][1],
+                             (int32_t)rows[k][2]};
   zp_status status;
   Py_BEGIN_ALLOW_THREADS status =
       zp_stream_bound_cpu(streams, (int32_t)n, (int64_t)numel, n_threads);
@@ -323,19 +335,14 @@ static PyObject *zp_py_copy_spans(PyObject *self, PyObject *args) {
   int n_threads;
   if (!PyArg_ParseTuple(args, "y*i:copy_spans", &buf, &n_threads))
     return NULL;
+  int64_t rows[ZP_COPY_MAX_SPANS][3];
+  const Py_ssize_t n = zp_py_rows3(&buf, rows, 0, ZP_COPY_MAX_SPANS, "copy_spans", "spans");
+  if (n < 0)
+    return NULL;
   zp_copy_span spans[ZP_COPY_MAX_SPANS];
-  Py_ssize_t n = buf.len / (3 * 8);
-  if (buf.len % (3 * 8) != 0 || n > ZP_COPY_MAX_SPANS) {
-    PyBuffer_Release(&buf);
-    return PyErr_Format(PyExc_ValueError, "copy_spans: spans must be 0 to %d int64 rows of 3",
-                        ZP_COPY_MAX_SPANS);
-  }
-  for (Py_ssize_t k = 0; k < n; k++) {
-    int64_t row[3];
-    memcpy(row, (const char *)buf.buf + k * sizeof row, sizeof row);
-    spans[k] = (zp_copy_span){(void *)(uintptr_t)row[0], (const void *)(uintptr_t)row[1], row[2]};
-  }
-  PyBuffer_Release(&buf);
+  for (Py_ssize_t k = 0; k < n; k++)
+    spans[k] = (zp_copy_span){(void *)(uintptr_t)rows[k][0],
+                              (const void *)(uintptr_t)rows[k][1], rows[k][2]};
   zp_status status;
   Py_BEGIN_ALLOW_THREADS status = zp_copy_spans(spans, (int32_t)n, n_threads);
   Py_END_ALLOW_THREADS if (status != ZP_OK) return zp_raise(status);
