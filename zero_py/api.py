@@ -133,10 +133,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if config is not None:
-        from zero_py.config import deepspeed
+        from zero_py.config import ds_initialize
         explicit = {k: v for k, v in locals().items()
-                    if k not in ("model", "config", "strict", "kwargs", "deepspeed", "names")}
-        return deepspeed.initialize(model, config, strict, explicit, kwargs, initialize)
+                    if k not in ("model", "config", "strict", "kwargs", "ds_initialize", "names")}
+        return ds_initialize.initialize(model, config, strict, explicit, kwargs, initialize)
     if strict is not True:
         raise ValueError("strict applies to a DeepSpeed config only; pass config= with it")
     optimizer_class = torch.optim.AdamW if optimizer_class is None else optimizer_class
