@@ -20,6 +20,12 @@ batches, with stage 2:
             step. At 2 ranks it is fp32 itself (a + b = b + a)
     fp32-ulp  a null at any world size: fp32, every initial weight moved by one ulp (toward
             +inf) before the first step
+    fp32-noise4, fp32-noise8  nulls of the wire's size: fp32 on the wire, but every chunk a
+            rank sends a peer in the reduce-scatter carries zero-mean noise, uniform over one
+            int4 (int8) rounding step of its block (the block's largest value / 7 (127), per
+            --quantize-block values, blocks aligned as the quantized modes align them), drawn
+            afresh at every call. That is the error of rounding to nearest without its bias:
+            how far noise of the quantized gradients' size alone moves the final loss
 
 Wire bytes are what this rank sends, counted from the buffers handed to the executor (a
 counting executor under zero_py's: a quantized collective hands it the int8/int4 packets with
@@ -65,16 +71,24 @@ MODES = {
     "int4-grads": {"quantized_grads": "int4"},
     "fp32-reorder": {},  # CountingExecutor(reorder=True): the null, see the docstring
     "fp32-ulp": {},  # the initial weights one ulp up: the null at any world size
+    # CountingExecutor(noise_bits=4 / 8): unbiased noise of the gradients' rounding step; the
+    # layout aligned to the blocks as the quantized modes align it
+    "fp32-noise4": {},
+    "fp32-noise8": {},
 }
+NOISE_BITS = {"fp32-noise4": 4, "fp32-noise8": 8}
 DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 
 
 class CountingExecutor:
     """An executor that counts the bytes this rank sends through `inner`."""
 
-    def __init__(self, inner, reorder: bool = False):
+    def __init__(self, inner, reorder: bool = False, noise_bits: int = 0, block: int = 256,
+                 seed: int = 0):
         self.inner = inner
         self.reorder = reorder  # fp32-reorder: reduce-scatter summed in reverse rank order
+        self.noise_bits, self.block = noise_bits, block  # fp32-noise*: see the docstring
+        self.gen = torch.Generator().manual_seed(seed)
         self.bytes = {"reduce-scatter": 0, "all-gather": 0, "all-to-all": 0, "other": 0}
 
     def __getattr__(self, name):
@@ -84,8 +98,29 @@ class CountingExecutor:
         ws = self.inner.world_size
         return t.numel() * t.element_size() * (ws - 1) // ws
 
+    def _noisy(self, input):
+        """input with every peer's chunk moved by uniform noise of +-half a rounding step of
+        its block (the block's largest value / (2**(bits-1) - 1))."""
+        ws, me = self.inner.world_size, self.inner.rank
+        n, levels = input.numel() // ws, 2 ** (self.noise_bits - 1) - 1
+        x = input.to(torch.float32, copy=True)
+        for r in range(ws):
+            if r == me:  # a rank's own chunk is never on the wire
+                continue
+            chunk = x[r * n:(r + 1) * n]
+            whole = n // self.block * self.block
+            for part in (chunk[:whole].view(-1, self.block), chunk[whole:].view(1, -1)):
+                if part.numel():
+                    step = part.abs().amax(dim=1, keepdim=True) / levels
+                    part.add_((torch.rand(part.shape, generator=self.gen) - 0.5) * step)
+        return x
+
     def reduce_scatter(self, output, input):
         self.bytes["reduce-scatter"] += self._peer_chunks(input)
+        if self.noise_bits:
+            from zero_py.collectives.work import Work
+            noisy = self._noisy(input)
+            return Work(self.inner.reduce_scatter(output, noisy), None, keep=(noisy,))
         if not self.reorder:
             return self.inner.reduce_scatter(output, input)
         from zero_py.collectives.work import Work
@@ -128,16 +163,22 @@ class CountingExecutor:
 def train(mode: str, seed: int, args, train_tokens, val_tokens, vocab) -> dict:
     import zero_py
     from zero_py.collectives import TorchDistExecutor
+    from zero_py.optim.optimizer import DEFAULT_QUANTIZE_BLOCK
     from zero_py.examples.demo import TinyGPT, evaluate, get_batch, learning_rate
 
     rank = dist.get_rank()
     block_size = 64
     torch.manual_seed(seed)
     model = TinyGPT(len(vocab), block_size=block_size)
-    counter = CountingExecutor(TorchDistExecutor(), reorder=mode == "fp32-reorder")
+    block = args.quantize_block or DEFAULT_QUANTIZE_BLOCK
+    counter = CountingExecutor(TorchDistExecutor(), reorder=mode == "fp32-reorder",
+                               noise_bits=NOISE_BITS.get(mode, 0), block=block,
+                               seed=seed * 1000 + rank)
+    # the noise nulls: the layout's blocks aligned to the parameters as a quantized wire's are
+    align = {"align_bytes": 4 * block} if mode in NOISE_BITS else {}
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, executor=counter,
                                     bucket_bytes=args.bucket_kib * 1024, lr=args.lr,
-                                    weight_decay=0.1, **MODES[mode],
+                                    weight_decay=0.1, **MODES[mode], **align,
                                     **({"quantize_block": args.quantize_block}
                                        if args.quantize_block else {}))
     if mode == "fp32-ulp":
@@ -255,8 +296,8 @@ def plot(results, directory: str) -> None:
     k = 10  # a running mean: single batches are noisy
 
     def smooth(losses):
-        t = torch.tensor(losses, dtype=torch.float64)
-        return torch.nn.functional.avg_pool1d(t[None, None], k, 1)[0, 0]
+        t = torch.tensor(losses, dtype=torch.float64)  # (a run shorter than k: one mean)
+        return torch.nn.functional.avg_pool1d(t[None, None], min(k, t.numel()), 1)[0, 0]
 
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7.5), squeeze=False)
     for col, (ws, seeds) in enumerate(results.items()):
