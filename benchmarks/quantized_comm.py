@@ -77,6 +77,9 @@ MODES = {
     "fp32-noise8": {},
 }
 NOISE_BITS = {"fp32-noise4": 4, "fp32-noise8": 8}
+# the departures figure's order: the nulls, then each wire beside the null of its size
+ORDER = ["fp32-ulp", "fp32-reorder", "bf16", "fp32-noise8", "int8-grads", "int8-weights", "int8",
+         "int8-sr", "int8-ef", "fp32-noise4", "int4-grads", "int4", "int4-sr", "int4-ef"]
 DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 
 
@@ -238,6 +241,19 @@ def _spread(xs) -> str:
     return f"{t.mean().item():+.2f}% ± {std:.2f} [{t.min().item():+.2f}, {t.max().item():+.2f}]"
 
 
+def _modes(seeds) -> list:
+    """Every mode run at any seed, in the order first run (merged --from-json files may hold
+    different modes at different seeds)."""
+    return list(dict.fromkeys(m for runs in seeds.values() for m in runs))
+
+
+def _departures(seeds, mode, key=_tail) -> dict:
+    """seed -> percent of `mode`'s final (key) loss against fp32 of the same seed, over the
+    seeds that ran both."""
+    return {s: 100 * (key(runs[mode]) / key(runs["fp32"]) - 1) for s, runs in seeds.items()
+            if mode in runs and "fp32" in runs}
+
+
 def report(results) -> None:
     """Per seed, then over seeds: each mode's final and validation loss against the fp32 run
     of the same seed (same initialization, same batches), and the fp32 run's own spread over
@@ -253,38 +269,43 @@ def report(results) -> None:
                 print(f"| {ws} | {seed} | {mode} | {_tail(r):.4f} | "
                       f"{100 * (_tail(r) / _tail(b) - 1):+.2f}% | {r['val']:.4f} | "
                       f"{100 * (r['val'] / b['val'] - 1):+.2f}% |")
-    print("\nOver seeds (vs fp32 of the same seed: mean ± sample std [min, max]):\n")
-    print("| ranks | mode | wire MB/step/rank | x bf16 | all-reduce KB/step | final loss "
-          "(mean) | final vs fp32 | val vs fp32 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\nOver seeds (vs fp32 of the same seed: mean ± sample std [min, max]; the seeds "
+          "within 0.5% and 1% of it):\n")
+    print("| ranks | mode | seeds | wire MB/step/rank | x bf16 | all-reduce KB/step | final loss "
+          "(mean) | final vs fp32 | within 0.5% | within 1% | val vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for ws, seeds in results.items():
-        runs0 = next(iter(seeds.values()))
-        modes = list(runs0)
-        bf16 = _wire(runs0["bf16"]) if "bf16" in runs0 else None
+        modes = _modes(seeds)
+        bf16 = next((_wire(runs["bf16"]) for runs in seeds.values() if "bf16" in runs), None)
         for mode in modes:
-            rs = [seeds[s][mode] for s in seeds]
-            bases = [seeds[s].get("fp32") or seeds[s][mode] for s in seeds]
+            rs = [runs[mode] for runs in seeds.values() if mode in runs]
             tails = [_tail(r) for r in rs]
-            d_tail = [100 * (_tail(r) / _tail(b) - 1) for r, b in zip(rs, bases)]
-            d_val = [100 * (r["val"] / b["val"] - 1) for r, b in zip(rs, bases)]
+            d_tail = list(_departures(seeds, mode).values())
+            d_val = list(_departures(seeds, mode, lambda r: r["val"]).values())
             wire = _wire(rs[0])
-            print(f"| {ws} | {mode} | {wire / 1e6:.3f} | "
+            within = (f"{sum(abs(d) <= 0.5 for d in d_tail)}/{len(d_tail)} | "
+                      f"{sum(abs(d) <= 1.0 for d in d_tail)}/{len(d_tail)}") if d_tail \
+                else "| "
+            print(f"| {ws} | {mode} | {len(rs)} | {wire / 1e6:.3f} | "
                   f"{wire / bf16 if bf16 else float('nan'):.3f} | "
                   f"{rs[0]['bytes']['other'] / 1e3:.1f} | {sum(tails) / len(tails):.4f} | "
-                  f"{_spread(d_tail)} | {_spread(d_val)} |")
-        if "fp32" in modes and len(seeds) > 1:
-            tails = torch.tensor([_tail(seeds[s]["fp32"]) for s in seeds], dtype=torch.float64)
-            vals = torch.tensor([seeds[s]["fp32"]["val"] for s in seeds], dtype=torch.float64)
-            print(f"| {ws} | fp32 over seeds | | | | {tails.mean().item():.4f} | "
+                  f"{_spread(d_tail) if d_tail else ''} | {within} | "
+                  f"{_spread(d_val) if d_val else ''} |")
+        fp32 = [runs["fp32"] for runs in seeds.values() if "fp32" in runs]
+        if len(fp32) > 1:
+            tails = torch.tensor([_tail(r) for r in fp32], dtype=torch.float64)
+            vals = torch.tensor([r["val"] for r in fp32], dtype=torch.float64)
+            print(f"| {ws} | fp32 over seeds | {len(fp32)} | | | | {tails.mean().item():.4f} | "
                   f"std {100 * tails.std().item() / tails.mean().item():.2f}%, range "
-                  f"{100 * (tails.max() - tails.min()).item() / tails.mean().item():.2f}% | "
+                  f"{100 * (tails.max() - tails.min()).item() / tails.mean().item():.2f}% | | | "
                   f"std {100 * vals.std().item() / vals.mean().item():.2f}%, range "
                   f"{100 * (vals.max() - vals.min()).item() / vals.mean().item():.2f}% |")
 
 
 def plot(results, directory: str) -> None:
     """Per world size: each mode's loss curve (mean over seeds, running mean of 10), and its
-    difference from fp32 of the same seed (mean over seeds, the band from min to max)."""
+    difference from fp32 of the same seed (mean over seeds, the band from min to max); and,
+    in a second figure, every seed's final loss against fp32 of that seed, mode by mode."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -301,17 +322,20 @@ def plot(results, directory: str) -> None:
 
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7.5), squeeze=False)
     for col, (ws, seeds) in enumerate(results.items()):
-        modes = list(next(iter(seeds.values())))
+        modes = _modes(seeds)
         top, bottom = axes[0][col], axes[1][col]
         for mode in modes:
-            curves = torch.stack([smooth(seeds[s][mode]["losses"]) for s in seeds])
+            with_mode = [s for s in seeds if mode in seeds[s]]
+            curves = torch.stack([smooth(seeds[s][mode]["losses"]) for s in with_mode])
             steps = list(range(k, curves.shape[1] + k))
-            top.plot(steps, curves.mean(0).tolist(), label=mode)
-            if "fp32" in modes:
-                base = torch.stack([smooth(seeds[s]["fp32"]["losses"]) for s in seeds])
-                rel = 100 * (curves / base - 1)
+            top.plot(steps, curves.mean(0).tolist(), label=f"{mode} ({len(with_mode)})")
+            paired = [s for s in with_mode if "fp32" in seeds[s]]
+            if paired:
+                rel = 100 * (torch.stack([smooth(seeds[s][mode]["losses"]) for s in paired])
+                             / torch.stack([smooth(seeds[s]["fp32"]["losses"])
+                                            for s in paired]) - 1)
                 line, = bottom.plot(steps, rel.mean(0).tolist(), label=mode)
-                if len(seeds) > 1:
+                if len(paired) > 1:
                     bottom.fill_between(steps, rel.min(0).values.tolist(),
                                         rel.max(0).values.tolist(), alpha=0.15,
                                         color=line.get_color())
@@ -328,6 +352,28 @@ def plot(results, directory: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for col, (ws, seeds) in enumerate(results.items()):
+        ax = axes[0][col]
+        modes = sorted((m for m in _modes(seeds) if m != "fp32" and _departures(seeds, m)),
+                       key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER)))
+        for i, mode in enumerate(modes):
+            d = list(_departures(seeds, mode).values())
+            ax.scatter([i] * len(d), d, s=14, alpha=0.6)
+            ax.plot([i - 0.3, i + 0.3], [sum(d) / len(d)] * 2, color="black", linewidth=1)
+        ax.axhspan(-1, 1, color="0.9", zorder=0)
+        ax.axhspan(-0.5, 0.5, color="0.8", zorder=0)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(modes)),
+                      [f"{m} ({len(_departures(seeds, m))})" for m in modes], rotation=30,
+                      ha="right")
+        ax.set_ylabel("final loss vs fp32, same seed (%)\none dot a seed, bar: the mean")
+        ax.set_title(f"{ws} ranks (seeds per mode in brackets): bands at ±0.5% and ±1%")
+    path = os.path.join(directory, "quantized_comm_departures.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main() -> None:
