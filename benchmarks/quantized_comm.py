@@ -79,7 +79,8 @@ MODES = {
 NOISE_BITS = {"fp32-noise4": 4, "fp32-noise8": 8}
 # the departures figure's order: the nulls, then each wire beside the null of its size
 ORDER = ["fp32-ulp", "fp32-reorder", "bf16", "fp32-noise8", "int8-grads", "int8-weights", "int8",
-         "int8-sr", "int8-ef", "fp32-noise4", "int4-grads", "int4", "int4-sr", "int4-ef"]
+         "int8-sr", "int8-ef", "fp32-noise4", "int4-grads", "int4", "int4-block64", "int4-sr",
+         "int4-ef"]  # (int4-block64: results/quantized_comm_seeds.json's --quantize-block 64 runs)
 DEFAULT_MODES = ["fp32", "bf16", "int8", "int4"]
 
 
