@@ -120,14 +120,13 @@ class CountingExecutor:
         return x
 
     def reduce_scatter(self, output, input):
+        from zero_py.collectives.work import Work
         self.bytes["reduce-scatter"] += self._peer_chunks(input)
         if self.noise_bits:
-            from zero_py.collectives.work import Work
             noisy = self._noisy(input)
             return Work(self.inner.reduce_scatter(output, noisy), None, keep=(noisy,))
         if not self.reorder:
             return self.inner.reduce_scatter(output, input)
-        from zero_py.collectives.work import Work
         ws, n = self.inner.world_size, output.numel()
         recv = torch.empty_like(input)
         work = self.inner.all_to_all(recv, input)  # chunk r: rank r's copy of this rank's
