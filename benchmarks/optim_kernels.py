@@ -4,17 +4,31 @@ Single process, run from anywhere once zero_py is installed (DeepSpeed is option
 
     python benchmarks/optim_kernels.py [--sizes 10,30] [--kinds adamw,adam,sgd,adagrad,lion]
                                        [--params fp32,bf16] [--reps 15] [--json optim.json]
+                                       [--cache cold,warm] [--settle 4]
                                        [--variants 'ZP_CPU_ISA=avx2;ZP_CPU_PREFETCH=0']
 
 Add 100 to --sizes for 100M parameters (about 7 GB of memory at the peak). Run it on an
 otherwise idle machine: with few cores, one other busy process slows every candidate by a
 varying factor. For each size N (millions of parameters), each parameter precision and each
-optimizer it times these candidates on one flat parameter of N elements, taking turns
-repetition after repetition; each timed call directly follows an untimed call of the same
-candidate, so that none pays for the one before it (torch's OpenMP workers spin for a while
-after each parallel region and slow down threads started right then, such as zero_py's).
-Below about 1M elements a call is shorter than that spinning and zero_py's times still include
-it (OMP_WAIT_POLICY=passive removes it), hence the default sizes of 10M and up:
+optimizer it times these candidates on one flat parameter of N elements, in a new shuffled
+order every repetition (a fixed seed), under one or both cache states (--cache):
+
+    cold   each timed call follows a flush: one thread reads and writes back a buffer of twice
+           the last-level cache (kernels.stream_bound on the calling thread, about 0.1 s), so
+           the call meets its tensors in memory, as an optimizer step does after the forward
+           and backward passes evicted them, and meets torch's OpenMP workers and zero_py's
+           threads alike asleep. The default.
+    warm   each timed call follows --settle untimed calls of the same candidate (default 4):
+           tensors that fit in the last-level cache are read from it. Measured on a 2-vCPU
+           Xeon guest that reports 480 MiB of L3, a call after any pause (a sleep, other work,
+           another candidate) took up to 1.9x its steady time, recovering over about five
+           calls, and torch's OpenMP workers spin for a while after each parallel region and
+           slow down threads started then, such as zero_py's. One untimed call before each
+           timed one, as this script did before, left zero_py, first in the order and so after
+           torch foreach, at 0.90x torch fused on SGD while the same kernel placed after
+           another candidate measured 1.17x.
+
+The candidates:
 
     zero_py             zero_py.kernels.optim_step_flat(kind, master, grad, states..., param_out)
     torch fused         torch.optim.<X>(fused=True).step()   (AdamW, Adam, SGD, Adagrad)
@@ -80,6 +94,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -321,16 +336,43 @@ def bandwidth_candidates(numel, gen):
             "triad": (12, lambda: torch.add(src, other, alpha=0.5, out=dst))}
 
 
-def measure(runs, reps, warmup):
-    """name -> seconds of each timed repetition. Candidates take turns; each timed call follows
-    an untimed call of the same candidate."""
+def last_level_cache_bytes():
+    """The last-level cache the OS reports (in a VM: the host's, shared with other guests);
+    32 MiB when it reports none."""
+    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        size = os.sysconf(name) if name in os.sysconf_names else 0
+        if size > 0:
+            return size
+    return 32 << 20
+
+
+def cache_flush():
+    """A function that evicts the caches from the calling thread alone: one pass reading and
+    storing back a buffer of twice the last-level cache (at least 64 MiB), in C, so that neither
+    torch's OpenMP workers nor zero_py's threads run or spin during it."""
+    buf = torch.ones(max(2 * last_level_cache_bytes(), 64 << 20) // 4)
+    return lambda: kernels.stream_bound([(buf, "update")], n_threads=1)
+
+
+def measure(runs, reps, warmup, cache, settle=4, flush=None, seed=0):
+    """name -> seconds of each timed repetition. Every repetition times each candidate once,
+    in a new shuffled order; cache "cold": `flush()` before each timed call, "warm": `settle`
+    untimed calls of the same candidate before it."""
     for fn in runs.values():
         for _ in range(warmup):
             fn()
+    order = random.Random(seed)
     times = {name: [] for name in runs}
     for _ in range(reps):
-        for name, fn in runs.items():
-            fn()
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
+            fn = runs[name]
+            if cache == "cold":
+                flush()
+            else:
+                for _ in range(settle):
+                    fn()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -350,6 +392,11 @@ def main():
                         help="comma-separated parameter precisions: fp32, bf16")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per candidate")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    parser.add_argument("--cache", default="cold",
+                        help="comma-separated cache states to time in: cold (caches flushed "
+                             "before each timed call), warm (--settle untimed calls before it)")
+    parser.add_argument("--settle", type=int, default=4,
+                        help="warm: untimed calls of the same candidate before each timed one")
     parser.add_argument("--variants", default="",
                         help="extra zero_py candidates, ';'-separated, each a ','-separated "
                              "list of ZP_CPU_*=value (e.g. 'ZP_CPU_ISA=avx2;ZP_CPU_PREFETCH=0'"
@@ -363,6 +410,12 @@ def main():
     for p in precisions:
         if p not in PARAM_DTYPE:
             parser.error(f"unknown parameter precision {p!r}; choose from fp32, bf16")
+    caches = args.cache.split(",")
+    for c in caches:
+        if c not in ("cold", "warm"):
+            parser.error(f"unknown cache state {c!r}; choose from cold, warm")
+    if args.settle < 1:
+        parser.error("--settle must be at least 1")
 
     variants = []
     for spec in filter(None, args.variants.split(";")):
@@ -377,6 +430,7 @@ def main():
     info = {"cpu": cpu_model(), "cpu_isa": tuning["isa"], "cpu_vendor": tuning["vendor"],
             "prefetch_bytes": tuning["prefetch_bytes"], "prefetch_into": tuning["prefetch_into"],
             "split": tuning["split"],
+            "last_level_cache_bytes": last_level_cache_bytes(),
             "torch_threads": torch.get_num_threads(),
             "zero_py_threads": kernels.default_threads(), "torch": torch.__version__,
             "deepspeed": DEEPSPEED_MISSING or deepspeed.__version__}
@@ -384,7 +438,8 @@ def main():
           f"{info['cpu_isa']}, prefetch {info['prefetch_bytes']} B into "
           f"{info['prefetch_into'].upper()}, split {info['split']}, "
           f"{info['zero_py_threads']} threads; torch {info['torch']}, "
-          f"{info['torch_threads']} threads")
+          f"{info['torch_threads']} threads; last-level cache "
+          f"{info['last_level_cache_bytes'] / 2**20:.0f} MiB")
     print(f"DeepSpeed: {info['deepspeed']}" if DEEPSPEED_MISSING is None else
           f"DeepSpeed: not measured ({DEEPSPEED_MISSING})")
 
@@ -400,11 +455,13 @@ def main():
                 check_rows.append(f"| {kind} | {params} | {name} | {diff:.2e} |")
     print("\n".join(check_rows) + "\n")
 
-    rows = ["| N | params | optimizer | candidate | B/param | median ms | GB/s | % of triad "
-            "| % of bound | speed-up |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    summary = ["| N | params | optimizer | zero_py vs reference | zero_py % of bound |",
-               "|---:|---|---|---:|---:|"]
+    rows = ["| N | cache | params | optimizer | candidate | B/param | median ms | GB/s "
+            "| % of triad | % of bound | speed-up |",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    summary = ["| N | cache | params | optimizer | zero_py vs reference | zero_py % of bound |",
+               "|---:|---|---|---|---:|---:|"]
     results = []
+    flush = cache_flush() if "cold" in caches else None
     for numel in sizes:
         gen = torch.Generator().manual_seed(numel)
         bandwidth = bandwidth_candidates(numel, gen)
@@ -412,45 +469,54 @@ def main():
         for params in precisions:
             for kind in kinds:
                 runs = {**candidates(kind, params, numel, gen, variants), **bandwidth}
-                times = measure({name: fn for name, (_, fn) in runs.items()}, args.reps,
-                                args.warmup)
-                groups.append((params, kind, {name: (runs[name][0], times[name])
-                                              for name in runs}))
-                del runs  # frees this group's tensors before the next is made
+                fns = {name: fn for name, (_, fn) in runs.items()}
+                for cache in caches:
+                    times = measure(fns, args.reps, args.warmup, cache, args.settle, flush)
+                    groups.append((cache, params, kind, {name: (runs[name][0], times[name])
+                                                         for name in runs}))
+                del runs, fns  # frees this group's tensors before the next is made
                 gc.collect()
-        pooled = {name: [t for *_, g in groups for t in g[name][1]] for name in bandwidth}
-        triad_gbps = 12 * numel / statistics.median(pooled["triad"]) / 1e9
-        size_rows = [("", "", name, bandwidth[name][0], pooled[name], None, None)
-                     for name in pooled]
-        for params, kind, group in groups:
-            ref = statistics.median(group[reference_name(group)][1])
-            bound = statistics.median(group["bound"][1])
-            size_rows += [(params, kind, name, nbytes, samples, ref, bound)
-                          for name, (nbytes, samples) in group.items() if name not in bandwidth]
-            zp = statistics.median(group["zero_py"][1])
-            summary.append(f"| {numel / 1e6:g}M | {params} | {kind} | {ref / zp:.2f}x "
-                           f"({reference_name(group)}) | {100 * bound / zp:.0f}% |")
-        for params, kind, name, nbytes, samples, ref, bound in size_rows:
-            median = statistics.median(samples)
-            gbps = nbytes * numel / median / 1e9
-            speedup = None if ref is None else ref / median
-            of_bound = None if bound is None else 100 * bound / median
-            results.append({"numel": numel, "params": params, "kind": kind, "candidate": name,
-                            "bytes_per_param": nbytes, "median_s": median, "gb_per_s": gbps,
-                            "percent_of_triad": 100 * gbps / triad_gbps,
-                            "percent_of_bound": of_bound, "speedup": speedup,
-                            "samples_s": samples})
-            rows.append(f"| {numel / 1e6:g}M | {params} | {kind} | {name} | {nbytes} "
-                        f"| {median * 1e3:.2f} | {gbps:.1f} | {100 * gbps / triad_gbps:.0f}% "
-                        f"| {'' if of_bound is None else f'{of_bound:.0f}%'} "
-                        f"| {'' if speedup is None else f'{speedup:.2f}x'} |")
+        for cache in caches:
+            cache_groups = [g for g in groups if g[0] == cache]
+            pooled = {name: [t for *_, g in cache_groups for t in g[name][1]]
+                      for name in bandwidth}
+            triad_gbps = 12 * numel / statistics.median(pooled["triad"]) / 1e9
+            size_rows = [("", "", name, bandwidth[name][0], pooled[name], None, None)
+                         for name in pooled]
+            for _, params, kind, group in cache_groups:
+                ref = statistics.median(group[reference_name(group)][1])
+                bound = statistics.median(group["bound"][1])
+                size_rows += [(params, kind, name, nbytes, samples, ref, bound)
+                              for name, (nbytes, samples) in group.items()
+                              if name not in bandwidth]
+                zp = statistics.median(group["zero_py"][1])
+                summary.append(f"| {numel / 1e6:g}M | {cache} | {params} | {kind} "
+                               f"| {ref / zp:.2f}x ({reference_name(group)}) "
+                               f"| {100 * bound / zp:.0f}% |")
+            for params, kind, name, nbytes, samples, ref, bound in size_rows:
+                median = statistics.median(samples)
+                gbps = nbytes * numel / median / 1e9
+                speedup = None if ref is None else ref / median
+                of_bound = None if bound is None else 100 * bound / median
+                results.append({"numel": numel, "cache": cache, "params": params, "kind": kind,
+                                "candidate": name, "bytes_per_param": nbytes,
+                                "median_s": median, "gb_per_s": gbps,
+                                "percent_of_triad": 100 * gbps / triad_gbps,
+                                "percent_of_bound": of_bound, "speedup": speedup,
+                                "samples_s": samples})
+                rows.append(f"| {numel / 1e6:g}M | {cache} | {params} | {kind} | {name} "
+                            f"| {nbytes} | {median * 1e3:.2f} | {gbps:.1f} "
+                            f"| {100 * gbps / triad_gbps:.0f}% "
+                            f"| {'' if of_bound is None else f'{of_bound:.0f}%'} "
+                            f"| {'' if speedup is None else f'{speedup:.2f}x'} |")
     print("\n".join(rows))
     print("\nzero_py against the reference (torch fused, where torch has it) and against the "
           "bound, same run:\n")
     print("\n".join(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**info, "reps": args.reps, "warmup": args.warmup, "checks": checks,
+            json.dump({**info, "reps": args.reps, "warmup": args.warmup,
+                       "cache": caches, "settle": args.settle, "checks": checks,
                        "results": results}, f, indent=2)
         print(f"\nwrote {args.json}")
 
