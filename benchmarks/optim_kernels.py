@@ -91,6 +91,7 @@ the same non-zero states, and prints the largest differences.
 
 import argparse
 import gc
+import glob
 import json
 import os
 import platform
@@ -337,13 +338,20 @@ def bandwidth_candidates(numel, gen):
 
 
 def last_level_cache_bytes():
-    """The last-level cache the OS reports (in a VM: the host's, shared with other guests);
-    32 MiB when it reports none."""
-    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        size = os.sysconf(name) if name in os.sysconf_names else 0
-        if size > 0:
-            return size
-    return 32 << 20
+    """The largest cache Linux reports for CPU 0 (in a VM: the host's, shared with other
+    guests); 32 MiB where it reports none."""
+    sizes = []
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(index) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
 
 
 def cache_flush():
