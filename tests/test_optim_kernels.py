@@ -486,6 +486,34 @@ def test_streaming_stores_at_every_alignment(monkeypatch, isa, out_dtype):
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), offset
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adagrad", "lion"])
+def test_bf16_bodies_at_every_alignment_match_the_chunked_path(monkeypatch, isa, kind):
+    """A bf16 gradient and a bf16 param_out take each kind's fused body (widened and narrowed
+    in registers), streaming or not; the scalar ISA takes the chunked path. param_out and the
+    states at every 2-byte offset of a line, a length that leaves a tail: the same bits."""
+    n = 5000
+    gen = torch.Generator().manual_seed(6)
+    master0, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    states0 = [torch.rand(n, generator=gen) for _ in range(2)]
+    for offset in range(0, 33, 5):
+        outs = []
+        for path, stream in ((isa, "0"), (isa, "1"), ("scalar", "0")):
+            monkeypatch.setenv("ZP_CPU_ISA", path)
+            monkeypatch.setenv("ZP_CPU_STREAM", stream)
+            base = torch.full((n + 40,), float("nan"), dtype=torch.bfloat16)
+            out = base[offset:offset + n]
+            master = master0.clone()
+            states = [s.clone() for s in states0] if kind == "adamw" else [states0[0].clone()]
+            for step in (1, 2):
+                kernels.optim_step_flat(kind, master, grad, *states, param_out=out, step=step,
+                                        lr=0.05, weight_decay=0.1)
+            outs.append([base.view(torch.int16), master] + states)
+        for other in outs[1:]:
+            for x, y in zip(outs[0], other):
+                assert torch.equal(x, y), (kind, isa, offset)
+
+
 def test_copy_tensors_equals_torch_copy_and_refuses_bad_pairs():
     """kernels.copy_tensors (the offloaded early step's backups) against torch's copy: several
     pairs in one call, sizes around the C side's 1 MiB blocks, at 1 and 2 threads; bad pairs
