@@ -14,7 +14,10 @@
  * alone leaves ~15% of the bandwidth unused with four streams per core. Into L2 (pf > 0), or
  * L1 (pf < 0: ZP_CPU_PREFETCH=<bytes>:l1); see tuning.h. A prefetch past the end of a buffer is
  * harmless. */
-static inline void zp_prefetch(const float *at, int64_t pf) {
+/* always_inline: GCC does not inline a plain static function into the target("avx*") loops
+ * below, then finds it free of side effects (a prefetch has none it models) and deletes every
+ * call, prefetches and all. */
+__attribute__((always_inline)) static inline void zp_prefetch(const float *at, int64_t pf) {
   if (pf > 0)
     _mm_prefetch((const char *)(at + pf), _MM_HINT_T1);
   else
@@ -166,7 +169,8 @@ static void zp_bf16_tail(const zp_opt_coef *c, zp_opt_body scalar, float *p, con
   }
 }
 
-static inline void zp_prefetch16(const uint16_t *at, int64_t pf) {
+__attribute__((always_inline)) static inline void zp_prefetch16(const uint16_t *at,
+                                                              int64_t pf) {
   if (pf > 0)
     _mm_prefetch((const char *)(at + pf), _MM_HINT_T1);
   else
