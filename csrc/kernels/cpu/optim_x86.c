@@ -137,8 +137,8 @@ ZP_INLINE2 void zp_run8(zp_step8 step, zp_opt_body scalar, const zp_opt_coef *c,
   const zp_coef256 k = zp_coef256_load(c);
   s2 = c->amsgrad ? s2 : NULL; /* vmax: Adam*'s third state, only with amsgrad */
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    if (pf != 0 && (i & 15) == 0) {
+  for (; i + 16 <= n; i += 16) { /* two steps per line of each stream */
+    if (pf != 0) {
       ZP_PF(p, i), ZP_PF(g, i);
       if (s0)
         ZP_PF(s0, i);
@@ -148,6 +148,12 @@ ZP_INLINE2 void zp_run8(zp_step8 step, zp_opt_body scalar, const zp_opt_coef *c,
         ZP_PF(s2, i);
     }
     (void)step(&k, p + i, _mm256_loadu_ps(g + i), zp_off(s0, i), zp_off(s1, i), zp_off(s2, i));
+    (void)step(&k, p + i + 8, _mm256_loadu_ps(g + i + 8), zp_off(s0, i + 8), zp_off(s1, i + 8),
+               zp_off(s2, i + 8));
+  }
+  if (i + 8 <= n) {
+    (void)step(&k, p + i, _mm256_loadu_ps(g + i), zp_off(s0, i), zp_off(s1, i), zp_off(s2, i));
+    i += 8;
   }
   scalar(c, p + i, g + i, zp_off(s0, i), zp_off(s1, i), zp_off(s2, i), n - i, pf);
 }
