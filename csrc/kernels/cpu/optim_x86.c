@@ -216,18 +216,17 @@ ZP_INLINE2 void zp_run8_bf16(zp_step8 step, zp_opt_body scalar, const zp_opt_coe
 }
 
 /* One body per kind and ISA, fp32 and bf16, from the kind's step and the ISA's loops. */
-#define ZP_X86_BODIES(kind, step, attr, isa, run, run_bf16)                                    \
-  attr void zp_##kind##_##isa(const zp_opt_coef *c, float *restrict p,                     \
-                                  const float *restrict g, float *restrict s0,                 \
-                                  float *restrict s1, float *restrict s2, int64_t n,           \
-                                  int64_t pf) {                                                \
-    run(step, zp_##kind##_scalar, c, p, g, s0, s1, s2, n, pf);                                 \
-  }                                                                                            \
-  attr void zp_##kind##_bf16_##isa(const zp_opt_coef *c, float *restrict p,                \
-                                       const uint16_t *restrict g, float *restrict s0,         \
-                                       float *restrict s1, float *restrict s2,                 \
-                                       uint16_t *restrict out, int64_t n, int64_t pf, int nt) { \
-    run_bf16(step, zp_##kind##_scalar, c, p, g, s0, s1, s2, out, n, pf, nt);                   \
+#define ZP_X86_BODIES(kind, step, attr, isa, run, run_bf16)                                      \
+  attr void zp_##kind##_##isa(const zp_opt_coef *c, float *restrict p, const float *restrict g,  \
+                              float *restrict s0, float *restrict s1, float *restrict s2,        \
+                              int64_t n, int64_t pf) {                                           \
+    run(step, zp_##kind##_scalar, c, p, g, s0, s1, s2, n, pf);                                   \
+  }                                                                                              \
+  attr void zp_##kind##_bf16_##isa(const zp_opt_coef *c, float *restrict p,                      \
+                                   const uint16_t *restrict g, float *restrict s0,               \
+                                   float *restrict s1, float *restrict s2,                       \
+                                   uint16_t *restrict out, int64_t n, int64_t pf, int nt) {      \
+    run_bf16(step, zp_##kind##_scalar, c, p, g, s0, s1, s2, out, n, pf, nt);                     \
   }
 
 ZP_X86_BODIES(adam, zp_adam8, ZP_AVX2, avx2, zp_run8, zp_run8_bf16)
