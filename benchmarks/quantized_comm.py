@@ -166,7 +166,7 @@ class CountingExecutor:
 def train(mode: str, seed: int, args, train_tokens, val_tokens, vocab) -> dict:
     import zero_py
     from zero_py.collectives import TorchDistExecutor
-    from zero_py.optim.optimizer import DEFAULT_QUANTIZE_BLOCK
+    from zero_py.optim.arguments import DEFAULT_QUANTIZE_BLOCK
     from zero_py.examples.demo import TinyGPT, evaluate, get_batch, learning_rate
 
     rank = dist.get_rank()

@@ -23,8 +23,8 @@ import torch.nn as nn
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
-from zero_py.optim.optimizer import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, ZeroOptimizer,
-                                    fingerprint)
+from zero_py.optim.arguments import DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, fingerprint
+from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units

@@ -11,22 +11,23 @@ torch.optim class) run on the fp32 master shard, and has the storage publish the
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
-from array import array
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from zero_py import kernels
-from zero_py.collectives import (HybridExecutor, make_executor,
-                                 make_hybrid_executor)
+from zero_py.collectives import HybridExecutor, make_executor, make_hybrid_executor
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.offload.early import EarlyStep, check_overlap_step
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, regroup
+from zero_py.optim.accounting import MemoryAccounting
+from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
+                                     DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
+                                     fingerprint, first_tensor)
+from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
@@ -34,46 +35,10 @@ from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
-DEFAULT_ALIGN_BYTES = 64
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["ZeroOptimizer"]
 
 
-def _first_tensor(params: list) -> Optional[torch.Tensor]:
-    """The first parameter of a params list as torch.optim takes it (tensors, (name, tensor)
-    pairs, or param-group dicts of either), or None; a group's generator is not consumed."""
-    for item in params:
-        group = item.get("params", ()) if isinstance(item, dict) else [item]
-        if not isinstance(group, (list, tuple, torch.Tensor)):
-            continue
-        for q in [group] if isinstance(group, torch.Tensor) else group:
-            q = q[1] if isinstance(q, tuple) else q
-            if isinstance(q, torch.Tensor):
-                return q
-    return None
-
-
-def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
-                groups: Sequence[dict], params: Sequence[Tuple[str, Any]]) -> List[tuple]:
-    """What every rank must agree on before it lays out or sends anything (agreement.check):
-    the stage, the group, the optimizer and its options, then each parameter (`params`:
-    agreement.param_entry), then the param groups' options. Settings come first, so a rank
-    that took another stage is named as such rather than by its parameters."""
-    ranks = ([executor.global_rank(r) for r in range(executor.world_size)]
-             if hasattr(executor, "global_rank") else None)
-    ranks = getattr(executor, "mesh_ranks", ranks)  # hybrid: every shard group, on every rank
-    entries = [("stage", stage), ("world size", executor.world_size), ("group ranks", ranks),
-               ("device type", torch.device(executor.device).type),
-               ("executor", type(executor).__name__), ("optimizer class", optimizer_class)]
-    entries += [(f"option {k}", v) for k, v in sorted(options.items())]
-    entries += list(params)
-    entries.append(("param groups", [{**{k: v for k, v in g.items() if k != "params"},
-                                      "params": len(g["params"])} for g in groups]))
-    return entries
-
-
-class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
+class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer under data parallelism (ZeRO 1-2).
 
     Use it instead of DDP + torch.optim: build the model on every rank, then
@@ -224,7 +189,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.stage = stage
         first = (next((p for g in self.param_groups for p in g["params"]), None)
-                 if problem is None else _first_tensor(params))
+                 if problem is None else first_tensor(params))
         device = first.device if first is not None else torch.device("cpu")
         try:
             self.executor = (make_hybrid_executor(process_group, replicate_group, device_mesh,
@@ -318,47 +283,9 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         compat.install_clip_guards()
         self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
 
-    @staticmethod
-    def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        align_bytes: int = DEFAULT_ALIGN_BYTES,
-                        grad_reduce_dtype: Optional[torch.dtype] = None,
-                        grad_accum_dtype: Optional[torch.dtype] = None,
-                        quantized_weights: Optional[str] = None,
-                        quantized_grads: Optional[str] = None,
-                        quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
-                        grad_error_feedback: bool = False,
-                        quantized_grads_rounding: str = "nearest",
-                        loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
-                        offload_optimizer: Optional[str] = None, offload_dir=None,
-                        overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
-        """Checks the constructor's arguments (zero_py.initialize does it before it shards a
-        stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
-                            f"torch.optim.AdamW, got {optimizer_class!r}")
-        if issubclass(optimizer_class, ZeroOptimizer):
-            raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if (not isinstance(align_bytes, int) or align_bytes < 4
-                or align_bytes & (align_bytes - 1)):
-            raise ValueError(f"align_bytes must be a power of two >= 4, got {align_bytes!r}")
-        if grad_reduce_dtype not in (None, *_PARAM_DTYPES):
-            raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16, got {grad_reduce_dtype!r}")
-        if grad_accum_dtype not in (None, torch.float32):
-            raise ValueError(f"grad_accum_dtype must be None or torch.float32 (sum the "
-                             f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
-        quantized.check_options(quantized_weights, quantized_grads, quantize_block,
-                                grad_error_feedback, quantized_grads_rounding)
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
-        check_offload_optimizer(offload_optimizer, offload_dir)
-        check_overlap_step(overlap_step, offload_optimizer, stage=2)  # the stage: __init__
-        # The optimizer class validates its own keyword arguments and supplies the defaults.
-        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
-        return dict(probe.defaults)
+    # the constructor's checks, without building anything (zero_py.initialize runs them before
+    # it shards a stage-3 model): optim/arguments.py
+    check_arguments = staticmethod(check_arguments)
 
     def _build(self, storage, step_count: List[int]) -> None:
         """The gradient path, the fp32 masters and the update over `storage` (construction, and
@@ -506,7 +433,7 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameter {i} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
-        if p.dtype not in _PARAM_DTYPES:
+        if p.dtype not in PARAM_DTYPES:
             raise ValueError(f"parameter {i} has dtype {p.dtype}: zero_py trains float32, "
                              "bfloat16 and float16 parameters; cast the model to one of them")
 
@@ -564,61 +491,6 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             self._early.discard()  # the gradients they used are gone: no step will use them
         self._clip_coef, self._nonfinite = None, None
         self._reducer.zero_grad(set_to_none)
-
-    # -- loss scaling and clipping ----------------------------------------------------------
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without a loss scaler)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """loss * loss_scale: call backward on this when a loss scaler is set."""
-        return loss * self.loss_scale if self.loss_scaler is not None else loss
-
-    def _grad_stats(self, norm_type: float) -> Tuple[float, bool]:
-        """Global sum of |g|^p (or max |g| for p = inf) over every rank's gradient shard, and
-        whether any rank holds an inf or nan; one read pass and one small all-reduce."""
-        flat, grads = self._flat, self._reducer.grads
-        tables: Dict[torch.dtype, array] = {}  # the pieces are ours: no checks needed
-        for b in range(flat.n_buckets):
-            piece = grads.piece(b)
-            tables.setdefault(piece.dtype, array("q")).extend(
-                kernels.segment_row(piece.numel(), grad=piece.data_ptr()))
-        both = kernels.grad_stats(tables, norm_type, flat.device,
-                                  n_threads=torch.get_num_threads())
-        if self.executor.device != both.device:
-            both = both.to(self.executor.device)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        with comm_stats.control():
-            work = self.executor.all_reduce(both, op)
-        work.wait()
-        return float(both[0]), bool(both[1] > 0)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
-        DDP's full gradients, and returns the same total norm (of the unscaled gradients). The
-        clip coefficient is applied inside the next step()'s update, not as a pass of its own.
-        Call it after backward and before step()."""
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        with torch.no_grad():
-            self._reducer.finish()
-            sum_pow, nonfinite = self._grad_stats(norm_type)
-        self._nonfinite = nonfinite
-        if nonfinite:
-            total = float("nan")
-            if error_if_nonfinite:
-                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
-                                   "non-finite, so it cannot be clipped; set "
-                                   "error_if_nonfinite=False to go on")
-        else:
-            total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
-            total /= self.loss_scale
-        self._clip_coef = min(max_norm / (total + 1e-6), 1.0) if not nonfinite else None
-        return torch.tensor(total, dtype=torch.float32)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -733,67 +605,3 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         g = self.param_groups[self._flat.bucket_group[b]]
         return tuple(sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v)
                             for k, v in g.items() if k != "params"))
-
-    # -- accounting -------------------------------------------------------------------------
-
-    def memory_report(self) -> Dict[str, int]:
-        """Bytes this rank holds for model states, beside what DDP + torch.optim would hold
-        with the same precision recipe (fp32 optimizer states and, for bf16/fp16 parameters,
-        fp32 masters).
-
-        params: flat parameter buffers (padding included) and frozen parameters; grads: the
-        gradient shard plus the most bucket buffers live at once and the executor's
-        reduce-scatter receive buffers, the error-feedback residuals of grad_error_feedback
-        (and, in stage 1, the full param.grad);
-        optimizer_states: state tensors of this rank's shard and its fp32 masters, on the
-        device (0 under offload_optimizer="cpu"); host_optimizer_states: the same in host memory
-        under offload (fp32 masters of every bucket, fp32 ones included, and overlap_step's
-        backup); host_grads: the host copy of the gradient shard and the staging of updated
-        bf16/fp16 values (offload).
-        Under offload_optimizer="nvme": host_optimizer_states is the ring of host buffers and
-        nvme_optimizer_states the offload file (both slots of every record). Stage 3:
-        host_params is the parameter shards in host memory (offload_params="cpu") or the ring
-        of the parameter file (offload_params="nvme"), and nvme_params that file.
-        ddp_grads counts param.grad and the flat copy DDP's reducer keeps in its buckets by
-        default (gradient_as_bucket_view=False)."""
-        fp = self._flat
-        managed = {id(p) for p in fp.params}
-        frozen = [p for p in self._all_params if id(p) not in managed]
-        report = fp.param_bytes(frozen)
-        param_bytes = sum(n * p.element_size() for n, p in zip(fp.param_numel, fp.params))
-        psi = sum(fp.param_numel)
-        master_psi = sum(n for n, p in zip(fp.param_numel, fp.params) if p.dtype != torch.float32)
-        grads = (self._reducer.grads.nbytes() + self._reducer.peak_bucket_bytes
-                 + getattr(self.executor, "scratch_peak_bytes", 0)  # receive buffers
-                 + self._reducer.residual_bytes)  # grad_error_feedback
-        if self.stage == 1:
-            grads += param_bytes
-        states = self._update.state_bytes()
-        host = self._host.nbytes() if self._host is not None else None
-        if host is not None and self._early is not None:  # overlap_step's backup
-            host = {**host, "host_masters": host["host_masters"] + self._early.nbytes()}
-        store = getattr(self._update, "store", None)  # offload_optimizer="nvme"
-        if store is not None:
-            host = {"host_masters": store.host_bytes(), "host_grads": 0}
-        # state per element: the fused path keeps it over the whole shard, padding included;
-        # torch.optim keeps it per parameter slice
-        local = fp.shard_numel if self.uses_fused_kernel else sum(s.numel for s in fp.slices)
-        per_elem = (len(self._update.keys) * 4 if store is not None  # (states are on NVMe)
-                    else states / local if local else 0.0)
-        return {**report, "grads": grads,
-                "optimizer_states": 0 if host else states + self._masters.nbytes(),
-                "host_optimizer_states": states + host["host_masters"] if host else 0,
-                "host_grads": host["host_grads"] if host else 0,
-                "nvme_optimizer_states": store.file_bytes if store is not None else 0,
-                "ddp_grads": 2 * param_bytes,
-                "ddp_optimizer_states": int(round(per_elem * psi)) + 4 * master_psi}
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state tensors and fp32 masters on this rank (states are
-        allocated at the first step)."""
-        store = getattr(self._update, "store", None)
-        if store is not None:  # both slots of every record of the offload file
-            return store.file_bytes // 2
-        host = self._host.nbytes()["host_masters"] if self._host is not None else None
-        return self._update.state_bytes() + (self._masters.nbytes() if host is None else host)
-

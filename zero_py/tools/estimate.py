@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from zero_py.optim.optimizer import DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES
+from zero_py.optim.arguments import DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT
 
 __all__ = ["MemoryEstimate", "estimate_memory", "state_bytes_per_element", "format_table"]

@@ -1,0 +1,96 @@
+"""ZeroOptimizer's constructor arguments: their defaults, their checks (check_arguments, which
+zero_py.initialize also runs before it shards a stage-3 model), and the fingerprint the ranks
+agree on before anything is laid out or sent (optim/agreement.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_py.collectives import quantized
+from zero_py.offload import check_offload_optimizer
+from zero_py.offload.early import check_overlap_step
+from zero_py.optim.loss_scaler import LossScaler
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
+DEFAULT_ALIGN_BYTES = 64
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def first_tensor(params: list) -> Optional[torch.Tensor]:
+    """The first parameter of a params list as torch.optim takes it (tensors, (name, tensor)
+    pairs, or param-group dicts of either), or None; a group's generator is not consumed."""
+    for item in params:
+        group = item.get("params", ()) if isinstance(item, dict) else [item]
+        if not isinstance(group, (list, tuple, torch.Tensor)):
+            continue
+        for q in [group] if isinstance(group, torch.Tensor) else group:
+            q = q[1] if isinstance(q, tuple) else q
+            if isinstance(q, torch.Tensor):
+                return q
+    return None
+
+
+def fingerprint(stage: int, executor, optimizer_class, options: Dict[str, Any],
+                groups: Sequence[dict], params: Sequence[Tuple[str, Any]]) -> List[tuple]:
+    """What every rank must agree on before it lays out or sends anything (agreement.check):
+    the stage, the group, the optimizer and its options, then each parameter (`params`:
+    agreement.param_entry), then the param groups' options. Settings come first, so a rank
+    that took another stage is named as such rather than by its parameters."""
+    ranks = ([executor.global_rank(r) for r in range(executor.world_size)]
+             if hasattr(executor, "global_rank") else None)
+    ranks = getattr(executor, "mesh_ranks", ranks)  # hybrid: every shard group, on every rank
+    entries = [("stage", stage), ("world size", executor.world_size), ("group ranks", ranks),
+               ("device type", torch.device(executor.device).type),
+               ("executor", type(executor).__name__), ("optimizer class", optimizer_class)]
+    entries += [(f"option {k}", v) for k, v in sorted(options.items())]
+    entries += list(params)
+    entries.append(("param groups", [{**{k: v for k, v in g.items() if k != "params"},
+                                      "params": len(g["params"])} for g in groups]))
+    return entries
+
+
+def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    align_bytes: int = DEFAULT_ALIGN_BYTES,
+                    grad_reduce_dtype: Optional[torch.dtype] = None,
+                    grad_accum_dtype: Optional[torch.dtype] = None,
+                    quantized_weights: Optional[str] = None,
+                    quantized_grads: Optional[str] = None,
+                    quantize_block: int = DEFAULT_QUANTIZE_BLOCK,
+                    grad_error_feedback: bool = False,
+                    quantized_grads_rounding: str = "nearest",
+                    loss_scaler: Optional[LossScaler] = None, stochastic_rounding=False,
+                    offload_optimizer: Optional[str] = None, offload_dir=None,
+                    overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
+    """Checks the constructor's arguments (zero_py.initialize does it before it shards a
+    stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
+                        f"torch.optim.AdamW, got {optimizer_class!r}")
+    from zero_py.optim.optimizer import ZeroOptimizer  # it imports this module
+
+    if issubclass(optimizer_class, ZeroOptimizer):
+        raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if (not isinstance(align_bytes, int) or align_bytes < 4
+            or align_bytes & (align_bytes - 1)):
+        raise ValueError(f"align_bytes must be a power of two >= 4, got {align_bytes!r}")
+    if grad_reduce_dtype not in (None, *PARAM_DTYPES):
+        raise ValueError(f"grad_reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {grad_reduce_dtype!r}")
+    if grad_accum_dtype not in (None, torch.float32):
+        raise ValueError(f"grad_accum_dtype must be None or torch.float32 (sum the "
+                         f"grad_reduce_dtype values in fp32), got {grad_accum_dtype!r}")
+    quantized.check_options(quantized_weights, quantized_grads, quantize_block,
+                            grad_error_feedback, quantized_grads_rounding)
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise TypeError(f"loss_scaler must be a zero_py.LossScaler, got {loss_scaler!r}")
+    check_offload_optimizer(offload_optimizer, offload_dir)
+    check_overlap_step(overlap_step, offload_optimizer, stage=2)  # the stage: __init__
+    # The optimizer class validates its own keyword arguments and supplies the defaults.
+    probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+    return dict(probe.defaults)

@@ -1,0 +1,74 @@
+"""ZeroOptimizer's global gradient statistics (a mixin of zero_py/optim/optimizer.py): the loss
+scale, and the norm and overflow check over every rank's gradient shard that clipping and loss
+scaling need, in one read pass and one small all-reduce. Clipping is applied inside the next
+step()'s update (its coefficient is kept here), not as a pass of its own."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zero_py import kernels
+from zero_py.collectives import stats as comm_stats
+
+
+class GradStatistics:
+    """Needs the optimizer's loss_scaler, executor, _flat, _reducer; sets _nonfinite and
+    _clip_coef for the next step()."""
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a loss scaler)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * loss_scale: call backward on this when a loss scaler is set."""
+        return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    def _grad_stats(self, norm_type: float) -> Tuple[float, bool]:
+        """Global sum of |g|^p (or max |g| for p = inf) over every rank's gradient shard, and
+        whether any rank holds an inf or nan; one read pass and one small all-reduce."""
+        flat, grads = self._flat, self._reducer.grads
+        tables: Dict[torch.dtype, array] = {}  # the pieces are ours: no checks needed
+        for b in range(flat.n_buckets):
+            piece = grads.piece(b)
+            tables.setdefault(piece.dtype, array("q")).extend(
+                kernels.segment_row(piece.numel(), grad=piece.data_ptr()))
+        both = kernels.grad_stats(tables, norm_type, flat.device,
+                                  n_threads=torch.get_num_threads())
+        if self.executor.device != both.device:
+            both = both.to(self.executor.device)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        with comm_stats.control():
+            work = self.executor.all_reduce(both, op)
+        work.wait()
+        return float(both[0]), bool(both[1] > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
+        DDP's full gradients, and returns the same total norm (of the unscaled gradients). The
+        clip coefficient is applied inside the next step()'s update, not as a pass of its own.
+        Call it after backward and before step()."""
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        with torch.no_grad():
+            self._reducer.finish()
+            sum_pow, nonfinite = self._grad_stats(norm_type)
+        self._nonfinite = nonfinite
+        if nonfinite:
+            total = float("nan")
+            if error_if_nonfinite:
+                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                                   "non-finite, so it cannot be clipped; set "
+                                   "error_if_nonfinite=False to go on")
+        else:
+            total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
+            total /= self.loss_scale
+        self._clip_coef = min(max_norm / (total + 1e-6), 1.0) if not nonfinite else None
+        return torch.tensor(total, dtype=torch.float32)
