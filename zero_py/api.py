@@ -29,7 +29,8 @@ from zero_py.optim.update import fused_kind
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
-from zero_py.stage3.engine import Stage3Engine, shard_parameters
+from zero_py.stage3.engine import Stage3Engine
+from zero_py.stage3.shard import shard_parameters
 from zero_py.stage3.meta_init import realize_meta, replay_init
 
 __all__ = ["initialize", "gathered", "full_state_dict", "full_shape"]

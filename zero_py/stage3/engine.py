@@ -3,9 +3,9 @@ after, and the C prefetch schedule that decides what is gathered ahead.
 
 Reading order. sharding/units.py cuts the model into units; sharding/storage.py's
 ShardedParams keeps this rank's shards and gathers a unit's buckets on demand (between uses a
-parameter is its own shard slice, never a tensor without storage). shard_parameters() below
-builds the storages from the model's values. Stage3Engine installs the hooks and runs the C
-prefetch schedule (zero_py._C.Prefetch):
+parameter is its own shard slice, never a tensor without storage); shard.py's
+shard_parameters() builds the storages from the model's values. Stage3Engine installs the
+hooks and runs the C prefetch schedule (zero_py._C.Prefetch):
   pre-forward of a unit   -> need(u): gather it (and, ahead, the next units of the recorded
                              order within a live-bytes budget); wait for it
   post-forward            -> done(u): free it (kept until backward with
@@ -49,7 +49,7 @@ from zero_py._native import _C
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
-from zero_py.sharding.storage import GatherMeter, ShardedParams
+from zero_py.sharding.storage import ShardedParams
 
 
 def _not_traced(fn):
@@ -62,46 +62,6 @@ def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (e.g. the forward
     that activation checkpointing recomputes)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
-                     unit_of: Dict[int, int], n_units: int, executor, align_bytes: int,
-                     meter: GatherMeter, persistence_threshold: int,
-                     uninitialized: Set[int], host_shards: bool = False,
-                     param_file=None, on_made=None) -> ShardedParams:
-    """The sharded storage of `params`, filled from their current values (rank 0's, broadcast),
-    one bucket at a time: the caller's storage of a parameter is dropped as soon as its bucket
-    is done, so no more than one unit is whole at a time beyond the model the caller built.
-    Parameters with fewer than `persistence_threshold` elements go to the persistent unit
-    (n_units: never freed). Buckets whose parameters are all in `uninitialized` (built on the
-    meta device) are neither filled nor broadcast: replay_init fills their pieces later.
-    host_shards: the shards live in host memory (offload_params="cpu"). param_file: makes the
-    file the shards live in (offload_params="nvme"); on_made(flat) runs before the first
-    collective (the ranks agree that every file was made)."""
-    persistent = n_units
-    units = [persistent if p.numel() < persistence_threshold else unit_of[id(p)] for p in params]
-    failure = []
-
-    def make_file(flat):
-        try:
-            return param_file(flat)
-        except OSError as exc:  # raised after the agreement, on every rank
-            failure.append(exc)
-            return None
-    flat = ShardedParams(params, groups, units, n_units + 1, executor, align_bytes, meter,
-                         persistent_unit=persistent, host_shards=host_shards,
-                         param_file=make_file if param_file is not None else None)
-    if on_made is not None:
-        flat.param_file_error = failure[0] if failure else None
-        on_made(flat)
-    with torch.no_grad():
-        for b in range(flat.n_buckets):
-            # the values to lay out, taken before materialize() points .data elsewhere
-            values = {i: flat.params[i].detach() for i in flat.bucket_params[b]
-                      if id(flat.params[i]) not in uninitialized}
-            flat.materialize(b, values)
-            del values
-    return flat
 
 
 # the engine's phase between the backward's last gathers and the end of its pass (the C
