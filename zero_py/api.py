@@ -4,7 +4,7 @@ full_shape, from sharding/storage.py).
 Stages 1-2 are an optimizer (ZeroOptimizer) over the model's parameters in flat buffers.
 Stage 3 shards the parameters too: initialize cuts the model into units
 (sharding/units.py), builds the sharded storage of the trainable and of the frozen parameters
-(stage3/engine.py: shard_parameters), hands the trainable one to ZeroOptimizer, starts the
+(stage3/shard.py: shard_parameters), hands the trainable one to ZeroOptimizer, starts the
 engine (hooks and prefetch) and installs the state-dict hooks (stage3/state_dict.py). Every
 stage reaches its collectives through collectives.make_executor, so stage 3 runs on the native
 NCCL executor for CUDA models as stages 1-2 do.
