@@ -1,3 +1,3 @@
-"""Configuration from other frameworks' formats: DeepSpeed's JSON config (deepspeed.py,
-ds_plan.py, ds_zero.py), with
-its learning-rate schedules (schedules.py) and loss-scaling policy (loss_scaling.py)."""
+"""Configuration from other frameworks' formats: DeepSpeed's JSON config (deepspeed.py, with
+ds_plan.py and ds_zero.py), its learning-rate schedules (schedules.py) and its loss-scaling
+policy (loss_scaling.py)."""
