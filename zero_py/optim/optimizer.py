@@ -30,7 +30,7 @@ from zero_py.optim import agreement, compat, regroup
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
-from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind
+from zero_py.optim.update import FusedUpdate, TorchUpdate, added_state, fused_kind
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -679,6 +679,10 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
         return out
 
     def _apply_update(self, used: List[int]) -> None:
+        if self.uses_fused_kernel:
+            extra = self._state_to_add(self.param_groups)
+            if extra:
+                self._update.add_keys(extra)
         counts, seed = list(self._step_count), self._sr_seed
         for i, u in enumerate(used):
             if u:
@@ -713,7 +717,27 @@ class ZeroOptimizer(StateDicts, torch.optim.Optimizer):
             # counts
             self._step_count, self._sr_seed = counts, seed
             raise
+        if self.uses_fused_kernel:
+            self._update.note_step(used, self._step_count)
         self._flat.publish(self._wire, touched)
+
+    def _state_to_add(self, groups: List[dict]) -> List[str]:
+        """The state keys of the fused update that `groups` need and it does not keep yet
+        (update.added_state: SGD's momentum buffer, once a momentum is switched on after
+        construction), checked to be addable; changes nothing."""
+        extra = added_state(self._kind, self._update.keys, groups)
+        if extra is None:
+            raise ValueError("the param groups need optimizer state this optimizer does not "
+                             f"keep (it keeps {self._update.keys}): amsgrad was switched on "
+                             "after construction, which torch.optim.Adam cannot take after its "
+                             "first step either; construct the optimizer with amsgrad=True")
+        if extra and (isinstance(self._update, StreamedUpdate) or self._early is not None):
+            raise ValueError(
+                "a momentum was switched on after construction (e.g. by OneCycleLR's "
+                "cycle_momentum), but with offload_optimizer='nvme' or overlap_step the "
+                "optimizer state is laid out at construction: construct it with momentum != 0 "
+                "(a scheduler sets the value from then on)")
+        return extra
 
     def _early_guess(self, b: int):
         """overlap_step: the inputs of the coming step for bucket b as they stand while its
