@@ -27,6 +27,48 @@ def test_bad_arguments(single_rank_group, kwargs, exc, match):
         zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), **kwargs)
 
 
+# torch.optim classes whose update reads a whole parameter: run on a rank's 1-D slice of it,
+# Adafactor trained silently to other values (its factored second moment and RMS-scaled step)
+WHOLE_PARAMETER = [name for name in ("Adafactor", "Muon", "LBFGS", "SparseAdam")
+                   if hasattr(torch.optim, name)]
+
+
+@pytest.mark.parametrize("name", WHOLE_PARAMETER)
+def test_optimizers_that_read_whole_parameters_are_refused(single_rank_group, name):
+    cls = getattr(torch.optim, name)
+    with pytest.raises(ValueError, match=f"cannot run torch.optim.{name}: .*1-D slice"):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), cls)
+    subclass = type("Mine", (cls,), {})  # a subclass updates as its base does
+    with pytest.raises(ValueError, match=f"cannot run torch.optim.{name}"):
+        zero_py.initialize(nn.Linear(4, 4), subclass, stage=3)
+
+
+def _sgd_step(opt, model):
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_state_switched_on_that_cannot_be_added_is_refused(single_rank_group, tmp_path):
+    """torch.optim.Adam cannot take amsgrad after its first step; an SGD momentum switched on
+    later is added (tests/test_torch_idioms.py) except where the state's layout is fixed."""
+    model = nn.Linear(4, 4)
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.Adam)
+    _sgd_step(opt, model)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad was switched on after construction"):
+        _sgd_step(opt, model)
+    for options in (dict(offload_optimizer="nvme", offload_dir=str(tmp_path)),
+                    dict(offload_optimizer="cpu", overlap_step=1.0)):
+        model = nn.Linear(4, 4)
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, **options)
+        _sgd_step(opt, model)
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)  # momentum on
+        with pytest.raises(ValueError, match="construct it with momentum != 0"):
+            _sgd_step(opt, model)
+        del opt
+
+
 def test_bad_parameters(single_rank_group):
     with pytest.raises(ValueError, match="dtype torch.float64"):
         zero_py.ZeroOptimizer(nn.Linear(4, 4).double().parameters())

@@ -1,8 +1,10 @@
 """torch idioms against DDP + torch.optim at 2 ranks: calls in any order (zero_grad between
 backward and step, step twice, step before any backward, zero_grad(set_to_none=False)),
 add_param_group after construction (a fine-tuning script unfreezing a layer), optimizer.state
-as this rank's slices, the state-dict hooks, and module buffers (BatchNorm running statistics)
-broadcast at construction and, with broadcast_buffers=True, before forwards as DDP does.
+as this rank's slices, the state-dict hooks, hyperparameters changed after construction (an
+SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay), and
+module buffers (BatchNorm running statistics) broadcast at construction and, with
+broadcast_buffers=True, before forwards as DDP does.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -26,11 +28,15 @@ def _rel(zmodel: nn.Module, ref: nn.Module) -> float:
                                                         ref.parameters()))
 
 
-def _zero(model, stage, **kw):
+def _zero(model, stage, cls=None, select=None, **kw):
+    """zero_py.initialize at `stage`: AdamW(lr=1e-2, weight_decay=0.1) unless cls is given."""
+    if cls is None:
+        cls, kw = torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, **kw}
+    if select is not None:
+        kw["params"] = select(model)
     if stage == 3:
-        return zero_py.initialize(model, stage=3, lr=1e-2, weight_decay=0.1, **kw)
-    return zero_py.initialize(model, stage=stage, lr=1e-2, weight_decay=0.1, bucket_bytes=1024,
-                              **kw)
+        return zero_py.initialize(model, cls, stage=3, **kw)
+    return zero_py.initialize(model, cls, stage=stage, bucket_bytes=1024, **kw)
 
 
 # what each rank does per step: "b" backward, "s" step, "z" zero_grad(), "k" zero_grad(False)
@@ -145,6 +151,79 @@ def state_view_and_hooks(rank, stage):
             "calls": calls}
 
 
+def _sgd_groups(model):
+    """Weights with momentum from the start; biases without, switched on later."""
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "momentum": 0.9},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+             "momentum": 0.0, "dampening": 0.3}]
+
+
+# hyperparameters changed after construction, as schedulers and scripts change them:
+# (optimizer class, options, param groups or None, change(step, optimizer), use OneCycleLR)
+CHANGES = {
+    # OneCycleLR cycles the momentum of an SGD built with momentum=0 (cycle_momentum=True)
+    "sgd_one_cycle": (torch.optim.SGD, dict(lr=1e-2, dampening=0.1), None, None, True),
+    # a momentum switched on after steps without one: the buffer starts as the gradient
+    "sgd_momentum_later": (torch.optim.SGD, dict(lr=1e-2, dampening=0.3), None,
+                           lambda k, g: g.update(momentum=0.9) if k == 2 else None, False),
+    "sgd_group_momentum_later": (torch.optim.SGD, dict(lr=1e-2), _sgd_groups,
+                                 lambda k, g: g.update(momentum=0.8)
+                                 if k == 2 and g["momentum"] == 0 else None, False),
+    # decoupled weight decay (AdamW's) or the L2 term (Adam's), as each step's group says
+    "adam_decoupled_toggled": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), None,
+                               lambda k, g: g.update(decoupled_weight_decay=k % 3 == 1), False),
+}
+
+
+def changed_hyperparameters(rank, stage, case):
+    cls, kw, groups, change, one_cycle = CHANGES[case]
+    select = groups or (lambda m: m.parameters())
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ref_opt = cls(select(ref), **kw)
+    zmodel, zopt = _zero(zmodel, stage, cls, select, **kw)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=8)
+              for o in (ref_opt, zopt)] if one_cycle else []
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for k in range(6):
+        batch = models.mlp_batch(gen)
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            for g in opt.param_groups:
+                if change is not None:
+                    change(k, g)
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        for s in scheds:
+            s.step()
+        with zero_py.gathered(zmodel):
+            worst = max(worst, _rel(zmodel, ref))
+    out = {"rel": worst}
+    if one_cycle and stage < 3:
+        # resume: a new optimizer built as the first was (momentum=0) and its scheduler,
+        # which sets the momentum, then both state dicts; it goes on as the reference does
+        saved = (copy.deepcopy(zopt.state_dict()), scheds[1].state_dict())
+        resumed = models.MLP()
+        resumed.load_state_dict(zmodel.state_dict())
+        resumed, ropt = _zero(resumed, stage, cls, select, **kw)
+        rsched = torch.optim.lr_scheduler.OneCycleLR(ropt, max_lr=5e-2, total_steps=8)
+        ropt.load_state_dict(saved[0])
+        rsched.load_state_dict(saved[1])
+        for _ in range(2):
+            batch = models.mlp_batch(gen)
+            for model, opt, s in ((ddp, ref_opt, scheds[0]), (resumed, ropt, rsched)):
+                models.mlp_loss(model, batch).backward()
+                opt.step()
+                opt.zero_grad()
+                s.step()
+            out["rel"] = max(out["rel"], _rel(resumed, ref))
+    return out
+
+
 class BatchNormMLP(nn.Module):
     """fc1 has no bias: BatchNorm removes it, leaving it a gradient of rounding noise that
     AdamW would blow up into steps of size lr in arbitrary directions."""
@@ -204,6 +283,8 @@ def _all(rank, world_size):
         out[("add_group", stage)] = add_param_group(rank, stage)
     for stage in (1, 2, 3):
         out[("state", stage)] = state_view_and_hooks(rank, stage)
+        for case in CHANGES:
+            out[("changed", stage, case)] = changed_hyperparameters(rank, stage, case)
     return out
 
 

@@ -17,6 +17,16 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
 DEFAULT_ALIGN_BYTES = 64
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch.optim classes whose update of a parameter reads more than each element's own values:
+# on a rank's 1-D slice of the flattened parameter they would compute something else (by name:
+# Adafactor and Muon are recent)
+_WHOLE_PARAMETER_OPTIMIZERS = {
+    "Adafactor": "it factors the second moment of a matrix into row and column means and "
+                 "scales its step by the parameter's RMS",
+    "Muon": "it orthogonalizes each 2-D parameter as a whole",
+    "LBFGS": "it takes dot products over all the parameters and re-evaluates a closure",
+    "SparseAdam": "it takes sparse gradients",
+}
 
 
 def first_tensor(params: list) -> Optional[torch.Tensor]:
@@ -74,6 +84,15 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     if issubclass(optimizer_class, ZeroOptimizer):
         raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
+    for name, why in _WHOLE_PARAMETER_OPTIMIZERS.items():
+        whole = getattr(torch.optim, name, None)
+        if whole is not None and issubclass(optimizer_class, whole):
+            raise ValueError(
+                f"zero_py cannot run torch.optim.{name}: {why}, and each rank updates only "
+                "its 1-D slice of the flattened parameters (ZeRO partitions elements, not "
+                "parameters). Use an optimizer that updates each element from its own "
+                "values: AdamW, Adam, SGD, Adagrad, zero_py.Lion, or a torch.optim class "
+                "such as RMSprop, Adamax, NAdam or RAdam")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     if (not isinstance(align_bytes, int) or align_bytes < 4

@@ -69,6 +69,13 @@ class GradStatistics:
                                    "error_if_nonfinite=False to go on")
         else:
             total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
+            # a clip since the last step has not touched the gradients here (its coefficient
+            # waits for the update): torch's would have scaled them, so this norm is of the
+            # clipped gradients (the norm a loop logs after clipping) and the coefficients
+            # compound, as torch's in-place clips do
             total /= self.loss_scale
-        self._clip_coef = min(max_norm / (total + 1e-6), 1.0) if not nonfinite else None
+            if self._clip_coef is not None:
+                total *= self._clip_coef
+        self._clip_coef = (None if nonfinite else
+                           (self._clip_coef or 1.0) * min(max_norm / (total + 1e-6), 1.0))
         return torch.tensor(total, dtype=torch.float32)

@@ -31,7 +31,7 @@ from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
-from zero_py.optim.update import FusedUpdate, TorchUpdate, fused_kind
+from zero_py.optim.update import FusedUpdate, TorchUpdate, added_state, fused_kind
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -49,7 +49,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     Args:
         params: parameters or param-group dicts, as for any torch.optim optimizer.
         optimizer_class: the torch.optim class to run on this rank's shard. AdamW runs in the
-            fused C kernel; any other class runs unchanged on views of the shard.
+            fused C kernel; any other class runs unchanged on views of the shard (so it must
+            update each element from its own values: Adafactor, Muon, LBFGS and SparseAdam
+            are refused).
         stage: 1 shards optimizer states; 2 also shards gradients, reduced bucket by bucket
             during backward (param.grad is then None after backward).
         process_group: the data-parallel group (default: the world); with replicate_group,
@@ -551,6 +553,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         return out
 
     def _apply_update(self, used: List[int]) -> None:
+        if self.uses_fused_kernel:
+            extra = self._state_to_add(self.param_groups)
+            if extra:
+                self._update.add_keys(extra)
         counts, seed = list(self._step_count), self._sr_seed
         for i, u in enumerate(used):
             if u:
@@ -585,7 +591,27 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             # counts
             self._step_count, self._sr_seed = counts, seed
             raise
+        if self.uses_fused_kernel:
+            self._update.note_step(used, self._step_count)
         self._flat.publish(self._wire, touched)
+
+    def _state_to_add(self, groups: List[dict]) -> List[str]:
+        """The state keys of the fused update that `groups` need and it does not keep yet
+        (update.added_state: SGD's momentum buffer, once a momentum is switched on after
+        construction), checked to be addable; changes nothing."""
+        extra = added_state(self._kind, self._update.keys, groups)
+        if extra is None:
+            raise ValueError("the param groups need optimizer state this optimizer does not "
+                             f"keep (it keeps {self._update.keys}): amsgrad was switched on "
+                             "after construction, which torch.optim.Adam cannot take after its "
+                             "first step either; construct the optimizer with amsgrad=True")
+        if extra and (isinstance(self._update, StreamedUpdate) or self._early is not None):
+            raise ValueError(
+                "a momentum was switched on after construction (e.g. by OneCycleLR's "
+                "cycle_momentum), but with offload_optimizer='nvme' or overlap_step the "
+                "optimizer state is laid out at construction: construct it with momentum != 0 "
+                "(a scheduler sets the value from then on)")
+        return extra
 
     def _early_guess(self, b: int):
         """overlap_step: the inputs of the coming step for bucket b as they stand while its

@@ -21,7 +21,7 @@ from zero_py.collectives import gather_object
 from zero_py.optim import agreement
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
-from zero_py.optim.update import fused_kind, state_keys
+from zero_py.optim.update import added_state, fused_kind, state_keys
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -233,6 +233,8 @@ class StateDicts:
         self._step_count = [0] * len(self._step_count)
         self._had_grad = [0] * len(self._had_grad)
         self._update.reset()
+        if self.uses_fused_kernel:
+            self._update.add_keys(self._state_to_add(self.param_groups))
         self.sync_master_from_params()
         for s in self._flat.slices:
             st = saved_state.get(self._managed_index[s.param])
@@ -271,9 +273,15 @@ class StateDicts:
                              "ZeroOptimizer with the same options as the saved run")
         keys = state_keys(self._kind, new) if self.uses_fused_kernel else None
         if keys is not None and keys != self._update.keys:
-            raise ValueError("the loaded hyperparameters need other optimizer state than this "
-                             "optimizer keeps (e.g. amsgrad or momentum switched on); construct "
-                             "ZeroOptimizer with the same options as the saved run")
+            # a momentum switched on after construction (OneCycleLR) adds SGD's buffer, as a
+            # step with it would; any other difference is refused
+            extra = added_state(self._kind, self._update.keys, new)
+            if not extra or keys != self._update.keys + extra:
+                raise ValueError("the loaded hyperparameters need other optimizer state than "
+                                 "this optimizer keeps (e.g. amsgrad switched on, or momentum "
+                                 "switched off); construct ZeroOptimizer with the same options "
+                                 "as the saved run")
+            self._state_to_add(new)  # refused where the state's layout is fixed
         return new
 
     def _set_hyperparameters(self, groups: List[dict]) -> None:

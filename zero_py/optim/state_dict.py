@@ -233,7 +233,7 @@ def check_loadable(opt, state_dict: dict):
     shapes = {opt._managed_index[k]: tuple(shape)
               for k, shape in enumerate(opt._flat.param_shapes)}
     slices = {opt._managed_index[s.param]: s for s in opt._flat.slices}
-    keys = opt._update.keys if opt.uses_fused_kernel else None
+    keys = opt._update.keys + opt._state_to_add(groups) if opt.uses_fused_kernel else None
     for k, st in state_dict["state"].items():
         index = state_index(k, len(opt._all_params))
         if index not in numel:

@@ -60,6 +60,18 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
     return ["exp_avg"]  # Lion
 
 
+def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict]) -> Optional[List[str]]:
+    """The state keys `groups` need beyond `keys` (what an update keeps): [] when none, SGD's
+    ["momentum_buffer"] once a momentum is switched on after construction (torch.optim makes
+    the buffer at the first step with momentum != 0: OneCycleLR cycles the momentum of an SGD
+    built with momentum=0), and None for any other (amsgrad switched on, which
+    torch.optim.Adam cannot take after its first step either)."""
+    extra = [k for k in state_keys(kind, groups) if k not in keys]
+    if not extra or extra == ["momentum_buffer"]:
+        return extra
+    return None
+
+
 class _Update:
     """`host` (an offload.HostShard, or None) moves the update to host memory: its gradient
     copy, masters and staging replace `grads`, `masters` and the parameter pieces, and the
@@ -93,20 +105,45 @@ class FusedUpdate(_Update):
         self.kind = kind
         self.keys = state_keys(kind, param_groups)
         self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
+        # SGD: parameters whose every step so far had momentum 0, so that torch.optim holds no
+        # momentum buffer for them: their first step with momentum is a first step (the
+        # buffer is the gradient itself, not dampened)
+        self.no_momentum_yet: set = set()
+
+    def add_keys(self, keys: Sequence[str]) -> None:
+        """Keeps the state `keys` too (added_state's answer), fresh (zero) where allocated."""
+        if self.states is not None:
+            self.states += self.fresh_states((), len(keys))
+        self.keys = self.keys + list(keys)
+
+    def note_step(self, used: Sequence[int], step_count: Sequence[int]) -> None:
+        """After a step with the live groups: which parameters have no momentum buffer yet."""
+        if self.kind != kernels.OPT_SGD:
+            return
+        flat = self.flat
+        for i, u in enumerate(used):
+            if not u:
+                continue
+            if self.param_groups[flat.bucket_group[flat.param_bucket[i]]]["momentum"] != 0:
+                self.no_momentum_yet.discard(i)
+            elif step_count[i] == 1:
+                self.no_momentum_yet.add(i)
 
     def _ensure_states(self) -> List[torch.Tensor]:
         if self.states is None:
             self.states = self.fresh_states(())
         return self.states
 
-    def fresh_states(self, filled: Sequence[ShardSlice]) -> List[torch.Tensor]:
-        """New state tensors (not installed: see adopt_states) with their initial value (0, or
-        Adagrad's initial_accumulator_value) everywhere but the slices `filled`, which the
-        caller overwrites at once (a checkpoint load): their pages are written only once."""
+    def fresh_states(self, filled: Sequence[ShardSlice],
+                     count: Optional[int] = None) -> List[torch.Tensor]:
+        """New state tensors (not installed: see adopt_states), one per key (or `count`), with
+        their initial value (0, or Adagrad's initial_accumulator_value) everywhere but the
+        slices `filled`, which the caller overwrites at once (a checkpoint load): their pages
+        are written only once."""
         flat = self.flat
         states = [torch.empty(flat.shard_numel, dtype=torch.float32, device=self.device,
                               pin_memory=self.host is not None and flat.device.type == "cuda")
-                  for _ in self.keys]
+                  for _ in range(len(self.keys) if count is None else count)]
         holes = sorted((flat.bucket_shard_offset[s.bucket] + s.piece_lo,
                         flat.bucket_shard_offset[s.bucket] + s.piece_hi) for s in filled)
         k = 0
@@ -146,7 +183,8 @@ class FusedUpdate(_Update):
     def _runs(self, b: int, used: Sequence[int], step_count: Sequence[int]):
         """Bucket b's piece as (piece_lo, piece_hi, step) runs: maximal stretches of parameter
         slices that got a gradient and share a step count. A run spans the padding between its
-        slices, where master, gradient and state are zero and stay zero."""
+        slices, where master, gradient and state are zero and stay zero. (SGD reads the step
+        only to know a first step, which for a parameter without momentum buffer is step 1.)"""
         run = None
         for s in self.flat.slices_of_bucket[b]:
             if not used[s.param]:
@@ -154,7 +192,7 @@ class FusedUpdate(_Update):
                     yield run
                 run = None
                 continue
-            step = step_count[s.param]
+            step = 1 if s.param in self.no_momentum_yet else step_count[s.param]
             if run is not None and run[2] == step:
                 run = (run[0], s.piece_hi, step)
             else:
@@ -169,13 +207,19 @@ class FusedUpdate(_Update):
         flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")),
                                   bool(g.get("nesterov")),
                                   stochastic_rounding and param_dtype == torch.bfloat16)
-        if self.kind in _ADAM_KINDS or self.kind == kernels.OPT_LION:
+        kind = self.kind
+        if kind in _ADAM_KINDS:
+            # a group's decoupled_weight_decay picks the kernel (AdamW's decay or Adam's L2
+            # term), as it picks torch's, also when it is changed after construction
+            decoupled = g.get("decoupled_weight_decay", kind == kernels.OPT_ADAMW)
+            kind = kernels.OPT_ADAMW if decoupled else kernels.OPT_ADAM
+        if kind in _ADAM_KINDS or kind == kernels.OPT_LION:
             beta1, beta2 = g["betas"]
-        elif self.kind == kernels.OPT_SGD:
+        elif kind == kernels.OPT_SGD:
             beta1, beta2 = g["momentum"], g["dampening"]
         else:
             beta1, beta2 = g["lr_decay"], 0.0
-        return kernels.opt_group_row(self.kind, kernels.dtype_code(grad_dtype),
+        return kernels.opt_group_row(kind, kernels.dtype_code(grad_dtype),
                                      kernels.dtype_code(param_dtype), flags, g["lr"], beta1, beta2,
                                      g.get("eps", 0.0), g["weight_decay"], grad_scale, seed)
 
@@ -244,6 +288,7 @@ class FusedUpdate(_Update):
 
     def reset(self) -> None:
         self.states = None
+        self.no_momentum_yet = set()  # a loaded momentum buffer is one
 
     def state_bytes(self) -> int:
         return 0 if self.states is None else sum(t.numel() * 4 for t in self.states)
