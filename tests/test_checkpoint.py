@@ -528,3 +528,40 @@ def test_crc32c_matches_its_definition():
     assert _C.crc32c(data[1000:], _C.crc32c(data[:1000])) == _C.crc32c(data)
     with pytest.raises(ValueError, match="32-bit"):
         _C.crc32c(data, 2**32)
+
+
+def test_a_momentum_switched_on_by_a_scheduler_resumes_exactly(single_rank_group, tmp_path):
+    """SGD built with momentum=0 under OneCycleLR (cycle_momentum: the scheduler sets a
+    momentum at once, and the first step makes the buffer, as torch.optim's does): a resumed
+    run, built the same way, gets the buffer back and continues as the uninterrupted run."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+            for _ in range(8)]
+
+    def train_on(model, opt, sched, batches):
+        for x, y in batches:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    whole = make()
+    train_on(*whole, data)
+    first = make()
+    train_on(*first, data[:4])
+    assert first[1].state[first[0][0].weight]["momentum_buffer"].abs().sum() > 0
+    zero_py.save_checkpoint(tmp_path / "ck", first[0], first[1],
+                            {"sched": first[2].state_dict()})
+    second = make()
+    extra = zero_py.load_checkpoint(tmp_path / "ck", second[0], second[1])
+    second[2].load_state_dict(extra["sched"])
+    train_on(*second, data[4:])
+    for a, b in zip(whole[0].parameters(), second[0].parameters()):
+        assert torch.equal(a, b)

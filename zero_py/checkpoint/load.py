@@ -43,8 +43,10 @@ def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
     return "; ".join(parts)
 
 
-def _check(ck: Checkpoint, model, opt, held: Dict[str, Held], strict: bool) -> List[dict]:
-    """Everything that must match before a byte is loaded; returns the param groups to set."""
+def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
+           strict: bool) -> Tuple[List[dict], Optional[List[str]]]:
+    """Everything that must match before a byte is loaded; returns the param groups to set and
+    the fused update's state keys under them (None on the torch.optim path)."""
     man = ck.manifest
     diff = _differences("parameter", list(ck.params), list(held))
     if diff:
@@ -76,15 +78,6 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held], strict: bool) -> L
     if saved_opt["class"] != mine:
         raise CheckpointError(f"{ck.path} holds the state of {saved_opt['class']}; this "
                               f"optimizer runs {mine}: build it with the same class")
-    if opt.uses_fused_kernel:
-        keys = opt._update.keys
-        for name, h in held.items():
-            st = ck.params[name].get("state")
-            if h.index is not None and st is not None and st["keys"] != keys:
-                raise CheckpointError(
-                    f"{ck.path}: parameter {name} has optimizer state {st['keys']} there, this "
-                    f"optimizer keeps {keys}: build it with the same options (e.g. amsgrad, "
-                    "momentum)")
     names = {id(p): n for n, p in model.named_parameters()}
     groups = saved_opt["param_groups"]
     if len(groups) != len(opt.param_groups):
@@ -99,12 +92,23 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held], strict: bool) -> L
     decoded = [{k: plain.decode(v) for k, v in g.items() if k != "params"} for g in groups]
     try:
         new_groups = opt._check_hyperparameters(decoded)
+        # the fused update's state keys under the saved groups: SGD's momentum buffer is added
+        # when they switch a momentum on that this optimizer was built without (OneCycleLR)
+        keys = (opt._update.keys + opt._state_to_add(new_groups) if opt.uses_fused_kernel
+                else None)
     except ValueError as exc:
         raise CheckpointError(f"{ck.path}: {exc}") from None
+    for name, h in held.items():
+        st = ck.params[name].get("state")
+        if keys is not None and h.index is not None and st is not None and st["keys"] != keys:
+            raise CheckpointError(
+                f"{ck.path}: parameter {name} has optimizer state {st['keys']} there, this "
+                f"optimizer keeps {keys}: build it with the same options (e.g. amsgrad, "
+                "momentum)")
     if man["loss_scaler"] is not None and opt.loss_scaler is None:
         raise CheckpointError(f"{ck.path} was saved with a loss scaler: build the optimizer "
                               "with loss_scaler=zero_py.LossScaler() to resume it")
-    return new_groups
+    return new_groups, keys
 
 
 class _Plan:
@@ -118,6 +122,7 @@ class _Plan:
         self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (fresh state, staged)
         self.slices: List[Tuple[Held, Dict[str, Any]]] = []      # torch.optim path's states
         self.fresh: Optional[List[torch.Tensor]] = None
+        self.keys: Optional[List[str]] = None  # the fresh tensors' state keys, in order
         self.segments: list = []
         # offload_optimizer="nvme": the masters and states go straight to the offload file's
         # other slots (offloaded.write_records), flipped at the commit
@@ -136,7 +141,7 @@ class _Plan:
         return t
 
 
-def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
+def _plan(ck: Checkpoint, opt, held: Dict[str, Held], keys: Optional[List[str]]) -> _Plan:
     """What this rank reads (its own ranges) and where it goes; reads nothing yet."""
     plan = _Plan()
     for name, h in held.items():
@@ -151,7 +156,8 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
     with_state = {name for name, h in held.items() if h.slice is not None
                   and ck.params[name].get("step") and ck.params[name].get("state")}
     if opt.uses_fused_kernel:
-        plan.fresh = opt._update.fresh_states([held[n].slice for n in with_state])
+        plan.keys = keys
+        plan.fresh = opt._update.fresh_states([held[n].slice for n in with_state], len(keys))
     for name, h in held.items():
         s = h.slice
         if s is None:
@@ -165,7 +171,7 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held]) -> _Plan:
             continue
         st = entry["state"]
         if plan.fresh is not None:
-            views = opt._update.views_in(plan.fresh, s)
+            views = opt._update.views_in(plan.fresh, s, plan.keys)
             for key in st["keys"]:
                 t = plan.stage(ck, f"state/{key}", name, s.param_lo, s.param_hi, views[key])
                 if t is not views[key]:
@@ -220,7 +226,7 @@ def _commit_optimizer(opt, plan: _Plan) -> None:
     if plan.fresh is not None:
         for dst, t in plan.copies:
             dst.copy_(t)
-        opt._update.adopt_states(plan.fresh)
+        opt._update.adopt_states(plan.fresh, plan.keys)
     for h, state in plan.slices:
         opt._install_slice(h.slice, {k: (v.float() if isinstance(v, torch.Tensor) and v.dim()
                                           else v) for k, v in state.items()})
@@ -261,9 +267,9 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     try:
         ck = Checkpoint.open(path)
         held = holdings(model, opt)
-        groups = _check(ck, model, opt, held, strict)
+        groups, keys = _check(ck, model, opt, held, strict)
         with torch.no_grad():
-            plan = _plan(ck, opt, held)
+            plan = _plan(ck, opt, held, keys)
             # this rank's share of the files, checked (verify) and read whole in one pass
             # (sequential reads), taking what it needs of them on the way
             files = sorted(ck.manifest["files"])

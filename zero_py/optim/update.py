@@ -171,14 +171,22 @@ class FusedUpdate(_Update):
         """Installs fresh state tensors for a caller that fills the slices `filled` at once."""
         self.states = self.fresh_states(filled)
 
-    def adopt_states(self, states: List[torch.Tensor]) -> None:
-        """Installs state tensors made by fresh_states (and filled)."""
+    def adopt_states(self, states: List[torch.Tensor],
+                     keys: Optional[Sequence[str]] = None) -> None:
+        """Installs state tensors made by fresh_states (and filled): one per key of `keys`
+        (default: the keys kept now), which become the keys kept (a checkpoint load that adds
+        SGD's momentum buffer)."""
+        if keys is not None:
+            self.keys = list(keys)
         self.states = states
 
-    def views_in(self, states: List[torch.Tensor], s: ShardSlice) -> Dict[str, torch.Tensor]:
-        """Slice s's part of each tensor of `states` (the live ones or fresh ones), by key."""
+    def views_in(self, states: List[torch.Tensor], s: ShardSlice,
+                 keys: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """Slice s's part of each tensor of `states` (the live ones or fresh ones), by key
+        (`keys`: theirs, default the keys kept now)."""
         lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
-        return {k: t[lo:lo + s.numel] for k, t in zip(self.keys, states)}
+        return {k: t[lo:lo + s.numel] for k, t in zip(self.keys if keys is None else keys,
+                                                        states)}
 
     def _runs(self, b: int, used: Sequence[int], step_count: Sequence[int]):
         """Bucket b's piece as (piece_lo, piece_hi, step) runs: maximal stretches of parameter
