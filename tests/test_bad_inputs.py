@@ -296,6 +296,25 @@ def _stage3_add_param_group(_):
     return model, first, lambda: first.add_param_group({"params": list(model[1].parameters())})
 
 
+def _step_after_unfreezing(stage):
+    """A layer given frozen, then unfrozen (torch.optim would train it from then on): zero_py
+    laid it out nowhere, and the step used to leave it as it was without a word."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[0].requires_grad_(False)
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            model[0].requires_grad_(True)
+            try:
+                model(torch.randn(2, 4)).pow(2).sum().backward()
+                first.step()
+            finally:  # frozen again: the optimizer then trains on
+                model[0].requires_grad_(False)
+        return model, first, call
+    return build
+
+
 # (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
 CALL_CASES = [
     ("two optimizers over one parameter", _two_optimizers, ValueError,
@@ -331,6 +350,12 @@ CALL_CASES = [
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),
      ValueError, "not parameters of the model"),
+    ("step after unfreezing stage 1", _step_after_unfreezing(1), RuntimeError,
+     "'0.weight' had requires_grad=False when the optimizer was built.*add_param_group"),
+    ("step after unfreezing stage 2", _step_after_unfreezing(2), RuntimeError,
+     "'0.weight' had requires_grad=False when the optimizer was built.*add_param_group"),
+    ("step after unfreezing stage 3", _step_after_unfreezing(3), RuntimeError,
+     "'0.weight' had requires_grad=False when the optimizer was built.*lr=0"),
 ]
 
 

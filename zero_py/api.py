@@ -299,7 +299,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                                           align, meter, persistence_threshold, uninitialized,
                                           host_shards, **files)
     opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
-                        executor=dp, storage=storage, **kwargs)
+                        executor=dp, storage=storage,
+                        _param_names={id(p): n for n, p in model.named_parameters()}, **kwargs)
     storage.frozen_storage = frozen_storage
     engine = Stage3Engine(model, units, [s for s in (storage, frozen_storage) if s is not None],
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)

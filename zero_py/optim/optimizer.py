@@ -330,6 +330,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
                 fp.device)
         self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
+        # given frozen: outside the layout, never updated; step() refuses one since unfrozen
+        self._left_out = [p for i, p in enumerate(self._all_params)
+                          if i not in self._managed_of and p.numel() > 0]
         self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
         if self.offload_optimizer == "nvme":
             self._update = self._streamed_update(fp)
@@ -509,6 +512,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_unfrozen()
         with torch.no_grad():
             mask = self._reducer.finish()  # None: zero_grad() came after the last backward
             used = [0] * len(self._step_count) if mask is None else mask.tolist()
@@ -532,6 +536,27 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._reducer.after_step()
         self._comm.close()
         return loss
+
+    def _check_unfrozen(self) -> None:
+        """A parameter given with requires_grad=False is laid out nowhere (stages 1-2) or in the
+        frozen storage (stage 3), so nothing would reduce or update it: one unfrozen since
+        (requires_grad_(True), as torch.optim allows for fine-tuning) is refused rather than
+        silently left as it was. Before any collective of the step, so every rank that
+        unfroze it raises at the same point."""
+        for p in self._left_out:
+            if p.requires_grad:
+                if self._flat.params_sharded:
+                    how = ("under stage 3 give it requires_grad=True at zero_py.initialize, in "
+                           "a param group of its own with lr=0, and raise that lr when it "
+                           "should train")
+                else:
+                    how = ("leave it out of the optimizer's params and add it with "
+                           "optimizer.add_param_group({'params': [...]}) between step() and "
+                           "the backward where it starts to train")
+                raise RuntimeError(
+                    f"zero_py: parameter {self._name(p)} had requires_grad=False when the "
+                    "optimizer was built, so it is not sharded, reduced or updated, and it "
+                    f"now requires grad; to train it, {how}")
 
     def comm_stats(self) -> Dict[str, Dict[str, Dict[str, int]]]:
         """What the last step moved, by executor label and collective kind: {"shard":
