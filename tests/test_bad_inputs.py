@@ -315,6 +315,27 @@ def _step_after_unfreezing(stage):
     return build
 
 
+def _step_after_replacing_data(stage):
+    """torch.nn.utils.vector_to_parameters replaces every parameter's .data: the flat buffer
+    the step updates was then no parameter's any more, and training silently stopped."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            views = [p.data for p in model.parameters()]
+            try:
+                vector = torch.nn.utils.parameters_to_vector(model.parameters())
+                torch.nn.utils.vector_to_parameters(vector * 0.5, model.parameters())
+                model(torch.randn(2, 4)).pow(2).sum().backward()
+                first.step()
+            finally:  # the flat buffer's views again: the optimizer then trains on
+                for p, view in zip(model.parameters(), views):
+                    p.data = view
+        return model, first, call
+    return build
+
+
 # (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
 CALL_CASES = [
     ("two optimizers over one parameter", _two_optimizers, ValueError,
@@ -350,6 +371,10 @@ CALL_CASES = [
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),
      ValueError, "not parameters of the model"),
+    ("step after replacing .data stage 1", _step_after_replacing_data(1), RuntimeError,
+     r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
+    ("step after replacing .data stage 2", _step_after_replacing_data(2), RuntimeError,
+     r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
     ("step after unfreezing stage 1", _step_after_unfreezing(1), RuntimeError,
      "'0.weight' had requires_grad=False when the optimizer was built.*add_param_group"),
     ("step after unfreezing stage 2", _step_after_unfreezing(2), RuntimeError,

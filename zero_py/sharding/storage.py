@@ -75,6 +75,20 @@ class FlatParams(FlatLayout):
         view = self.param_view(i)
         return view[s.param_lo:s.param_hi] if s is not None else view[:0]
 
+    def moved_params(self) -> List[int]:
+        """The parameters whose .data is no longer their view into the flat buffer (replaced by
+        `p.data = t`, as torch.nn.utils.vector_to_parameters does): the update and its all-gather
+        write the flat buffer, so such a parameter would never change again."""
+        bases = [(buf.data_ptr(), buf.element_size()) for buf in self.buffers]
+        moved = []
+        for i, p in enumerate(self.params):
+            b = self.param_bucket[i]
+            base, size = bases[self.bucket_buffer[b]]
+            at = base + (self.bucket_flat_offset[b] + self.param_offset[i]) * size
+            if p.data_ptr() != at or p.dtype != self.buffers[self.bucket_buffer[b]].dtype:
+                moved.append(i)
+        return moved
+
     def describe_bucket(self, b: int) -> str:
         """Bucket b in words, for errors: its index and its parameters' (in the order given)."""
         ps = self.bucket_params[b]
