@@ -15,6 +15,8 @@
   no gradient at all, return 0 and clip nothing. optimizer.clip_grad_norm_ is the replacement.
   The guard wraps the two functions in torch.nn.utils when the first ZeroOptimizer is built; for
   any other parameters they run unchanged.
+- Parameters the step could not update, which torch.optim would: step() refuses them
+  (refuse_detached_params) rather than leave them as they are.
 """
 
 from __future__ import annotations
@@ -181,3 +183,37 @@ GRAD_SCALER_MESSAGE = (
     "loss_scaler=zero_py.LossScaler()) (or initialize(..., loss_scaler=...)), then "
     "optimizer.scale_loss(loss).backward(); optimizer.step(): a step whose gradients overflow "
     "on any rank is skipped on every rank")
+
+
+def refuse_detached_params(opt) -> None:
+    """Refuses, rather than silently leaves as they are, the parameters the step could not
+    update that torch.optim would: under stages 1-2 one whose .data was replaced (it no
+    longer aliases its flat buffer); one given with requires_grad=False and unfrozen since
+    (requires_grad_(True), as fine-tuning does), which is laid out nowhere (stages 1-2) or
+    in the frozen storage (stage 3), so nothing would reduce or update it. Before any
+    collective of the step, so every rank that changed them alike raises at one point."""
+    if not opt._flat.params_sharded:
+        moved = opt._flat.moved_params()
+        if moved:
+            p = opt._flat.params[moved[0]]
+            more = f" (and of {len(moved) - 1} more)" if len(moved) > 1 else ""
+            raise RuntimeError(
+                f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "
+                "the optimizer was built (`p.data = t`, or "
+                "torch.nn.utils.vector_to_parameters); stages 1-2 keep every parameter in a "
+                "flat buffer that the step updates, so it would never change again. Write "
+                "new values in place instead: `with torch.no_grad(): p.copy_(t)`")
+    for p in opt._left_out:
+        if p.requires_grad:
+            if opt._flat.params_sharded:
+                how = ("under stage 3 give it requires_grad=True at zero_py.initialize, in "
+                       "a param group of its own with lr=0, and raise that lr when it "
+                       "should train")
+            else:
+                how = ("leave it out of the optimizer's params and add it with "
+                       "optimizer.add_param_group({'params': [...]}) between step() and "
+                       "the backward where it starts to train")
+            raise RuntimeError(
+                f"zero_py: parameter {opt._name(p)} had requires_grad=False when the "
+                "optimizer was built, so it is not sharded, reduced or updated, and it "
+                f"now requires grad; to train it, {how}")

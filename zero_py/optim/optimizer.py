@@ -512,7 +512,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params()
+        compat.refuse_detached_params(self)
         with torch.no_grad():
             mask = self._reducer.finish()  # None: zero_grad() came after the last backward
             used = [0] * len(self._step_count) if mask is None else mask.tolist()
@@ -536,39 +536,6 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._reducer.after_step()
         self._comm.close()
         return loss
-
-    def _check_params(self) -> None:
-        """Refuses, rather than silently leaves as they are, the parameters the step could not
-        update that torch.optim would: under stages 1-2 one whose .data was replaced (it no
-        longer aliases its flat buffer); one given with requires_grad=False and unfrozen since
-        (requires_grad_(True), as fine-tuning does), which is laid out nowhere (stages 1-2) or
-        in the frozen storage (stage 3), so nothing would reduce or update it. Before any
-        collective of the step, so every rank that changed them alike raises at one point."""
-        if not self._flat.params_sharded:
-            moved = self._flat.moved_params()
-            if moved:
-                p = self._flat.params[moved[0]]
-                more = f" (and of {len(moved) - 1} more)" if len(moved) > 1 else ""
-                raise RuntimeError(
-                    f"zero_py: the .data of parameter {self._name(p)}{more} was replaced after "
-                    "the optimizer was built (`p.data = t`, or "
-                    "torch.nn.utils.vector_to_parameters); stages 1-2 keep every parameter in a "
-                    "flat buffer that the step updates, so it would never change again. Write "
-                    "new values in place instead: `with torch.no_grad(): p.copy_(t)`")
-        for p in self._left_out:
-            if p.requires_grad:
-                if self._flat.params_sharded:
-                    how = ("under stage 3 give it requires_grad=True at zero_py.initialize, in "
-                           "a param group of its own with lr=0, and raise that lr when it "
-                           "should train")
-                else:
-                    how = ("leave it out of the optimizer's params and add it with "
-                           "optimizer.add_param_group({'params': [...]}) between step() and "
-                           "the backward where it starts to train")
-                raise RuntimeError(
-                    f"zero_py: parameter {self._name(p)} had requires_grad=False when the "
-                    "optimizer was built, so it is not sharded, reduced or updated, and it "
-                    f"now requires grad; to train it, {how}")
 
     def comm_stats(self) -> Dict[str, Dict[str, Dict[str, int]]]:
         """What the last step moved, by executor label and collective kind: {"shard":
