@@ -69,6 +69,19 @@ def test_state_switched_on_that_cannot_be_added_is_refused(single_rank_group, tm
         del opt
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_bad_gradient_names_its_parameter(single_rank_group, stage):
+    """A sparse gradient is refused in the gradient hook, naming the parameter (stage 3's
+    storage indices mean nothing to the user)."""
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    if stage == 3:
+        model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3)
+    else:
+        opt = zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=2)
+    with pytest.raises(RuntimeError, match="parameter '0.weight' has a sparse gradient"):
+        model(torch.randint(0, 10, (3,))).sum().backward()
+
+
 def test_bad_parameters(single_rank_group):
     with pytest.raises(ValueError, match="dtype torch.float64"):
         zero_py.ZeroOptimizer(nn.Linear(4, 4).double().parameters())

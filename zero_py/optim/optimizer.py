@@ -305,6 +305,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         # hold the reducer) do not keep the optimizer alive
         me = weakref.ref(self)
         self._reducer.noise_seed = lambda: me()._sr_seed
+        self._reducer.name_of = lambda i: me()._name(fp.params[i])
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor

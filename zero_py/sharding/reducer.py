@@ -164,6 +164,8 @@ class GradReducer:
         # bucket and the pass), so a run and its resumption repeat to the bit
         self.stochastic = getattr(executor, "stochastic_grads", False)
         self.noise_seed: Callable[[], int] = lambda: 0
+        # how messages name parameter i (its storage index): the optimizer sets its names
+        self.name_of: Callable[[int], str] = str
         if stage == 2:
             for i, p in enumerate(flat.params):
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -176,17 +178,18 @@ class GradReducer:
             self._check_grad(i, param.grad)
             if not self.flat.is_gathered(self.flat.param_bucket[i]):
                 raise RuntimeError(
-                    f"zero_py: parameter {i} got a gradient while its unit is not gathered: "
-                    "under stage 3 a parameter outside the model's forward is its shard slice; "
-                    "compute with it inside the forward (or `with zero_py.gathered(model):`)")
+                    f"zero_py: parameter {self.name_of(i)} got a gradient while its unit is not "
+                    "gathered: under stage 3 a parameter outside the model's forward is its "
+                    "shard slice; compute with it inside the forward (or `with "
+                    "zero_py.gathered(model):`)")
             if not self.begin_pass():
                 return
             if self._unused[i]:
                 raise RuntimeError(
-                    f"zero_py stage 3: parameter {i} got a gradient, but its unit did not run in "
-                    "this rank's forward, so it was reduced as unused already; a unit's "
-                    "parameters must be used by its own module's forward (tie or register them "
-                    "where they are used)")
+                    f"zero_py stage 3: parameter {self.name_of(i)} got a gradient, but its unit "
+                    "did not run in this rank's forward, so it was reduced as unused already; "
+                    "a unit's parameters must be used by its own module's forward (tie or "
+                    "register them where they are used)")
             with torch.no_grad():
                 self._copy_in(i)
                 for b in self.schedule.grad_ready(i):
@@ -291,14 +294,15 @@ class GradReducer:
 
     def _check_grad(self, i: int, g: torch.Tensor) -> None:
         if g.is_sparse:
-            raise RuntimeError(f"zero_py: parameter {i} has a sparse gradient; sparse gradients "
-                               "are not supported (use a dense nn.Embedding)")
+            raise RuntimeError(f"zero_py: parameter {self.name_of(i)} has a sparse gradient; "
+                               "sparse gradients are not supported (use a dense nn.Embedding)")
         n = self.flat.param_numel[i]
         if g.numel() != n:
             raise RuntimeError(
-                f"zero_py: parameter {i} got a gradient of {g.numel()} elements, expected {n}; "
-                "under stage 3 a parameter outside the model's forward is its shard slice, so "
-                "compute with it inside the forward (or `with zero_py.gathered(model):`)")
+                f"zero_py: parameter {self.name_of(i)} got a gradient of {g.numel()} elements, "
+                f"expected {n}; under stage 3 a parameter outside the model's forward is its "
+                "shard slice, so compute with it inside the forward (or `with "
+                "zero_py.gathered(model):`)")
 
     def _copy_in(self, i: int) -> None:
         p = self.flat.params[i]
