@@ -80,6 +80,7 @@ def test_a_bad_gradient_names_its_parameter(single_rank_group, stage):
         opt = zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=2)
     with pytest.raises(RuntimeError, match="parameter '0.weight' has a sparse gradient"):
         model(torch.randint(0, 10, (3,))).sum().backward()
+    assert opt.stage == stage  # alive until here: its gradient hooks make the check
 
 
 def test_bad_parameters(single_rank_group):
