@@ -336,6 +336,28 @@ def _step_after_replacing_data(stage):
     return build
 
 
+def _step_after_resizing(stage):
+    """A layer grown after initialize, as transformers' resize_token_embeddings grows the
+    embedding (`weight.data = larger`): stage 1 said to write the new values in place
+    (impossible at another shape), stage 2 blamed stage 3's shard slices."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            weight = model[1].weight
+            view = weight.data
+            try:
+                weight.data = torch.cat([view, torch.randn(2, 4)])  # 2 more outputs
+                model(torch.randn(2, 4)).pow(2).sum().backward()
+                first.step()
+            finally:  # the flat buffer's view again: the optimizer then trains on
+                weight.data = view
+                first.zero_grad()
+        return model, first, call
+    return build
+
+
 # (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
 CALL_CASES = [
     ("two optimizers over one parameter", _two_optimizers, ValueError,
@@ -375,6 +397,11 @@ CALL_CASES = [
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
     ("step after replacing .data stage 2", _step_after_replacing_data(2), RuntimeError,
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
+    ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
+     r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
+    ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,
+     r"'1.weight' got a gradient of shape \(6, 4\), but it had shape \(4, 4\).*resize the "
+     "model before"),
     ("step after unfreezing stage 1", _step_after_unfreezing(1), RuntimeError,
      "'0.weight' had requires_grad=False when the optimizer was built.*add_param_group"),
     ("step after unfreezing stage 2", _step_after_unfreezing(2), RuntimeError,

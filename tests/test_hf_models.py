@@ -5,8 +5,9 @@ and a tiny Llama, built from configs, trained with activation checkpointing on.
   losses of every step and the final weights.
 - Export: zero_py.full_state_dict (gathered onto rank 0) then save_pretrained; this process
   reloads it with from_pretrained and gets the trained model's logits.
-- Generation under stage 3 with a different prompt and length on each rank and
-  synced_gpus=True: each rank's tokens equal greedy generation of the reloaded model.
+- Generation under stage 3 with a different prompt and length on each rank (synced_gpus left
+  to zero_py): each rank's tokens equal greedy generation of the reloaded model; the same with
+  collective gathers (ZP_SHM=0, synced_gpus=True by default) and by rank 0 alone between steps.
 - torch.compile (inductor): stages 1-2 with the model compiled, stage 3 with each unit's forward
   compiled, against the same stage run eagerly (torch.compile(model) under stage 3 fails; see
   docs/tools.md).
@@ -127,12 +128,47 @@ def _hf(rank, world_size, export_dir):
                 # ranks generate different lengths from different prompts: every forward
                 # gathers collectively, so the rank that stops first must keep stepping
                 prompt = torch.arange(3 + 2 * rank).add(5 * rank).remainder(VOCAB).unsqueeze(0)
-                with torch.no_grad():  # synced_gpus=True: set by zero_py.initialize itself
+                with torch.no_grad():  # one host: each rank's forwards gather alone
                     tokens = zm.generate(prompt, max_new_tokens=4 + 6 * rank, do_sample=False,
                                          pad_token_id=0)
                 r["prompt"], r["generated"] = prompt, tokens
             res[stage] = r
         out[name] = res
+    return out
+
+
+def _generate_alone_and_synced(rank, world_size):
+    """Stage-3 GPT-2, one step: rank 0 alone generates (its log's sample), then training goes
+    on; then a model whose gathers are collective (ZP_SHM=0, as across hosts): every rank
+    generates a different length, synced_gpus left to zero_py. Returns the tokens with the
+    values each generation ran on."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = _configs()["gpt2"]
+    batches = _batches(rank)
+    out = {}
+    for shm in ("1", "0"):
+        os.environ["ZP_SHM"] = shm
+        model = _build(config)
+        zm, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=LR,
+                                     wrap_policy=_blocks(model))
+        _train(zm, opt, batches[:1])
+        sd = zero_py.full_state_dict(zm)
+        zm.eval()
+        prompt = torch.arange(3 + 2 * rank).add(5 * rank).remainder(VOCAB).unsqueeze(0)
+        r = {"sd": sd, "prompt": prompt, "synced_wrapper": "generate" in vars(zm)}
+        if shm == "1":
+            if rank == 0:  # the peers go on to the next step, which waits for this rank
+                r["tokens"] = zm.generate(prompt, max_new_tokens=5, do_sample=False,
+                                          pad_token_id=0)
+        else:
+            r["tokens"] = zm.generate(prompt, max_new_tokens=4 + 6 * rank, do_sample=False,
+                                      pad_token_id=0)
+        zm.train()
+        _train(zm, opt, batches[1:2])
+        out[shm] = r
+    os.environ["ZP_SHM"] = "1"
     return out
 
 
@@ -244,6 +280,25 @@ def test_stage3_generate_different_lengths_syncs_by_itself(hf, name):
         assert torch.equal(r["generated"], want), (rank, r["generated"], want)
         lengths.append(r["generated"].shape[1])
     assert len(set(lengths)) == len(lengths), lengths  # the ranks really differed
+
+
+def test_stage3_generate_by_one_rank_and_synced_across_hosts():
+    """On one host each rank's no_grad forwards gather alone, so rank 0 may generate alone
+    (with synced_gpus=True, which zero_py used to set there, it waited for ever in transformers'
+    all-reduce); where gathers are collective, zero_py sets synced_gpus=True and ranks
+    generating different lengths finish together."""
+    import transformers
+
+    res = distributed.run(_generate_alone_and_synced, 2, timeout=120)
+    assert not res[0]["1"]["synced_wrapper"] and res[0]["0"]["synced_wrapper"]
+    cases = [("1", res[0]["1"], 5)] + [("0", r["0"], 4 + 6 * k) for k, r in enumerate(res)]
+    for shm, r, new_tokens in cases:
+        model = transformers.AutoModelForCausalLM.from_config(_configs()["gpt2"]).eval()
+        model.load_state_dict(res[0][shm]["sd"])
+        with torch.no_grad():
+            want = model.generate(r["prompt"], max_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0)
+        assert torch.equal(r["tokens"], want), (shm, r["tokens"], want)
 
 
 @pytest.mark.parametrize("stage,what", COMPILED[:3])

@@ -311,7 +311,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
     _start_buffers(model, opt, broadcast_buffers)
-    if dp.world_size > 1 and _takes_synced_gpus(model):
+    # generate()'s forwards are no_grad: collective ones need synced_gpus, but where they gather
+    # alone (one host, shared memory) it would make a rank that generates alone (rank 0
+    # sampling for its log) wait for ever in transformers' all-reduce of "finished"
+    if dp.world_size > 1 and not engine.eval_gathers_alone and _takes_synced_gpus(model):
         model.generate = _SyncedGenerate(model)
     model._zero_py = opt
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
@@ -366,10 +369,11 @@ def _takes_synced_gpus(model: nn.Module) -> bool:
 
 
 class _SyncedGenerate:
-    """model.generate under stage 3 with several ranks: synced_gpus=True unless the caller
-    passes it. Every forward gathers parameters collectively, so a rank that has finished
-    generating must keep running forwards until all have: transformers turns this on by itself
-    only for DeepSpeed and FSDP. A class, not a closure, so that torch.save(model) pickles."""
+    """model.generate under stage 3 with several ranks whose no_grad forwards gather
+    collectively (across hosts, CUDA, ZP_SHM=0): synced_gpus=True unless the caller passes it.
+    Every forward gathers parameters collectively, so a rank that has finished generating must
+    keep running forwards until all have: transformers turns this on by itself only for
+    DeepSpeed and FSDP. A class, not a closure, so that torch.save(model) pickles."""
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -195,7 +195,15 @@ def refuse_detached_params(opt) -> None:
     if not opt._flat.params_sharded:
         moved = opt._flat.moved_params()
         if moved:
-            p = opt._flat.params[moved[0]]
+            i = moved[0]
+            p = opt._flat.params[i]
+            if tuple(p.shape) != opt._flat.param_shapes[i]:  # not writable in place
+                raise RuntimeError(
+                    f"zero_py: parameter {opt._name(p)} has shape {tuple(p.shape)}, but it had "
+                    f"shape {opt._flat.param_shapes[i]} when the optimizer was built: it was "
+                    "resized since (e.g. model.resize_token_embeddings), and stages 1-2 keep "
+                    "every parameter in a flat buffer laid out then; resize the model before "
+                    "zero_py.initialize / ZeroOptimizer")
             more = f" (and of {len(moved) - 1} more)" if len(moved) > 1 else ""
             raise RuntimeError(
                 f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "

@@ -298,6 +298,13 @@ class GradReducer:
                                "sparse gradients are not supported (use a dense nn.Embedding)")
         n = self.flat.param_numel[i]
         if g.numel() != n:
+            if not self.flat.params_sharded:  # stages 1-2: the parameter itself changed size
+                raise RuntimeError(
+                    f"zero_py: parameter {self.name_of(i)} got a gradient of shape "
+                    f"{tuple(g.shape)}, but it had shape {self.flat.param_shapes[i]} when the "
+                    "optimizer was built: it was resized since (e.g. "
+                    "model.resize_token_embeddings), and the layout of the flat buffers is "
+                    "fixed then; resize the model before zero_py.initialize / ZeroOptimizer")
             raise RuntimeError(
                 f"zero_py: parameter {self.name_of(i)} got a gradient of {g.numel()} elements, "
                 f"expected {n}; under stage 3 a parameter outside the model's forward is its "

@@ -164,6 +164,13 @@ class Stage3Engine:
     def persistent_unit(self) -> int:
         return len(self.units)
 
+    @property
+    def eval_gathers_alone(self) -> bool:
+        """Whether a no_grad forward gathers every unit from the peers' shards in shared memory,
+        with no collective (every storage one-sided): a rank may then run it alone, and ranks
+        may run different numbers of them."""
+        return all(s.one_sided for s in self.storages)
+
     # -- hooks --------------------------------------------------------------------------------
 
     # The hooks swap each parameter between its 1-D shard slice and its full view: dynamo must
@@ -335,7 +342,7 @@ class Stage3Engine:
                     room -= self._unit_bytes[k]
                 self._set_keep(keep)
         phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
-        if phase == _C.PF_FORWARD or not all(s.one_sided for s in self.storages):
+        if phase == _C.PF_FORWARD or not self.eval_gathers_alone:
             # its gathers are collective: every rank must be starting this forward (a no_grad
             # forward gathers alone where the shards are in shared memory)
             self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL)
