@@ -565,3 +565,64 @@ def test_a_momentum_switched_on_by_a_scheduler_resumes_exactly(single_rank_group
     train_on(*second, data[4:])
     for a, b in zip(whole[0].parameters(), second[0].parameters()):
         assert torch.equal(a, b)
+
+
+# -- what a save refuses before writing anything, in one process ------------------------------
+
+
+def _small_run(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    torch.nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single_rank_group,
+                                                                           tmp_path):
+    """Tensors of every stored dtype and layout come back equal; a tensor of a dtype the files
+    cannot hold (complex, uint16) or without values (meta) is refused by its path in `extra`
+    before anything is written (it used to fail in the file writer, after the temporary
+    directory was made: a ValueError left behind, and a hang of the other ranks)."""
+    model, opt = _small_run()
+    gen = torch.Generator().manual_seed(5)
+    grid = torch.randn(3, 4, generator=gen)
+    extra = {"t": grid.t(), "bf": torch.randn(5, generator=gen).bfloat16(),
+             "zero_d": torch.tensor(1.5, dtype=torch.bfloat16), "empty": torch.empty(0, 3),
+             "ints": {1: {2: b"\x00\xff"}, (1, 2): (3, [4.5, None])}, "big": 2 ** 62}
+    zero_py.save_checkpoint(tmp_path / "ok", model, opt, extra)
+    got = zero_py.load_checkpoint(tmp_path / "ok", model, opt)
+    assert got.keys() == extra.keys() and got["ints"] == extra["ints"] and got["big"] == 2 ** 62
+    for k in ("t", "bf", "zero_d", "empty"):
+        assert got[k].dtype == extra[k].dtype and torch.equal(got[k], extra[k]), k
+    before = sorted(os.listdir(tmp_path))
+    for bad, what in ((torch.zeros(2, dtype=torch.complex64), "complex64"),
+                      (torch.zeros(2, dtype=torch.uint16), "uint16"),
+                      (torch.empty(3, device="meta"), "meta device")):
+        with pytest.raises(zero_py.CheckpointError, match=rf"extra\['x'\]\[1\].*{what}"):
+            zero_py.save_checkpoint(tmp_path / "bad", model, opt, {"x": [0, bad]})
+        assert sorted(os.listdir(tmp_path)) == before  # no temporary directory left
+
+
+def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(single_rank_group, tmp_path):
+    """Publishing swaps out what is at the path and deletes it: a file, a link or a directory
+    of the user's there is refused, untouched (it used to be deleted without a word)."""
+    model, opt = _small_run()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "log.txt").write_text("mine too")
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "latest")
+    for name in ("notes.txt", "outputs", "latest"):
+        with pytest.raises(zero_py.CheckpointError, match="remove it or save elsewhere"):
+            zero_py.save_checkpoint(tmp_path / name, model, opt)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "outputs" / "log.txt").read_text() == "mine too"
+    assert os.readlink(tmp_path / "latest") == str(tmp_path / "target")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "notes.txt", "outputs", "target"]
+    # an empty directory, then the checkpoint now there, are replaced
+    zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 1})
+    zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 2})
+    assert zero_py.load_checkpoint(tmp_path / "target", model, opt) == {"n": 2}

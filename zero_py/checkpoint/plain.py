@@ -57,10 +57,14 @@ def encode(value: Any, sink: Optional[Callable[[torch.Tensor], str]] = None,
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode()}
     if isinstance(value, torch.Tensor):
+        # refused here, before anything is written: the file writer takes only these dtypes
+        # and bytes that exist
+        if value.dtype not in DTYPES.values():
+            raise TypeError(f"{path} is a tensor of dtype {value.dtype}, which zero_py "
+                            f"checkpoints do not store; convert it to one of {sorted(DTYPES)}")
+        if value.is_meta:
+            raise TypeError(f"{path} is a tensor on the meta device, which holds no values")
         if value.dim() == 0:
-            if value.dtype not in DTYPES.values():
-                raise TypeError(f"{path} is a tensor of dtype {value.dtype}, which zero_py "
-                                f"checkpoints do not store; convert it to one of {sorted(DTYPES)}")
             return {"__scalar__": encode(value.item(), None, path),
                     "dtype": dtype_name(value.dtype)}
         if sink is None:

@@ -195,6 +195,35 @@ def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 
 
+def _finished_manifest(path: str) -> Optional[dict]:
+    """The manifest of the finished zero_py checkpoint at `path` (a directory, not a link),
+    or None where there is none: only such a directory is ever ours to replace or delete."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            man = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return man if isinstance(man, dict) and man.get("format") == FORMAT else None
+
+
+def _not_replaceable(path: str) -> Optional[str]:
+    """Why a save may not publish at `path`, or None. Publishing swaps out whatever is there
+    and deletes it, so it goes only where nothing is, over an empty directory or over an
+    earlier checkpoint: a file, a link or a directory of other things is the user's."""
+    if not os.path.lexists(path) or _finished_manifest(path) is not None:
+        return None
+    if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        return None
+    what = ("a symbolic link" if os.path.islink(path) else
+            "a directory that is not a zero_py checkpoint" if os.path.isdir(path) else
+            "a file")
+    return (f"{path} exists and is {what}; a save replaces the path whole (deleting what is "
+            "there), so it writes only where nothing is, into an empty directory or over an "
+            "earlier checkpoint: remove it or save elsewhere")
+
+
 def _rotate(path: str, keep_last: int) -> List[str]:
     """Removes the oldest checkpoints named like `path` (same name, another number) beyond the
     newest keep_last; returns what it removed."""
@@ -204,14 +233,10 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     for name in os.listdir(parent):
         m = _NUMBERED.match(name)
         full = os.path.join(parent, name)
-        if not m or m.group(1) != stem or not os.path.isdir(full):
+        if not m or m.group(1) != stem:
             continue
-        try:
-            with open(os.path.join(full, MANIFEST), encoding="utf-8") as f:
-                man = json.load(f)
-        except (OSError, ValueError):
-            continue  # not a finished zero_py checkpoint: never ours to delete
-        if isinstance(man, dict) and man.get("format") == FORMAT:
+        man = _finished_manifest(full)
+        if man is not None:  # else not a finished zero_py checkpoint: never ours to delete
             found.append((int(man.get("step", 0)), int(m.group(2)), full))
     found.sort()
     removed = [full for _, _, full in found[:-keep_last]]
@@ -389,6 +414,8 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     tmp = os.path.join(parent, f".{base}.tmp-{save_id}")
     error = None
     if world.rank == 0:
+        error = _not_replaceable(path)
+    if world.rank == 0 and error is None:
         try:
             os.makedirs(parent, exist_ok=True)
             for name in os.listdir(parent):  # what a crashed save of this path left behind
