@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
@@ -118,3 +122,19 @@ class TiedGPT(nn.Module):
             return logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  targets.reshape(-1))
+
+
+def hf_missing() -> Optional[str]:
+    """Why the Hugging Face model tests cannot run here, or None. They follow transformers 5
+    (its meta-device construction, which draws no initial values, and its modules'
+    attributes), which runs models only on torch >= 2.6: torch 2.4-2.5 get transformers 4."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (make deps installs it)"
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return (f"transformers {version}: these tests follow transformers 5 (its meta-device "
+                "construction and its modules' attributes)")
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+        return (f"transformers {version} runs models only on torch >= 2.6, not "
+                f"{torch.__version__}")
+    return None

@@ -14,7 +14,6 @@ and a tiny Llama, built from configs, trained with activation checkpointing on.
 - examples/train_hf_causal_lm.py under torchrun (stage 3), its export reloaded here.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,11 +23,12 @@ import torch
 import torch.nn as nn
 
 import distributed
+import models
 import zero_py
 
-HAVE_HF = importlib.util.find_spec("transformers") is not None
-pytestmark = pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed (make deps "
-                                "installs it; python3 -m pip install 'transformers>=4.40')")
+HF_MISSING = models.hf_missing()
+HAVE_HF = HF_MISSING is None
+pytestmark = pytest.mark.skipif(not HAVE_HF, reason=str(HF_MISSING))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 1234
 STEPS = 3

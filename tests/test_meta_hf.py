@@ -14,7 +14,6 @@ c_proj std is 0.02 / sqrt(2 n_layer), the other weights' 0.02, the norms ones an
 then train 3 steps and match DDP over the same values.
 """
 
-import importlib.util
 import math
 
 import pytest
@@ -23,11 +22,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
+import models
 import zero_py
 
-HAVE_HF = importlib.util.find_spec("transformers") is not None
-NEEDS_HF = pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed "
-                              "(python3 -m pip install 'transformers>=4.40')")
+HF_MISSING = models.hf_missing()
+HAVE_HF = HF_MISSING is None
+NEEDS_HF = pytest.mark.skipif(not HAVE_HF, reason=str(HF_MISSING))
 SEED = 1234
 STEPS = 3
 LOSS_RTOL = 1e-4
