@@ -5,9 +5,12 @@ parity check of stages 1-3 against DDP, sharded over the world and with hybrid="
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -21,21 +24,37 @@ def _free_port() -> int:
 
 
 def _two_nodes(args, timeout=240):
-    """Both launches of one 2 x 2 job; returns their (returncode, output)."""
+    """Both launches of one 2 x 2 job; returns their (returncode, output). The outputs go to
+    files: a pipe read only once the other launch has ended could fill and stall its writer.
+    A launch that fails ends the wait (its peer would wait for it until the timeout), and
+    whatever is still running then is killed with its workers (a session of its own)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
            "2", "--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ZP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd + ["--node-rank", str(n)] + args, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for n in (0, 1)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append((p.wait(timeout=timeout), p.stdout.read()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(os.path.join(tmp, f"node{n}.log"), "w+") for n in (0, 1)]
+        procs = [subprocess.Popen(cmd + ["--node-rank", str(n)] + args, stdout=logs[n],
+                                  stderr=subprocess.STDOUT, text=True, env=env,
+                                  start_new_session=True) for n in (0, 1)]
+        deadline = time.monotonic() + timeout
+        try:
+            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+                   and all(p.poll() in (None, 0) for p in procs)):
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        outs = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            text = log.read()
+            log.close()
+            if p.returncode == -signal.SIGKILL:
+                text += f"\n[killed: still running after {timeout} s, or its peer failed]"
+            outs.append((p.returncode, text))
     return outs
 
 
