@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: peers all deps build install gpu-wheels test test-long ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: peers all deps build install gpu-wheels test test-long test-torch ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
 
 all: build
 
@@ -144,6 +144,21 @@ test-long: build
 	$(PYTHON) -m pytest -q tests
 
 test: ctest wheel-check lint pytest
+
+# The Python tests under another release of torch (pyproject accepts torch>=2.4), in a venv of
+# its own under build/ with this checkout's extension (it does not link against torch):
+# `make test-torch TORCH_VERSION=2.4.0`. PyPI's x86_64 wheels are CUDA builds: several GB the
+# first time; they run on the CPU.
+TORCH_VERSION ?= 2.14.1
+TORCH_VENV ?= build/venv-torch-$(TORCH_VERSION)
+test-torch: install
+	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	@$(TORCH_VENV)/bin/python -c "import torch, pytest, safetensors, transformers, tqdm, matplotlib" \
+	  2>/dev/null || $(TORCH_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)" pytest \
+	  "safetensors>=0.4" "transformers>=4.40" "tqdm>=4.60" "matplotlib>=3.5"
+	@$(TORCH_VENV)/bin/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
+	  sys.exit(0 if v == '$(TORCH_VERSION)' else 'the venv has torch ' + v)"
+	PYTHONPATH=$(CURDIR) $(TORCH_VENV)/bin/python -m pytest -q -m "not slow" tests
 
 # The demo, then its plots: per-rank memory against world size per stage (estimated, and
 # measured by short runs at 1, 2 and 4 ranks beside the demo's own) and the step-time breakdown
