@@ -626,3 +626,71 @@ def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(single_rank_gro
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 1})
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 2})
     assert zero_py.load_checkpoint(tmp_path / "target", model, opt) == {"n": 2}
+
+
+def _small_run(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    return model, opt
+
+
+def _small_step(model, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _different_saves(rank, world, tmp):
+    model, opt = _small_run(0)
+    for step, name in enumerate(("a", "b")):
+        _small_step(model, opt, step)
+        zero_py.save_checkpoint(os.path.join(tmp, name), model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:  # rank 0 is given one save, rank 1 the other
+        zero_py.load_checkpoint(os.path.join(tmp, "ab"[rank]), model, opt)
+        error = None
+    except zero_py.CheckpointError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return error, unchanged
+
+
+def test_ranks_that_read_different_saves_are_refused_on_every_rank(tmp_path):
+    """A save published to the path while the ranks open it (or different paths) would load
+    different states on different ranks: refused on every rank, nothing changed."""
+    for error, unchanged in distributed.run(_different_saves, 2, str(tmp_path)):
+        assert error is not None and "read different saves" in error, error
+        assert unchanged
+
+
+def test_an_open_checkpoint_reads_its_own_save_when_the_path_is_replaced(single_rank_group,
+                                                                         tmp_path):
+    """The files of an open checkpoint are read through the directory it opened: a save
+    published to the same path meanwhile never mixes in (its bytes are those of the save
+    opened, or the read fails once that save's files are deleted)."""
+    path = tmp_path / "ck"
+    model, opt = _small_run(0)
+    _small_step(model, opt, 0)
+    zero_py.save_checkpoint(path, model, opt)
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ck = Checkpoint.open(path)
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the next save holds other values
+        zero_py.save_checkpoint(path, model, opt)
+        out = torch.empty(old["0.weight"].numel())
+        ck.read_into("param", "0.weight", 0, out.numel(), out)  # the old directory, still there
+        assert torch.equal(out, old["0.weight"].flatten())
+        from zero_py.checkpoint.files import wait_for_removals
+        wait_for_removals()  # the old directory is deleted: its files are gone
+        for f in ck._raws.values():  # opened before: read anew below
+            f.close()
+        ck._raws.clear()
+        with pytest.raises((zero_py.CheckpointError, OSError)):
+            ck.read_into("param", "0.weight", 0, out.numel(), out)
+    finally:
+        ck.close()

@@ -289,7 +289,9 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
     if error is not None and ck is not None:
         ck.close()
-    agree(ex, error, "load_checkpoint")
+    # every rank read the same save (a save published to the path meanwhile, or different
+    # paths, would load different states on different ranks)
+    agree(ex, error, "load_checkpoint", ck.manifest.get("save_id") if ck is not None else None)
     flat = opt._flat
     try:
         with torch.no_grad():

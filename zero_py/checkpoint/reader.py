@@ -52,11 +52,19 @@ def optimizer_of(model, optimizer):
     return optimizer
 
 
-def agree(executor, error: Optional[str], what: str) -> None:
+def agree(executor, error: Optional[str], what: str, save_id: Optional[str] = None) -> None:
     """Raises CheckpointError on every rank when any rank has an error (each rank's message,
-    by rank). Collective."""
+    by rank), or when the ranks read different saves (`save_id`: the manifest's, where a rank
+    read one; a save published to the path while they opened it). Collective."""
     executor = getattr(executor, "world", executor)  # hybrid sharding: every replica
-    errors = gather_json(executor, error, None)
+    got = gather_json(executor, [error, save_id], None)
+    errors = [e for e, _ in got]
+    ids = {i for _, i in got if i is not None}
+    if len(ids) > 1 and not any(errors):
+        raise CheckpointError(
+            f"{what}: the ranks read different saves of the checkpoint (save ids "
+            f"{', '.join(f'rank {r}: {i}' for r, (_, i) in enumerate(got))}): it was "
+            "replaced while they opened it (or they were given different paths); load again")
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         if len(bad) == executor.world_size and all(e == bad[0][1] for _, e in bad):
@@ -70,8 +78,14 @@ class Checkpoint:
     """A checkpoint directory, its manifest checked against its files (see the module
     docstring)."""
 
-    def __init__(self, path: str, manifest: dict):
-        self.path = path
+    def __init__(self, path: str, manifest: dict, root: Optional[str] = None,
+                 dirfd: Optional[int] = None):
+        self.path = path  # as the user named it: for messages
+        # where the files are opened: through a descriptor of the directory taken when it was
+        # opened, so that every read comes from that directory even if a save publishes to the
+        # path meanwhile (publish_dir swaps directories); `path` where there is no /proc
+        self.root = root or path
+        self._dirfd = dirfd
         self.manifest = manifest
         self.params: Dict[str, dict] = manifest["params"]
         self._handles: Dict[str, Any] = {}
@@ -84,9 +98,32 @@ class Checkpoint:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or "
                                   "is not a directory)")
+        try:
+            dirfd: Optional[int] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise CheckpointError(f"{path} cannot be opened ({exc.strerror})") from None
+        root = f"/proc/self/fd/{dirfd}"
+        if not os.path.isdir(root):
+            os.close(dirfd)
+            dirfd, root = None, path
+        try:
+            ck = cls(path, cls._read_manifest(path, root), root, dirfd)
+        except BaseException:
+            if dirfd is not None:
+                os.close(dirfd)
+            raise
+        try:
+            ck._check_files()
+        except BaseException:
+            ck.close()
+            raise
+        return ck
+
+    @staticmethod
+    def _read_manifest(path: str, root: str) -> dict:
         mpath = os.path.join(path, MANIFEST)
         try:
-            with open(mpath, encoding="utf-8") as f:
+            with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
                 manifest = json.load(f)
         except FileNotFoundError:
             raise CheckpointError(f"{path} has no {MANIFEST}: not a finished zero_py "
@@ -98,9 +135,15 @@ class Checkpoint:
         if manifest.get("version") != VERSION:
             raise CheckpointError(f"{mpath} has format version {manifest.get('version')!r}; "
                                   f"this zero_py reads version {VERSION}")
-        ck = cls(path, manifest)
-        ck._check_files()
-        return ck
+        return manifest
+
+    def _at(self, name: str) -> str:
+        """The path to open file `name` by (through the directory's descriptor)."""
+        return os.path.join(self.root, name)
+
+    def _shown(self, exc: BaseException) -> str:
+        """An error's text with the file named by the checkpoint's path, not the descriptor's."""
+        return str(exc).replace(self.root, self.path)
 
     def _check_files(self) -> None:
         man = self.manifest
@@ -111,14 +154,15 @@ class Checkpoint:
                                   f"{man['world_size']}")
         for name, info in man["files"].items():
             fpath = os.path.join(self.path, name)
-            if not os.path.isfile(fpath):
+            if not os.path.isfile(self._at(name)):
                 raise CheckpointError(f"{fpath} is missing")
-            size = os.path.getsize(fpath)
+            size = os.path.getsize(self._at(name))
             try:
-                self._headers[name] = read_header(fpath)  # read once: _raw() takes it
+                self._headers[name] = read_header(self._at(name))  # read once: _raw() takes it
                 meta = self._headers[name][0].get("__metadata__") or {}
             except ValueError as exc:
-                raise CheckpointError(f"{exc}: the file is truncated or damaged") from None
+                raise CheckpointError(f"{self._shown(exc)}: the file is truncated or "
+                                      "damaged") from None
             # which save a file belongs to first: a file of another save has another size too
             if meta.get("format") != FORMAT or meta.get("save_id") != sid:
                 raise CheckpointError(
@@ -153,9 +197,9 @@ class Checkpoint:
             if not check and not segs:
                 continue
             try:
-                crc = f"{file_crc32c(fpath, [(g.fb, g.fe, g.dst) for g in segs]):08x}"
+                crc = f"{file_crc32c(self._at(name), [(g.fb, g.fe, g.dst) for g in segs]):08x}"
             except OSError as exc:
-                raise CheckpointError(str(exc)) from None
+                raise CheckpointError(self._shown(exc)) from None
             if check and crc != info["crc32c"]:
                 raise CheckpointError(f"{fpath} is damaged: its CRC-32C is {crc}, the manifest "
                                       f"says {info['crc32c']}")
@@ -227,7 +271,7 @@ class Checkpoint:
         name = rank_file(rank)
         h = self._handles.get(name)
         if h is None:
-            h = self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt",
+            h = self._handles[name] = safe_open(self._at(name), framework="pt",
                                                 device="cpu")
         return h
 
@@ -235,7 +279,8 @@ class Checkpoint:
         name = rank_file(rank)
         f = self._raws.get(name)
         if f is None:
-            f = self._raws[name] = _RawFile(os.path.join(self.path, name), *self._headers[name])
+            f = self._raws[name] = _RawFile(self._at(name), os.path.join(self.path, name),
+                                            *self._headers[name])
         return f
 
     def read_into(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
@@ -270,6 +315,10 @@ class Checkpoint:
         for f in self._raws.values():
             f.close()
         self._raws.clear()
+        if self._dirfd is not None:
+            os.close(self._dirfd)
+            self._dirfd = None
+            self.root = self.path
 
 
 @dataclass
@@ -288,11 +337,11 @@ class _RawFile:
     mapped: pages of a mapped file count in the reader's resident memory until unmapped, and
     consolidation must stay near one tensor."""
 
-    def __init__(self, path: str, header: dict, data_start: int):
-        self.path = path
+    def __init__(self, at: str, path: str, header: dict, data_start: int):
+        self.path = path  # for messages; `at`: where to open it (Checkpoint._at)
         self.header = header  # as Checkpoint.open read it
         self.data_start = data_start
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(at, os.O_RDONLY)
 
     def dtype_of(self, key: str, numel: int) -> torch.dtype:
         """The dtype of tensor `key`, checked to be 1-D of `numel` elements of that size."""
