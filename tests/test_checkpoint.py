@@ -628,7 +628,7 @@ def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(single_rank_gro
     assert zero_py.load_checkpoint(tmp_path / "target", model, opt) == {"n": 2}
 
 
-def _small_run(seed):
+def _tiny_run(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -644,7 +644,7 @@ def _small_step(model, opt, seed):
 
 
 def _different_saves(rank, world, tmp):
-    model, opt = _small_run(0)
+    model, opt = _tiny_run(0)
     for step, name in enumerate(("a", "b")):
         _small_step(model, opt, step)
         zero_py.save_checkpoint(os.path.join(tmp, name), model, opt)
@@ -672,7 +672,7 @@ def test_an_open_checkpoint_reads_its_own_save_when_the_path_is_replaced(single_
     published to the same path meanwhile never mixes in (its bytes are those of the save
     opened, or the read fails once that save's files are deleted)."""
     path = tmp_path / "ck"
-    model, opt = _small_run(0)
+    model, opt = _tiny_run(0)
     _small_step(model, opt, 0)
     zero_py.save_checkpoint(path, model, opt)
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
