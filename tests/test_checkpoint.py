@@ -155,6 +155,7 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
     "manifest": ("garbage in manifest.json", "not valid JSON"),
     "missing": ("delete rank00001", "missing"),
     "version": ("format version 99", "format version 99"),
+    "edited": ("manifest.json without 'files'", "lacks 'files'"),
 }
 
 
@@ -184,6 +185,13 @@ def make_damaged(tmp):
             with open(man) as f:
                 data = json.load(f)
             data["version"] = 99
+            with open(man, "w") as f:
+                json.dump(data, f)
+        elif case == "edited":
+            man = os.path.join(dst, "manifest.json")
+            with open(man) as f:
+                data = json.load(f)
+            del data["files"]
             with open(man, "w") as f:
                 json.dump(data, f)
 
@@ -505,6 +513,11 @@ def test_inspect_prints_the_manifest(runs):
                           os.path.join(runs["tmp"], "bad_flipped_byte")], capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "CRC-32C" in (bad.stdout + bad.stderr)
+    edited = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
+                             os.path.join(runs["tmp"], "bad_edited")], capture_output=True,
+                            text=True)  # a clear error, not a traceback
+    assert edited.returncode != 0 and "lacks 'files'" in edited.stderr, edited.stderr
+    assert "Traceback" not in edited.stderr, edited.stderr
 
 
 def _crc32c_reference(data: bytes) -> int:
@@ -670,7 +683,8 @@ def test_an_open_checkpoint_reads_its_own_save_when_the_path_is_replaced(single_
                                                                          tmp_path):
     """The files of an open checkpoint are read through the directory it opened: a save
     published to the same path meanwhile never mixes in (its bytes are those of the save
-    opened, or the read fails once that save's files are deleted)."""
+    opened, or the read fails once that save's files are deleted). Without the directory's
+    descriptor the second read below would open the new save's file by name."""
     path = tmp_path / "ck"
     model, opt = _tiny_run(0)
     _small_step(model, opt, 0)
@@ -678,12 +692,14 @@ def test_an_open_checkpoint_reads_its_own_save_when_the_path_is_replaced(single_
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
     ck = Checkpoint.open(path)
     try:
+        out = torch.empty(old["0.weight"].numel())
+        ck.read_into("param", "0.weight", 0, out.numel(), out)  # opens the rank file
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # the next save holds other values
         zero_py.save_checkpoint(path, model, opt)
-        out = torch.empty(old["0.weight"].numel())
-        ck.read_into("param", "0.weight", 0, out.numel(), out)  # the old directory, still there
+        out.zero_()
+        ck.read_into("param", "0.weight", 0, out.numel(), out)  # the file opened: the old save
         assert torch.equal(out, old["0.weight"].flatten())
         from zero_py.checkpoint.files import wait_for_removals
         wait_for_removals()  # the old directory is deleted: its files are gone

@@ -135,6 +135,22 @@ class Checkpoint:
         if manifest.get("version") != VERSION:
             raise CheckpointError(f"{mpath} has format version {manifest.get('version')!r}; "
                                   f"this zero_py reads version {VERSION}")
+        # the fields every reader takes, of the types they take (a manifest edited by hand would
+        # fail later with a bare KeyError or TypeError)
+        for key, kinds in (("save_id", str), ("step", int), ("world_size", int),
+                           ("stage", int), ("files", dict), ("params", dict),
+                           ("buffers", dict), ("optimizer", dict),
+                           ("loss_scaler", (dict, type(None)))):
+            if key not in manifest:
+                raise CheckpointError(f"{mpath} lacks {key!r}: it is damaged")
+            if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
+                raise CheckpointError(f"{mpath}: {key!r} is {manifest[key]!r}, not of the type "
+                                      "the format gives it: the manifest is damaged")
+        for name, info in manifest["files"].items():
+            if not (isinstance(info, dict) and all(k in info for k in ("rank", "bytes",
+                                                                       "crc32c"))):
+                raise CheckpointError(f"{mpath}: the entry of file {name!r} lacks rank, bytes "
+                                      "or crc32c: the manifest is damaged")
         return manifest
 
     def _at(self, name: str) -> str:
