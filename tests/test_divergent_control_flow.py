@@ -166,7 +166,7 @@ def _extra_backward(rank, world):
         return {"error": str(exc), "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_units_skipped_by_some_ranks_up_to_all_match_ddp(world):
     for rank, rel in enumerate(distributed.run(_skipped_units, world)):
         assert max(rel) < RTOL, (rank, rel)

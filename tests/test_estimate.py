@@ -189,7 +189,7 @@ def test_matches_resident_memory(measured, stage, world):
             f"two steps, the estimate is {est.total / 1e6:.2f} MB ({100 * err:+.1f}%)")
 
 
-@pytest.mark.parametrize("world", (1, 4))
+@pytest.mark.parametrize("world", (1, pytest.param(4, marks=pytest.mark.slow)))
 def test_variants_match_memory_report(world):
     env = {"ZP_SHM": "0"}
     mp = pytest.MonkeyPatch()

@@ -71,7 +71,10 @@ def test_two_nodes_match_ddp_for_every_stage(tmp_path):
         assert result[f"hybrid_stage{stage}"] < 1e-5, result
 
 
-@pytest.mark.parametrize("hybrid", [[], ["--hybrid", "node"]], ids=["sharded", "hybrid"])
+# make test runs the demo over two nodes with hybrid sharding; sharded over the world, the two
+# nodes' parity with DDP stands for it there (make test-long runs both)
+@pytest.mark.parametrize("hybrid", [pytest.param([], marks=pytest.mark.slow),
+                                    ["--hybrid", "node"]], ids=["sharded", "hybrid"])
 def test_demo_runs_on_two_nodes(hybrid):
     runs = _two_nodes(["-m", "zero_py.examples.demo", "--steps", "3", "--batch-size", "4"]
                       + hybrid)

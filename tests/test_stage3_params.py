@@ -242,7 +242,7 @@ def _all(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def results(request):
     return request.param, distributed.run(_all, request.param)
 
