@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from zero_py.config import schedules
 from zero_py.config.ds_plan import (AUTO, NO_OFFLOAD, ConfigError, DeepSpeedPlan, Refused,
-                                    always_refused, as_section, flag, is_auto, load, number,
-                                    off_only)
+                                    always_refused, apply_section, as_section, flag, is_auto,
+                                    load, number, off_only)
 from zero_py.config.ds_zero import check_zero, read_zero
 from zero_py.config.loss_scaling import HysteresisLossScaler
 from zero_py.optim.lion import Lion
@@ -296,18 +296,11 @@ def translate(config, world_size: Optional[int] = None, stage: int = 3) -> DeepS
     the stage when the config names none (zero_py's default, or the one given initialize)."""
     cfg = load(config)
     plan = DeepSpeedPlan()
-    for key, value in cfg.items():
-        reader = _TOP_KEYS.get(key)
-        if reader is None:
-            if isinstance(value, dict) and value.get("enabled") is False:
-                continue  # a feature section switched off: nothing to honour
-            plan.refuse(key, "not a key zero_py honours (a DeepSpeed feature zero_py does not "
-                             "have, or a misspelling); remove it")
-            continue
-        try:
-            reader(plan, key, value)
-        except Refused as refusal:
-            plan.refuse(key, str(refusal))
+    # a feature section switched off has nothing to honour
+    apply_section(plan, "", cfg, _TOP_KEYS, lambda value: None
+                  if isinstance(value, dict) and value.get("enabled") is False else
+                  "not a key zero_py honours (a DeepSpeed feature zero_py does not have, or a "
+                  "misspelling); remove it")
     if plan.stage is None:
         plan.stage = stage
     check_zero(plan)

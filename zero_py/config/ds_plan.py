@@ -150,14 +150,22 @@ def off_only(reason: str):
     return read
 
 
+_UNKNOWN = ("not a key zero_py knows (check its spelling against DeepSpeed's config "
+            "documentation, or remove it)")
+
+
 def apply_section(plan: DeepSpeedPlan, prefix: str, section: Dict[str, Any],
-                  readers: Dict[str, Callable]) -> None:
+                  readers: Dict[str, Callable],
+                  unknown: Callable[[Any], Optional[str]] = lambda value: _UNKNOWN) -> None:
+    """Runs each key's reader; a key without one is refused for unknown(value) (None: the key
+    is passed over)."""
     for key, value in section.items():
         path = f"{prefix}.{key}" if prefix else key
         reader = readers.get(key)
         if reader is None:
-            plan.refuse(path, "not a key zero_py knows (check its spelling against DeepSpeed's "
-                              "config documentation, or remove it)")
+            reason = unknown(value)
+            if reason is not None:
+                plan.refuse(path, reason)
             continue
         try:
             reader(plan, path, value)
