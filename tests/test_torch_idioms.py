@@ -276,8 +276,40 @@ def buffers(rank, stage, every_forward):
     return {"rel": worst, "synced": synced}
 
 
+def adagrad_group_accumulator(rank, stage):
+    """A param group with its own initial_accumulator_value: torch.optim.Adagrad starts every
+    accumulator at the constructor's value (the group's is ignored), with a warning here."""
+    import warnings
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel = copy.deepcopy(ref)
+    ddp = DDP(ref)
+
+    def groups(m):
+        return [{"params": list(m.fc1.parameters()) + list(m.fc2.parameters())},
+                {"params": list(m.head.parameters()), "initial_accumulator_value": 2.0}]
+    ref_opt = torch.optim.Adagrad(groups(ref), lr=0.1, initial_accumulator_value=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zopt = zero_py.ZeroOptimizer(groups(zmodel), torch.optim.Adagrad, stage=stage, lr=0.1,
+                                     initial_accumulator_value=0.3, bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(3):
+        batch = models.mlp_batch(gen)
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, _rel(zmodel, ref))
+    return {"rel": worst, "warned": [str(w.message) for w in caught
+                                     if "initial_accumulator_value" in str(w.message)]}
+
+
 def _all(rank, world_size):
     out = {}
+    for stage in (1, 2):
+        out[("adagrad", stage)] = adagrad_group_accumulator(rank, stage)
     for stage in (1, 2, 3):
         out[("orders", stage)] = call_orders(rank, stage)
         out[("buffers", stage, True)] = buffers(rank, stage, True)
@@ -304,6 +336,8 @@ def test_torch_idioms_match_ddp():
             assert res[("orders", stage)]["moved"] == [False, True, False, False, True, True,
                                                         True, True, False, True]
         for stage in (1, 2):
+            warned = res[("adagrad", stage)]["warned"]
+            assert len(warned) == 1 and "constructor" in warned[0], warned
             assert res[("add_group", stage)]["groups"] == 2
             assert res[("add_group", stage)]["lr"] == [1e-2, 5e-3]
         for stage in (1, 2, 3):

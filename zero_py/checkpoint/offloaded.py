@@ -40,7 +40,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from zero_py import kernels
 from zero_py.checkpoint.reader import Checkpoint
 from zero_py.io.engine import IO_ALIGN
 from zero_py.optim.streamed import StreamedUpdate
@@ -301,7 +300,7 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
     with_state = {name for name, h in held.items() if h.slice is not None
                   and ck.params[name].get("step") and ck.params[name].get("state")}
     has_master = [d is not None for d in opt._masters.dtype_of]
-    adagrad = update.kind == kernels.OPT_ADAGRAD
+    initial = update.initial_state  # Adagrad's sum before a first step; 0 for the rest
     offsets = list(flat.bucket_shard_offset)
     stats.update(ring_bytes=0, scratch_bytes=0, requests=0)
 
@@ -326,10 +325,9 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
             lo, hi = max(c.start, off), min(c.stop, off + flat.bucket_shard_numel[b])
             if lo >= hi:
                 continue
-            if adagrad:  # the initial state over the piece, padding included (fresh_states)
-                init = opt.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
+            if initial != 0.0:  # the initial state over the piece, padding included
                 for a in arrays[1:]:
-                    a[lo - c.start:hi - c.start].fill_(init)
+                    a[lo - c.start:hi - c.start].fill_(initial)
             for s in flat.slices_of_bucket[b]:
                 x0, x1 = max(off + s.piece_lo, lo), min(off + s.piece_hi, hi)
                 if x0 >= x1:

@@ -31,7 +31,8 @@ from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
-from zero_py.optim.update import FusedUpdate, TorchUpdate, added_state, fused_kind
+from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
+                                  warn_ignored_group_options)
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -175,6 +176,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
             kind = fused_kind(optimizer_class, self.param_groups)
+            warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:
                 raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
                                  f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
@@ -339,7 +341,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update = self._streamed_update(fp)
         elif self._kind is not None:
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
-                                       self.param_groups, self._host)
+                                       self.param_groups, self._host, self.defaults)
             if self._host is not None and self._overlap_step:
                 # ahead of the host side as the reducer's mirror: it starts the early updates
                 self._early = self._reducer.mirror = EarlyStep(
@@ -355,7 +357,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         update, problem = None, None
         try:
             update = StreamedUpdate(self._kind, fp, self._reducer.grads, self._masters,
-                                    self.param_groups, self._offload_dir)
+                                    self.param_groups, self._offload_dir, self.defaults)
         except OSError as exc:
             problem = exc
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zero_py.optim import agreement, compat
-from zero_py.optim.update import fused_kind, state_keys
+from zero_py.optim.update import fused_kind, state_keys, warn_ignored_group_options
 from zero_py.sharding.storage import FlatParams
 
 
@@ -57,6 +57,7 @@ def add_param_group(opt, param_group: dict) -> None:
         raise ValueError(f"the new parameters must be on {opt._flat.device}, the device of "
                          "the others")
     kind = fused_kind(opt.optimizer_class, opt.param_groups + [group])
+    warn_ignored_group_options(opt.optimizer_class, opt.defaults, [group])
     if kind != opt._kind or (kind is not None and state_keys(
             kind, opt.param_groups + [group]) != opt._update.keys):
         raise ValueError("the new group's options need another update path or other state "

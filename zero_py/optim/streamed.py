@@ -66,8 +66,9 @@ class StreamedUpdate(FusedUpdate):
     """FusedUpdate over an NvmeStore (see the module docstring)."""
 
     def __init__(self, kind: int, flat: FlatLayout, grads: PieceStore, masters: ResidentMasters,
-                 param_groups: List[dict], offload_dir, **store_options):
-        super().__init__(kind, flat, grads, masters, param_groups)
+                 param_groups: List[dict], offload_dir, defaults: Optional[dict] = None,
+                 **store_options):
+        super().__init__(kind, flat, grads, masters, param_groups, defaults=defaults)
         self.device = CPU  # the states' and the kernel's side
         self.store = NvmeStore(flat, len(self.keys), offload_dir, flat.rank, **store_options)
         self.threads = host_threads()
@@ -107,10 +108,9 @@ class StreamedUpdate(FusedUpdate):
                 m = self.masters.piece(b) if self.masters.open else None
                 src = m if m is not None else flat.bucket_piece(b)
                 arrays[0][lo - c.start:hi - c.start].copy_(self._host(src[lo - off:hi - off]))
-                if states is None and self.kind == kernels.OPT_ADAGRAD:
-                    init = self.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
+                if states is None and self.initial_state != 0.0:
                     for a in arrays[1:]:
-                        a[lo - c.start:hi - c.start].fill_(init)
+                        a[lo - c.start:hi - c.start].fill_(self.initial_state)
             for j, t in enumerate(states or ()):
                 arrays[j + 1][:len(c)].copy_(t[c.start:c.stop])
         store.stream(list(range(store.n_chunks)), fill, read=False)

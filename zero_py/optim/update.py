@@ -13,6 +13,7 @@ of absent gradients work exactly as in torch.
 
 from __future__ import annotations
 
+import warnings
 from array import array
 from typing import Dict, List, Optional, Sequence
 
@@ -44,6 +45,30 @@ def fused_kind(optimizer_class, groups: Sequence[dict]) -> Optional[int]:
         if kind == kernels.OPT_ADAMW and g.get("decoupled_weight_decay", True) is False:
             return None
     return kind
+
+
+def initial_accumulator(defaults: dict) -> float:
+    """Adagrad's accumulator before its first step, from the optimizer's defaults.
+    torch.optim.Adagrad takes it from the constructor's initial_accumulator_value for every
+    parameter, whatever a param group says (a group's own value is ignored), and so does
+    zero_py: its loss curve is torch's."""
+    return float(defaults.get("initial_accumulator_value", 0.0))
+
+
+def warn_ignored_group_options(optimizer_class, defaults: dict, groups: Sequence[dict]) -> None:
+    """Warns where a param group sets an option that optimizer_class ignores per group (torch
+    ignores it too, silently): Adagrad's initial_accumulator_value."""
+    if not issubclass(optimizer_class, torch.optim.Adagrad):
+        return
+    given = defaults.get("initial_accumulator_value")
+    odd = sorted({g["initial_accumulator_value"] for g in groups
+                  if g.get("initial_accumulator_value", given) != given})
+    if odd:
+        warnings.warn(f"a param group sets initial_accumulator_value={odd[0]!r}, but "
+                      "torch.optim.Adagrad starts every accumulator at the constructor's "
+                      f"initial_accumulator_value ({given!r}), and so does zero_py: pass the "
+                      "value to the constructor (or to zero_py.initialize) instead",
+                      stacklevel=3)
 
 
 def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
@@ -100,9 +125,12 @@ class _Update:
 
 class FusedUpdate(_Update):
     def __init__(self, kind: int, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
-                 param_groups: List[dict], host=None):
+                 param_groups: List[dict], host=None, defaults: Optional[dict] = None):
         super().__init__(flat, grads, masters, param_groups, host)
         self.kind = kind
+        # the state's value before a parameter's first step (Adagrad's sum; 0 for the rest)
+        self.initial_state = (initial_accumulator(defaults or {})
+                              if kind == kernels.OPT_ADAGRAD else 0.0)
         self.keys = state_keys(kind, param_groups)
         self.states: Optional[List[torch.Tensor]] = None  # allocated at the first step or load
         # SGD: parameters whose every step so far had momentum 0, so that torch.optim holds no
@@ -149,8 +177,7 @@ class FusedUpdate(_Update):
         k = 0
         for b in range(flat.n_buckets):
             r = flat.shard_range(b)
-            init = (self.param_groups[flat.bucket_group[b]]["initial_accumulator_value"]
-                    if self.kind == kernels.OPT_ADAGRAD else 0.0)
+            init = self.initial_state
             at = r.start
             while k < len(holes) and holes[k][1] <= r.start:
                 k += 1
