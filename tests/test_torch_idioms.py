@@ -10,6 +10,7 @@ Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e
 (fp32: the two differ only in the order of float operations).
 """
 
+import contextlib
 import copy
 import inspect
 
@@ -306,8 +307,41 @@ def adagrad_group_accumulator(rank, stage):
                                      if "initial_accumulator_value" in str(w.message)]}
 
 
+def clip_then_backward(rank, stage, clip_again):
+    """clip_grad_norm_ after a micro-batch's backward, then another backward (and another clip,
+    or none) before step: torch's clip scaled the first gradients in place, so the second
+    backward adds to clipped ones (zero_py defers the coefficient: it must settle it first)."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel, zopt = _zero(copy.deepcopy(ref), stage)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    worst, norms = 0.0, []
+    for _ in range(2):
+        first, second = models.mlp_batch(gen), models.mlp_batch(gen)
+        got = []
+        for model, opt, clip in (
+                (ddp, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)),
+                (zmodel, zopt, lambda: zopt.clip_grad_norm_(0.05))):
+            models.mlp_loss(model, first).backward()
+            got.append(float(clip()))
+            models.mlp_loss(model, second).backward()
+            if clip_again:
+                got.append(float(clip()))
+            opt.step()
+            opt.zero_grad()
+        norms.append(got)
+        with zero_py.gathered(zmodel) if stage == 3 else contextlib.nullcontext():
+            worst = max(worst, _rel(zmodel, ref))
+    return {"rel": worst, "norms": norms}
+
+
 def _all(rank, world_size):
     out = {}
+    for stage in (1, 2, 3):
+        for again in (False, True):
+            out[("clip_backward", stage, again)] = clip_then_backward(rank, stage, again)
     for stage in (1, 2):
         out[("adagrad", stage)] = adagrad_group_accumulator(rank, stage)
     for stage in (1, 2, 3):
@@ -335,6 +369,11 @@ def test_torch_idioms_match_ddp():
             # zero_grad() that followed backward, nor on a step before any backward
             assert res[("orders", stage)]["moved"] == [False, True, False, False, True, True,
                                                         True, True, False, True]
+        for key in [k for k in res if k[0] == "clip_backward"]:
+            for got in res[key]["norms"]:  # the norms returned are torch's: DDP's, then ours
+                half = len(got) // 2
+                for a, b in zip(got[:half], got[half:]):
+                    assert abs(a - b) <= 1e-5 * a, (key, got)
         for stage in (1, 2):
             warned = res[("adagrad", stage)]["warned"]
             assert len(warned) == 1 and "constructor" in warned[0], warned

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,44 @@ class GradStatistics:
         work.wait()
         return float(both[0]), bool(both[1] > 0)
 
+    def _settle_clip(self) -> None:
+        """Stages 2-3, as a backward's pass opens with gradients in the shard: a
+        clip_grad_norm_ since the last step has torch's effect on them now (torch's clip scales
+        the gradients in place, so a backward after it adds to clipped ones). Its coefficient,
+        and the non-finite flag, are of the gradients before this backward: both are dropped."""
+        coef, self._clip_coef, self._nonfinite = self._clip_coef, None, None
+        if coef is None or coef == 1.0:
+            return
+        reducer = self._reducer
+        for b in range(self._flat.n_buckets):
+            if reducer.mirror is not None:
+                reducer.mirror.writing(b)  # a copy of the piece to the host finishes first
+            reducer.grads.piece(b).mul_(coef)
+
+    def _finish_reduction(self) -> Optional[torch.Tensor]:
+        """The reducer's finish(). Stage 1 reduces param.grad when asked (it has no hooks in
+        backward): where a backward ran between a clip_grad_norm_ and now, param.grad is
+        reduced again, and the shard made what torch's would hold, the clipped gradients of
+        before plus the new ones: S_new - (1 - coef) S_clipped."""
+        reducer = self._reducer
+        if not reducer.grads_changed():
+            return reducer.finish()
+        coef, self._clip_coef, self._nonfinite = self._clip_coef, None, None
+        n = self._flat.n_buckets
+        held = ([reducer.grads.piece(b).clone() for b in range(n)]
+                if coef is not None and coef != 1.0 else None)
+        reducer.reduce_again()
+        mask = reducer.finish()
+        if held is not None:
+            for b in range(n):
+                piece = reducer.grads.piece(b)
+                if reducer.mirror is not None:
+                    reducer.mirror.writing(b)
+                piece.add_(held[b], alpha=coef - 1.0)
+                if reducer.mirror is not None:
+                    reducer.mirror.reduced(b, piece)
+        return mask
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
@@ -58,7 +96,7 @@ class GradStatistics:
         if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         with torch.no_grad():
-            self._reducer.finish()
+            self._finish_reduction()
             sum_pow, nonfinite = self._grad_stats(norm_type)
         self._nonfinite = nonfinite
         if nonfinite:

@@ -308,6 +308,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         me = weakref.ref(self)
         self._reducer.noise_seed = lambda: me()._sr_seed
         self._reducer.name_of = lambda i: me()._name(fp.params[i])
+        self._reducer.before_accumulate(lambda: me()._settle_clip())
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor
@@ -517,7 +518,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 loss = closure()
         compat.refuse_detached_params(self)
         with torch.no_grad():
-            mask = self._reducer.finish()  # None: zero_grad() came after the last backward
+            mask = self._finish_reduction()  # None: zero_grad() came after the last backward
             used = [0] * len(self._step_count) if mask is None else mask.tolist()
             if self.stage >= 2:
                 used = [a | b for a, b in zip(used, self._had_grad)]

@@ -144,6 +144,11 @@ class GradReducer:
         self._pass_open = False
         self._callback_queued = False  # the end-of-backward callback is queued
         self._finished = False  # finish() ran since the last pass: its result stands
+        # stage 1: the param.grad tensors (and their versions) its last reduction read; a
+        # backward since (after a clip_grad_norm_, before step) changed one of them
+        self._reduced_from: List[Tuple[Optional[torch.Tensor], int]] = []
+        # run as a backward's pass opens with gradients already in the shard (stages 2-3)
+        self._on_accumulate: List[Callable[[], None]] = []
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
@@ -233,7 +238,27 @@ class GradReducer:
         for fn in self._listeners:
             fn()
 
+    def before_accumulate(self, fn: Callable[[], None]) -> None:
+        """Runs fn as a pass opens (stages 2-3), before its gradients are added to the shard
+        (a clip_grad_norm_ since the last step scales what the shard holds first)."""
+        self._on_accumulate.append(fn)
+
+    def grads_changed(self) -> bool:
+        """Stage 1, after finish(): whether a param.grad changed since its reduction read it
+        (a backward between clip_grad_norm_ and step)."""
+        return self._finished and self.stage == 1 and any(
+            (p.grad is not g) or (g is not None and g._version != v)
+            for p, (g, v) in zip(self.flat.params, self._reduced_from))
+
+    def reduce_again(self) -> None:
+        """Stage 1: the next finish() reduces param.grad again (see grads_changed)."""
+        self._end_update()
+        self._finished = False
+
     def _begin_pass(self, kind: int = _PASS) -> None:
+        if self.stage >= 2:
+            for fn in self._on_accumulate:
+                fn()
         self._unused = bytearray(len(self.flat.params))
         if self.check_counts:
             self._check_count()  # the previous pass's, if not checked yet
@@ -272,6 +297,8 @@ class GradReducer:
         if self.stage == 1:
             self.grad_shard_valid = False  # param.grad holds the full sum: overwrite
             self._local_used.zero_()
+            self._reduced_from = [(p.grad, p.grad._version if p.grad is not None else 0)
+                                  for p in self.flat.params]
         # stage 3: its peers' backward gathered units with it; no backward here cannot match
         self._begin_pass(_PASS_WITHOUT_BACKWARD if self.check_at_once else _PASS)
         self._end_pass()
@@ -508,10 +535,12 @@ class GradReducer:
         self.steps += 1
         self._end_update()
         self._finished = False
+        self._reduced_from = []
 
     def zero_grad(self, set_to_none: bool) -> None:
         self._end_update()  # finish() without a step (clip_grad_norm_ alone): nothing changed
         self._finished = False
+        self._reduced_from = []
         self._retire(block_over=0)
         self.grad_shard_valid = False
         self._local_used.zero_()
