@@ -3,7 +3,8 @@
 - model.zero_grad() (the module's, as Hugging Face's Trainer calls it) instead of
   optimizer.zero_grad(), before backward, after step and with set_to_none=False; on a
   submodule holding only some of an optimizer's parameters (stage 1: as torch; stages 2-3:
-  refused, nothing changed);
+  refused, nothing changed); a param.grad assigned after the reduced backward (stages 2-3:
+  refused by step() on every rank, also when one rank alone assigned it);
 - two models with two optimizers (a GAN: alternating updates, the generator's loss
   backpropagated through the discriminator), with an R1 gradient penalty
   (torch.autograd.grad(..., create_graph=True); stage 3 refuses double backward on every rank,
@@ -188,6 +189,37 @@ def module_zero_grad(rank, stage):
     return {"rel": worst, "refused": refused}
 
 
+def stray_grad(rank, stage):
+    """Stages 2-3: a param.grad assigned after the reduced backward (an auxiliary gradient) is
+    refused by step() on every rank, whether every rank assigned one or rank 1 alone; after
+    optimizer.zero_grad() training goes on as DDP's, which skipped those steps."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    zm, zopt = _zero(zm, stage)
+    gen = torch.Generator().manual_seed(rank)
+    refused = []
+    for step in range(5):
+        batch = models.mlp_batch(gen)
+        models.mlp_loss(ddp, batch).backward()
+        models.mlp_loss(zm, batch).backward()
+        if step in (1, 3):
+            if step == 1 or rank == 1:
+                zm.head.bias.grad = torch.ones_like(zm.head.bias)  # stage 3: its slice
+            try:
+                zopt.step()
+            except RuntimeError as exc:
+                refused.append(str(exc))
+        else:
+            ropt.step()
+            zopt.step()
+        ropt.zero_grad()
+        zopt.zero_grad()
+    return {"rel": _rel(zm, ref), "refused": refused}
+
+
 # -- two models, two optimizers -----------------------------------------------------------------
 
 def _mlp(d_in, d_out):
@@ -348,6 +380,8 @@ def _all(rank, world_size):
     out = {}
     for stage in (1, 2, 3):
         out["zero_grad", stage] = module_zero_grad(rank, stage)
+        if stage > 1:
+            out["stray_grad", stage] = stray_grad(rank, stage)
         out["gan", stage] = gan(rank, stage, 0.0)
         out["gan_r1", stage] = gan(rank, stage, 1.0)
         out["split_ema", stage] = split_and_ema(rank, stage)
@@ -401,6 +435,16 @@ def test_module_zero_grad_zeroes_the_sharded_gradients(results):
             assert len(r["refused"]) == 1, where
             assert "holds 2 of the 6 parameters" in r["refused"][0], r["refused"][0]
             assert "optimizer.zero_grad()" in r["refused"][0]
+
+
+def test_gradient_set_after_the_reduction_is_refused_on_every_rank(results):
+    for where, _, r in _cases(results, "stray_grad"):
+        assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        assert len(r["refused"]) == 2, f"{where}: {r['refused']}"
+        both, alone = r["refused"]
+        assert "'head.bias' has a param.grad set after the last backward" in both, both
+        # rank 1 alone: every rank raises, naming what each rank did
+        assert "rank 1: step() with a param.grad set" in alone, alone
 
 
 def test_stage3_refuses_double_backward_on_every_rank(results):

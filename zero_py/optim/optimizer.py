@@ -490,7 +490,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             if set_to_none:
                 self._had_grad = [0] * len(self._had_grad)
             elif self._reducer.passes_since_step and not self._reducer.pass_open:
-                mask = self._reducer.finish()  # waits: no collective of its own
+                mask = self._reducer.finish(check_stray=False)  # zeroed below
                 if mask is not None:
                     self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
         super().zero_grad(set_to_none=set_to_none)
