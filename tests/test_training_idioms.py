@@ -476,3 +476,23 @@ def test_assign_units_never_wraps_inside_attention():
     units, unit_of = assign_units(model, 1000)
     assert [n for n, _ in units] == ["", "0", "1", "2"]
     assert unit_of[id(model[0].out_proj.weight)] == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_module_zero_grad_after_clipping(single_rank_group, stage):
+    """One rank: the whole model's zero_grad() after optimizer.clip_grad_norm_() leaves the
+    step nothing to apply; a submodule's is refused under stage 1 (the step would still apply
+    the gradients reduced for clipping) and changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=stage, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.clip_grad_norm_(1e-3)
+    if stage == 1:
+        with pytest.raises(RuntimeError, match="after its gradients were reduced"):
+            model[2].zero_grad()
+        assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad()
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -23,7 +23,9 @@
   next step would add them in again. The method is wrapped (install_module_zero_grad, when the
   first ZeroOptimizer is built) to also call optimizer.zero_grad(set_to_none) of every
   ZeroOptimizer whose parameters the module holds; a module holding only some of them, while
-  that optimizer holds gradients, is refused (a shard cannot be zeroed for some parameters).
+  that optimizer holds gradients, is refused (a shard cannot be zeroed for some parameters),
+  and so is one under stage 1 once the step's gradients were reduced (by clip_grad_norm_):
+  the step would apply them still.
 """
 
 from __future__ import annotations
@@ -197,6 +199,14 @@ def _module_zero_grad(original):
                 held.setdefault(id(opt), (opt, set()))[1].add(id(p))
         for opt, ids in held.values():
             managed = opt._flat.params
+            if opt.stage == 1 and len(ids) < len(managed) and opt._reducer.finished:
+                raise RuntimeError(
+                    f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "
+                    f"holds {len(ids)} of the {len(managed)} parameters of a stage-1 "
+                    "ZeroOptimizer after its gradients were reduced for this step (by "
+                    "optimizer.clip_grad_norm_() or zero_grad(set_to_none=False)), so step() "
+                    "would still apply theirs; zero them before clipping, or call "
+                    "optimizer.zero_grad()")
             if opt.stage >= 2 and len(ids) < len(managed) and opt._holds_gradients():
                 raise RuntimeError(
                     f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "

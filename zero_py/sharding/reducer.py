@@ -198,6 +198,12 @@ class GradReducer:
         return hook
 
     @property
+    def finished(self) -> bool:
+        """finish() ran since the last pass, step or zero_grad(): the next step() takes its
+        result (the gradients reduced then) as it stands."""
+        return self._finished
+
+    @property
     def pass_open(self) -> bool:
         """A backward pass is being reduced (begin_pass() ran, its end has not)."""
         return self._pass_open
