@@ -6,7 +6,8 @@
   refused, nothing changed); a param.grad assigned after the reduced backward (stages 2-3:
   refused by step() on every rank, also when one rank alone assigned it);
 - two models with two optimizers (a GAN: alternating updates, the generator's loss
-  backpropagated through the discriminator), with an R1 gradient penalty
+  backpropagated through the discriminator, or with the discriminator frozen by
+  requires_grad_(False) for it), with an R1 gradient penalty
   (torch.autograd.grad(..., create_graph=True); stage 3 refuses double backward on every rank,
   and training goes on); one model split over two optimizers; an EMA teacher;
 - stages 2-3 (whose gradient hooks they meet): a second backward with retain_graph=True,
@@ -227,13 +228,15 @@ def _mlp(d_in, d_out):
                          nn.Linear(32, d_out))
 
 
-def gan(rank, stage, penalty):
+def gan(rank, stage, penalty, freeze=False):
     """Alternating discriminator / generator updates; with `penalty`, an R1 term from
-    torch.autograd.grad(..., create_graph=True) (stage 3 refuses it: tried once first)."""
+    torch.autograd.grad(..., create_graph=True) (stage 3 refuses it: tried once first); with
+    `freeze`, the discriminator's requires_grad_(False) during the generator's update (DDP
+    then expects gradients it does not get: averaged by hand)."""
     torch.manual_seed(0)
     rg, rd = _mlp(8, 16), _mlp(16, 1)
     zg, zd = copy.deepcopy(rg), copy.deepcopy(rd)
-    if penalty:  # DDP does not take double backward: averaged by hand
+    if penalty or freeze:  # DDP takes neither: averaged by hand
         rgm, rdm = rg, rd
         rgo, rdo = _AveragedAdamW(rg.parameters(), **LR), _AveragedAdamW(rd.parameters(), **LR)
     else:
@@ -259,6 +262,7 @@ def gan(rank, stage, penalty):
         real = torch.randn(8, 16, generator=gen)
         z = torch.randn(8, 8, generator=gen)
         for G, D, go, do in ((rgm, rdm, rgo, rdo), (zg, zd, zgo, zdo)):
+            D.requires_grad_(True)
             do.zero_grad()
             real_in = real.clone().requires_grad_(bool(penalty))
             out_real = D(real_in)
@@ -268,6 +272,7 @@ def gan(rank, stage, penalty):
                 loss = loss + penalty * g.pow(2).sum(1).mean()
             loss.backward()
             do.step()
+            D.requires_grad_(not freeze)
             go.zero_grad()  # D's gradients from G's loss are zeroed by do.zero_grad() above
             F.softplus(-D(G(z))).mean().backward()
             go.step()
@@ -384,6 +389,7 @@ def _all(rank, world_size):
             out["stray_grad", stage] = stray_grad(rank, stage)
         out["gan", stage] = gan(rank, stage, 0.0)
         out["gan_r1", stage] = gan(rank, stage, 1.0)
+        out["gan_frozen_d", stage] = gan(rank, stage, 0.0, freeze=True)
         out["split_ema", stage] = split_and_ema(rank, stage)
         out["layers", stage] = layers(rank, stage)
     # the idioms of backward meet the gradient hooks of stages 2-3 (stage 1 reduces
@@ -413,7 +419,7 @@ def _cases(results, name):
                 yield f"{name} stage {stage} rank {rank}", stage, r
 
 
-IDIOMS = ["gan", "gan_r1", "split_ema", "layers", "retain_graph", "backward_inputs",
+IDIOMS = ["gan", "gan_r1", "gan_frozen_d", "split_ema", "layers", "retain_graph", "backward_inputs",
           "autograd_grad", "checkpoint_reentrant", "checkpoint_non_reentrant", "autocast",
           "accumulate"]
 
