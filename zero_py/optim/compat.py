@@ -204,9 +204,8 @@ def _module_zero_grad(original):
                     f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "
                     f"holds {len(ids)} of the {len(managed)} parameters of a stage-1 "
                     "ZeroOptimizer after its gradients were reduced for this step (by "
-                    "optimizer.clip_grad_norm_() or zero_grad(set_to_none=False)), so step() "
-                    "would still apply theirs; zero them before clipping, or call "
-                    "optimizer.zero_grad()")
+                    "optimizer.clip_grad_norm_()), so step() would still apply theirs; zero "
+                    "them before clipping, or call optimizer.zero_grad()")
             if opt.stage >= 2 and len(ids) < len(managed) and opt._holds_gradients():
                 raise RuntimeError(
                     f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "
