@@ -17,6 +17,15 @@
   any other parameters they run unchanged.
 - Parameters the step could not update, which torch.optim would: step() refuses them
   (refuse_detached_params) rather than leave them as they are.
+- nn.Module.zero_grad (model.zero_grad(), which Hugging Face's Trainer and many scripts call
+  instead of optimizer.zero_grad()): under stages 2-3 param.grad is None after backward and the
+  gradients live in the optimizer's shard, which torch's own zero_grad cannot reach, so the
+  next step would add them in again. The method is wrapped (install_module_zero_grad, when the
+  first ZeroOptimizer is built) to also call optimizer.zero_grad(set_to_none) of every
+  ZeroOptimizer whose parameters the module holds; a module holding only some of them, while
+  that optimizer holds gradients, is refused (a shard cannot be zeroed for some parameters),
+  and so is one under stage 1 once the step's gradients were reduced (by clip_grad_norm_):
+  the step would apply them still.
 """
 
 from __future__ import annotations
@@ -174,6 +183,52 @@ def install_clip_guards() -> None:
         setattr(torch.nn.utils, name, guarded)
         if getattr(torch.nn.utils.clip_grad, name, None) is current:
             setattr(torch.nn.utils.clip_grad, name, guarded)
+
+
+# -- nn.Module.zero_grad -------------------------------------------------------------------------
+
+def _module_zero_grad(original):
+    @functools.wraps(original)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # the optimizers holding some of this module's parameters, checked before anything
+        # changes: a refusal leaves every gradient as it was
+        held: Dict[int, Tuple[object, set]] = {}
+        for p in self.parameters():
+            opt = owner_of(p)
+            if opt is not None:
+                held.setdefault(id(opt), (opt, set()))[1].add(id(p))
+        for opt, ids in held.values():
+            managed = opt._flat.params
+            if opt.stage == 1 and len(ids) < len(managed) and opt._reducer.finished:
+                raise RuntimeError(
+                    f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "
+                    f"holds {len(ids)} of the {len(managed)} parameters of a stage-1 "
+                    "ZeroOptimizer after its gradients were reduced for this step (by "
+                    "optimizer.clip_grad_norm_()), so step() would still apply theirs; zero "
+                    "them before clipping, or call optimizer.zero_grad()")
+            if opt.stage >= 2 and len(ids) < len(managed) and opt._holds_gradients():
+                raise RuntimeError(
+                    f"zero_py: {type(self).__name__}.zero_grad() was called on a module that "
+                    f"holds {len(ids)} of the {len(managed)} parameters of a ZeroOptimizer "
+                    f"(stage {opt.stage}). That optimizer keeps their gradients in its "
+                    "shard (param.grad is None after backward), which cannot be zeroed for "
+                    "some parameters only; call optimizer.zero_grad(), or zero_grad() on a "
+                    "module that holds all of its parameters (the whole model), or give these "
+                    "parameters an optimizer of their own")
+        original(self, set_to_none)
+        for opt, ids in held.values():
+            if len(ids) == len(opt._flat.params):
+                opt.zero_grad(set_to_none=set_to_none)
+    zero_grad._zero_py_guard = True
+    return zero_grad
+
+
+def install_module_zero_grad() -> None:
+    """Wraps nn.Module.zero_grad (once): model.zero_grad() also zeroes the gradients that a
+    ZeroOptimizer keeps for the module's parameters (see the module docstring)."""
+    current = torch.nn.Module.zero_grad
+    if not getattr(current, "_zero_py_guard", False):
+        torch.nn.Module.zero_grad = _module_zero_grad(current)
 
 
 GRAD_SCALER_MESSAGE = (

@@ -285,6 +285,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         compat.claim(self, managed)
         self._release = compat.release_on_collect(self, self._hook_handles)
         compat.install_clip_guards()
+        compat.install_module_zero_grad()
         self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
 
     # the constructor's checks, without building anything (zero_py.initialize runs them before
@@ -492,7 +493,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             if set_to_none:
                 self._had_grad = [0] * len(self._had_grad)
             elif self._reducer.passes_since_step and not self._reducer.pass_open:
-                mask = self._reducer.finish()  # waits: no collective of its own
+                mask = self._reducer.finish(check_stray=False)  # zeroed below
                 if mask is not None:
                     self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
         super().zero_grad(set_to_none=set_to_none)
@@ -500,6 +501,12 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._early.discard()  # the gradients they used are gone: no step will use them
         self._clip_coef, self._nonfinite = None, None
         self._reducer.zero_grad(set_to_none)
+
+    def _holds_gradients(self) -> bool:
+        """Whether a gradient is held since the last zero_grad(): reduced into the shard (or
+        being reduced), or remembered as a zeroed one (zero_grad(set_to_none=False))."""
+        return (self._reducer.grad_shard_valid or self._reducer.pass_open
+                or any(self._had_grad))
 
     # -- the step -----------------------------------------------------------------------------
 

@@ -65,9 +65,10 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 MAX_BUCKETS_IN_FLIGHT = 2
 
 # what a rank announces at the start of a pass or a step (_Count)
-_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD = 1, 2, 3, 4, 5
+_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD, _STEP_STRAY = 1, 2, 3, 4, 5, 6
 _KIND_NAMES = {_PASS: "backward pass", _STEP: "step()",
                _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
+               _STEP_STRAY: "step() with a param.grad set after the last reduced backward",
                _FORWARD: "forward", _EVAL_FORWARD: "no_grad forward"}
 
 
@@ -200,6 +201,12 @@ class GradReducer:
                 for b in self.schedule.grad_ready(i):
                     self._launch(b)
         return hook
+
+    @property
+    def finished(self) -> bool:
+        """finish() ran since the last pass, step or zero_grad(): the next step() takes its
+        result (the gradients reduced then) as it stands."""
+        return self._finished
 
     @property
     def pass_open(self) -> bool:
@@ -485,17 +492,38 @@ class GradReducer:
 
     # -- what the optimizer asks -------------------------------------------------------------
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, check_stray: bool = True) -> torch.Tensor:
         """Waits for every reduction; returns the per-parameter 'some rank had a gradient'
-        mask (uint8). Calling it again before the next pass or step returns the same."""
+        mask (uint8). Calling it again before the next pass or step returns the same.
+
+        Stages 2-3, with check_stray: a param.grad set after the last reduced backward (`p.grad
+        = g` after backward, or a backward under no_sync() after the reduced one) would be
+        left out of this step, so it is refused, on every rank (the step's count carries it),
+        before anything is waited for; nothing changes. Without a backward since the last
+        step such gradients are this step's (reduce_now)."""
         if self._finished:
             return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
             self.reduce_now()
+            stray = []
+        else:
+            stray = [i for i, p in enumerate(self.flat.params)
+                     if check_stray and p.grad is not None]
         if self.check_counts:
             self._check_count()
-            self._count = _Count(self.executor, _STEP, self.steps, self.passes_since_step)
+            self._count = _Count(self.executor, _STEP_STRAY if stray else _STEP, self.steps,
+                                 self.passes_since_step)
             self._check_count()
+        if stray:
+            more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+            raise RuntimeError(
+                f"zero_py: parameter {self.name_of(stray[0])}{more} has a param.grad set "
+                "after the last backward was reduced (e.g. `p.grad = g` after backward, or a "
+                "backward under no_sync() after the reduced one). Stages 2-3 take each "
+                "gradient from backward as it is reduced and leave param.grad None, so this "
+                "step would ignore it. Put such terms into the loss before backward, assign "
+                "gradients only in a step without backward (they are then reduced: the "
+                "torch.autograd.grad idiom), or use stage 1; optimizer.zero_grad() drops them")
         self._retire(block_over=0)
         # the update of the parameter shards follows: one-sided readers wait for its end
         self._updating = True

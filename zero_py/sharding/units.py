@@ -4,7 +4,8 @@ A wrap policy names the modules that become units (module classes, a parameter c
 callable); the root module is always unit 0. Every parameter belongs to one unit: a parameter
 registered in several modules (tied weights) goes to the innermost unit that contains all of
 them. Containers (ModuleList, ModuleDict) are never units: nothing calls them, so nothing
-would gather them.
+would gather them. Nor are the children of nn.MultiheadAttention and nn.TransformerEncoderLayer,
+whose forwards read the children's parameters without calling them (_LEAVES).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ WrapPolicy = Union[None, int, Sequence[Type[nn.Module]], Callable[[nn.Module, st
 
 DEFAULT_WRAP_THRESHOLD = 1_000_000  # parameters; the default policy wraps modules this large
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+# modules whose forward reads their children's parameters without calling the children
+# (nn.MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward; the fast
+# path of nn.TransformerEncoderLayer reads every child's): their children are never units, as
+# nothing would gather them (FSDP's size-based policy forces nn.MultiheadAttention as a leaf)
+_LEAVES = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 
 
 def _policy_fn(policy: WrapPolicy) -> Callable[[nn.Module, str, int], bool]:
@@ -66,19 +72,20 @@ def assign_units(model: nn.Module, policy: WrapPolicy) -> Tuple[List[Tuple[str, 
     wrapped: Set[int] = set()
     taken: Dict[int, Set[int]] = {}
 
-    def visit(m: nn.Module) -> Set[int]:
+    def visit(m: nn.Module, in_leaf: bool) -> Set[int]:
         mine = {id(p) for p in m.parameters(recurse=False)}
         for child in m.children():
-            mine |= visit(child)
-        # containers have no forward, so nothing would ever gather them: never units
-        if (m is not model and not isinstance(m, _CONTAINERS)
+            mine |= visit(child, in_leaf or isinstance(m, _LEAVES))
+        # containers have no forward, so nothing would ever gather them: never units; nor
+        # the children of a module that reads their parameters itself (_LEAVES)
+        if (m is not model and not in_leaf and not isinstance(m, _CONTAINERS)
                 and wrap(m, names.get(id(m), ""), sum(params[i].numel() for i in mine))):
             wrapped.add(id(m))
             taken[id(m)] = mine
             return set()
         return mine
 
-    visit(model)
+    visit(model, False)
     units: List[Tuple[str, nn.Module]] = [("", model)]
     for name, m in model.named_modules():
         if id(m) in wrapped:

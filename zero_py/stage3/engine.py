@@ -246,6 +246,17 @@ class Stage3Engine:
 
     def _make_pre_backward(self, u: int):
         def hook(grad):
+            if torch.is_grad_enabled():
+                # the autograd engine runs a backward's hooks in grad mode only for
+                # create_graph=True; refused before anything is gathered or announced
+                raise RuntimeError(
+                    f"zero_py stage 3: a backward with create_graph=True reached unit "
+                    f"{self.units[u][0] or '(root)'!r} (e.g. torch.autograd.grad(..., "
+                    "create_graph=True) for a gradient penalty, or a double backward). Its "
+                    "graph of gradients would keep the unit's gathered parameters, which stage "
+                    "3 frees after the unit's backward, so the backward through it would read "
+                    "freed memory. Use stage 1 or 2 for double backward (their parameters stay "
+                    "whole), or compute the penalty without create_graph")
             if self._phase != _C.PF_BACKWARD:
                 self._begin_backward()
             self._run(self.prefetch.need(u))
