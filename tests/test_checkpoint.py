@@ -580,6 +580,34 @@ def test_a_momentum_switched_on_by_a_scheduler_resumes_exactly(single_rank_group
         assert torch.equal(a, b)
 
 
+def test_a_bf16_run_saved_before_its_first_step_resumes(single_rank_group, tmp_path):
+    """A save before any step holds the fp32 masters the manifest says it has (it used to
+    leave them out, and every load of it failed: "lacks tensor master/..."); resident and on
+    NVMe, the resumed run goes on as the one that never stopped."""
+    def run(resume, offload):
+        torch.manual_seed(0)
+        model = models.MLP().bfloat16()
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, **offload)
+        if resume:
+            zero_py.save_checkpoint(tmp_path / "ck0", model, opt)
+            torch.manual_seed(1)
+            model = models.MLP().bfloat16()
+            opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                        **offload)
+            zero_py.load_checkpoint(tmp_path / "ck0", model, opt)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            x, y = models.mlp_batch(gen)
+            torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+    (tmp_path / "nvme").mkdir()
+    for offload in ({}, {"offload_optimizer": "nvme", "offload_dir": str(tmp_path / "nvme")}):
+        for a, b in zip(run(False, offload), run(True, offload)):
+            assert torch.equal(a, b), offload
+
+
 # -- what a save refuses before writing anything, in one process ------------------------------
 
 

@@ -64,6 +64,19 @@ def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
     return state
 
 
+def _unstepped_master(opt, s, reader: Optional[SpanReader]):
+    """The fp32 master of slice s of a parameter not stepped yet (a view, or a Span of the NVMe
+    offload file), or None where its bucket has none (fp32: the parameter is its own). A save
+    before the first step holds it too: the manifest says "master", and after a load of an
+    fp32 checkpoint into a bf16 model it holds more than the parameter's bits."""
+    if opt._masters.dtype_of[s.bucket] is None:
+        return None
+    if reader is not None:
+        lo = opt._flat.bucket_shard_offset[s.bucket] + s.piece_lo
+        return reader.span(0, lo, lo + s.numel)
+    return opt._masters.piece(s.bucket)[s.piece_lo:s.piece_hi]
+
+
 def _record_order(h: Held) -> tuple:
     """Where a parameter on NVMe sits in its file (trainable before frozen, then bucket and
     offset); the others after them. A rank file in this order reads each record of the
@@ -96,7 +109,10 @@ def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[Spa
             continue
         state = (opt._slice_state(h.slice, copy=False) if reader is None
                  else _streamed_state(opt, h.slice, reader))
-        if state is None:  # not stepped yet: no state
+        if state is None:  # not stepped yet: no state, but its fp32 master (the manifest
+            master = _unstepped_master(opt, h.slice, reader)  # says it has one)
+            if master is not None:
+                tensors.append((f"master/{name}", master))
             continue
         keys, scalars = [], {}
         for key, value in state.items():
