@@ -156,6 +156,24 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
     "missing": ("delete rank00001", "missing"),
     "version": ("format version 99", "format version 99"),
     "edited": ("manifest.json without 'files'", "lacks 'files'"),
+    # the manifest's layout against its files (validate.py), each problem by file and field
+    "layout_shape": ("a shape whose product the pieces do not cover",
+                     "manifest.json: params['blocks.0.attn.qkv.weight'].pieces cover elements "
+                     "[0, 3072) of the 3104"),
+    "layout_empty_piece": ("a piece of zero length where the file holds elements",
+                           "manifest.json: params['pos_emb.weight'].pieces[0] is [0, 0, 0]: it "
+                           "holds no element"),
+    "layout_rank": ("a piece on a rank without a file",
+                    "manifest.json: params['tok_emb.weight'].pieces[0] is [7, 0, "),
+    "layout_dtype": ("a dtype other than the file's",
+                     "safetensors: tensor param/blocks.0.ln1.weight is F32, where "),
+}
+LAYOUT_EDITS = {  # case: what it does to the manifest of a copy of C
+    "layout_shape": lambda m: m["params"]["blocks.0.attn.qkv.weight"].update(shape=[97, 32]),
+    "layout_empty_piece": lambda m: m["params"]["pos_emb.weight"]["pieces"][0].__setitem__(
+        2, m["params"]["pos_emb.weight"]["pieces"][0][1]),
+    "layout_rank": lambda m: m["params"]["tok_emb.weight"]["pieces"][0].__setitem__(0, 7),
+    "layout_dtype": lambda m: m["params"]["blocks.0.ln1.weight"].update(dtype="bfloat16"),
 }
 
 
@@ -187,11 +205,14 @@ def make_damaged(tmp):
             data["version"] = 99
             with open(man, "w") as f:
                 json.dump(data, f)
-        elif case == "edited":
+        elif case in ("edited", *LAYOUT_EDITS):
             man = os.path.join(dst, "manifest.json")
             with open(man) as f:
                 data = json.load(f)
-            del data["files"]
+            if case == "edited":
+                del data["files"]
+            else:
+                LAYOUT_EDITS[case](data)
             with open(man, "w") as f:
                 json.dump(data, f)
 
@@ -246,6 +267,20 @@ def run_second_2(rank, world, tmp):
             lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
     finally:
         reader.Checkpoint.read_into = real
+    # a failure the checks do not foresee, on one rank, raises on every rank (it used to leave
+    # the others waiting in the agreement)
+    from zero_py.checkpoint import load as load_mod
+
+    real_holdings = load_mod.holdings
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected failure")
+        load_mod.holdings = broken
+    try:
+        out["unforeseen"] = _refusal(
+            lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
+    finally:
+        load_mod.holdings = real_holdings
     return out
 
 
@@ -375,6 +410,12 @@ def test_a_failed_read_of_the_other_ranks_parameters_raises_on_every_rank(runs):
         msg = rank_out["replicas_failed"]
         assert msg is not None and "rank 1" in msg and "injected read error" in msg, msg
         assert "other ranks' parameter values" in msg and "load the checkpoint again" in msg
+
+
+def test_an_unforeseen_failure_of_one_rank_in_a_load_raises_on_every_rank(runs):
+    for rank_out in runs["second"]:
+        msg = rank_out["unforeseen"]
+        assert msg is not None and "rank 1: RuntimeError: injected failure" in msg, msg
 
 
 def test_async_save_writes_the_state_of_its_call(runs):
@@ -518,6 +559,25 @@ def test_inspect_prints_the_manifest(runs):
                             text=True)  # a clear error, not a traceback
     assert edited.returncode != 0 and "lacks 'files'" in edited.stderr, edited.stderr
     assert "Traceback" not in edited.stderr, edited.stderr
+
+
+def test_inspect_and_consolidate_refuse_a_manifest_that_does_not_describe_its_files(
+        runs, tmp_path, capsys):
+    """A manifest whose layout disagrees with its files (a shape the pieces do not cover, an
+    empty piece, a piece on a rank without a file, another dtype) used to pass `inspect` as
+    "OK" (and make consolidate fail with a KeyError traceback or write a wrong tensor):
+    refused as load_checkpoint refuses it, each problem by file and field."""
+    from zero_py.__main__ import main
+
+    for case in LAYOUT_EDITS:
+        path = os.path.join(runs["tmp"], "bad_" + case)
+        assert main(["inspect", path]) == 1, case
+        out, err = capsys.readouterr()
+        assert " OK" not in out and DAMAGED[case][1] in err and path in err, (case, err)
+        assert main(["consolidate", path, str(tmp_path / "out.safetensors")]) == 1, case
+        out, err = capsys.readouterr()
+        assert DAMAGED[case][1] in err, (case, err)
+        assert not (tmp_path / "out.safetensors").exists()
 
 
 def _crc32c_reference(data: bytes) -> int:

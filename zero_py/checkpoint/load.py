@@ -24,8 +24,9 @@ import torch
 from zero_py.checkpoint import feedback, plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
-from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
+from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
+from zero_py.optim.loss_scaler import LossScaler
 
 
 def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
@@ -108,6 +109,11 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
     if man["loss_scaler"] is not None and opt.loss_scaler is None:
         raise CheckpointError(f"{ck.path} was saved with a loss scaler: build the optimizer "
                               "with loss_scaler=zero_py.LossScaler() to resume it")
+    if man["loss_scaler"] is not None:  # checked here: the commit must not fail halfway
+        try:
+            LossScaler.check_state(plain.decode(man["loss_scaler"]))
+        except ValueError as exc:
+            raise CheckpointError(f"{ck.path}: {MANIFEST}'s loss_scaler: {exc}") from None
     return new_groups, keys
 
 
@@ -285,8 +291,10 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
                 write_records(ck, opt, held, {id(h): t for h, t in plan.params})
             plan.feedback = feedback.stage(ck, opt, ex.rank)
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
-    except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
-        error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+    except (CheckpointError, ValueError, TypeError, OSError) as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any other failure of one rank: raised on every
+        error = f"{type(exc).__name__}: {exc}"  # rank by the agreement, not left to hang it
     if error is not None and ck is not None:
         ck.close()
     # every rank read the same save (a save published to the path meanwhile, or different
