@@ -145,6 +145,70 @@ def run_first(rank, world, tmp):
         save(os.path.join(tmp, "rot", f"step_{t + 1}"), model, opt, sched, rank, world,
              keep_last=2)
     out["rot"] = sorted(os.listdir(os.path.join(tmp, "rot")))
+    out.update(_rotation_failures(rank, os.path.join(tmp, "rot_fail")))
+    return out
+
+
+def _rotation_failures(rank, root):
+    """keep_last when an older checkpoint cannot be removed (rank 0, which rotates, is refused
+    one of its files, as a file held open on NFS or a directory of another user's would be),
+    after a run restarted from scratch, and beside a directory whose manifest is damaged."""
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = models.MLP()
+        return model, zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    model, opt = fresh(0)
+    gen = torch.Generator().manual_seed(rank)
+
+    def step(model, opt):
+        models.mlp_loss(model, models.mlp_batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def save(name, model, opt, **kw):
+        return zero_py.save_checkpoint(os.path.join(root, name), model, opt, **kw)
+
+    for t in (1, 2):
+        step(model, opt)
+        save(f"step_{t}", model, opt)
+    stuck, real = os.path.join(root, "step_1", "rank00001.safetensors"), os.unlink
+
+    def refusing(path, *args, **kwargs):
+        if os.fspath(path) == stuck:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+    out = {}
+    step(model, opt)
+    if rank == 0:
+        os.unlink = refusing
+    try:
+        error = _refusal(lambda: save("step_3", model, opt, keep_last=1))
+    finally:
+        os.unlink = real
+    out["rot_errors"] = [None, None]
+    dist.all_gather_object(out["rot_errors"], error)
+    out["rot_left"] = {n: sorted(os.listdir(os.path.join(root, n)))
+                       for n in sorted(os.listdir(root))}
+    saved = [p.detach().clone() for p in model.parameters()]
+    other, oopt = fresh(1)  # the checkpoint just written is whole
+    zero_py.load_checkpoint(os.path.join(root, "step_3"), other, oopt)
+    out["rot_loaded"] = all(torch.equal(a, b) for a, b in zip(saved, other.parameters()))
+    step(model, opt)  # the next save with keep_last removes what the failed one left
+    save("step_4", model, opt, keep_last=1)
+    out["rot_after"] = sorted(os.listdir(root))
+    if rank == 0:  # a checkpoint's directory whose manifest has a damaged step: never ours
+        shutil.copytree(os.path.join(root, "step_4"), os.path.join(root, "step_9"))
+        with open(os.path.join(root, "step_9", "manifest.json")) as f:
+            man = json.load(f)
+        man["step"] = "nine"
+        with open(os.path.join(root, "step_9", "manifest.json"), "w") as f:
+            json.dump(man, f)
+    dist.barrier()
+    model, opt = fresh(2)  # restarted from scratch: step 1 under a new name
+    step(model, opt)
+    save("step_1", model, opt, keep_last=1)
+    out["restart"] = sorted(os.listdir(root))
     return out
 
 
@@ -388,6 +452,26 @@ def test_state_of_a_parameter_unused_before_the_save_starts_fresh(runs):
 
 def test_keep_last_rotation(runs):
     assert runs["first"]["rot"] == ["step_3", "step_4"]
+
+
+def test_keep_last_that_cannot_remove_an_old_checkpoint_says_so_and_keeps_the_new_one(runs):
+    """It used to raise "save_checkpoint failed, the previous checkpoint is kept" after the new
+    one was published; and a run restarted from scratch (smaller steps) had the checkpoint it
+    had just written deleted as the oldest, with save_checkpoint returning its path."""
+    first = runs["first"]
+    step_1 = os.path.join(runs["tmp"], "rot_fail", "step_1")
+    msg = first["rot_errors"][0]
+    assert first["rot_errors"][1] == msg  # every rank raises the same
+    assert msg is not None and "the checkpoint is saved, whole" in msg, msg
+    assert f"could not remove 1 older checkpoint(s): {step_1} (Permission denied" in msg, msg
+    assert "previous checkpoint is kept" not in msg, msg
+    # the manifest goes last: what is left is a checkpoint the next rotation takes
+    assert first["rot_left"] == {
+        "step_1": ["manifest.json", "rank00001.safetensors"],
+        "step_3": ["manifest.json", "rank00000.safetensors", "rank00001.safetensors"]}
+    assert first["rot_loaded"]
+    assert first["rot_after"] == ["step_4"]
+    assert first["restart"] == ["step_1", "step_9"]
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGED))
