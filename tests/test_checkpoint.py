@@ -17,6 +17,7 @@ The damaged-checkpoint cases run at 2 ranks: every rank must raise, nothing may 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -722,6 +723,58 @@ def test_a_momentum_switched_on_by_a_scheduler_resumes_exactly(single_rank_group
     train_on(*second, data[4:])
     for a, b in zip(whole[0].parameters(), second[0].parameters()):
         assert torch.equal(a, b)
+
+
+def test_sgd_parameters_without_a_momentum_buffer_yet_resume_as_torch(single_rank_group,
+                                                                        tmp_path):
+    """SGD with momentum on the weights' group from the start and off on the biases' until
+    after the save: the biases have no momentum buffer (torch.optim holds none), so their
+    first step with momentum starts it from the gradient. Resumed through a checkpoint (the
+    optimizer's state resident, on NVMe, in host memory) and through the consolidated state
+    dict in torch.optim.SGD itself, every run goes on as torch.optim.SGD that never stopped
+    (they used to load a zero buffer and dampen the gradient into it)."""
+    def groups(model):
+        return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+                 "momentum": 0.9},
+                {"params": [p for n, p in model.named_parameters() if n.endswith("bias")]}]
+    kw = dict(lr=5e-2, momentum=0.0, dampening=0.3)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    ref_opt = torch.optim.SGD(groups(ref), **kw)
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.mlp_batch(gen) for _ in range(5)]
+    runs = []
+    (tmp_path / "nvme").mkdir()
+    for off in ({}, {"offload_optimizer": "nvme", "offload_dir": str(tmp_path / "nvme")},
+                {"offload_optimizer": "cpu"}):
+        torch.manual_seed(0)
+        model = models.MLP()
+        opt = zero_py.ZeroOptimizer(groups(model), torch.optim.SGD, **off, **kw)
+        for x, y in batches[:2]:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        zero_py.save_checkpoint(tmp_path / "ck", model, opt)
+        torch.manual_seed(1)
+        model = models.MLP()
+        opt = zero_py.ZeroOptimizer(groups(model), torch.optim.SGD, **off, **kw)
+        zero_py.load_checkpoint(tmp_path / "ck", model, opt)
+        runs.append((model, opt))
+    torch_model = copy.deepcopy(runs[0][0])
+    torch_opt = torch.optim.SGD(groups(torch_model), **kw)
+    torch_opt.load_state_dict(runs[0][1].consolidate_state_dict())
+    runs.append((torch_model, torch_opt))
+    for k, (x, y) in enumerate(batches):
+        if k == 2:
+            for _, opt in [(ref, ref_opt)] + runs:
+                opt.param_groups[1]["momentum"] = 0.9
+        for model, opt in [(ref, ref_opt)] + runs if k >= 2 else [(ref, ref_opt)]:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for i, (model, _) in enumerate(runs):
+        assert max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
+                                                             ref.parameters())) < 1e-6, i
 
 
 def test_a_bf16_run_saved_before_its_first_step_resumes(single_rank_group, tmp_path):

@@ -45,6 +45,7 @@ from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointErro
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
+from zero_py.optim.update import BUFFER
 
 
 def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
@@ -58,6 +59,8 @@ def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
     if opt._step_in_state():
         state["step"] = torch.tensor(float(opt._step_count[s.param]), dtype=torch.float32)
     for j, key in enumerate(update.keys):
+        if key == BUFFER and s.param in update.no_momentum_yet:
+            continue  # SGD stepped without momentum only: no buffer (as _slice_state)
         state[key] = reader.span(j + 1, lo, lo + s.numel)
     if opt._masters.dtype_of[s.bucket] is not None:
         state["master_param"] = reader.span(0, lo, lo + s.numel)
