@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -835,10 +836,37 @@ def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single
     assert got.keys() == extra.keys() and got["ints"] == extra["ints"] and got["big"] == 2 ** 62
     for k in ("t", "bf", "zero_d", "empty"):
         assert got[k].dtype == extra[k].dtype and torch.equal(got[k], extra[k]), k
+    # numpy scalars and arrays (np.random.get_state()), torch's RNG states: given back as
+    # they were (numpy used to be refused, with a hint to call its state_dict())
+    np.random.seed(4)
+    rng = {"torch": torch.get_rng_state(), "random": torch.random.get_rng_state(),
+           "numpy": np.random.get_state(), "gen": torch.Generator().manual_seed(3).get_state()}
+    nums = {"i": np.int64(-3), "u": np.uint8(200), "f": np.float32(1.25), "d": np.float64(0.1),
+            "b": np.bool_(True), "a": np.arange(12, dtype=np.float16).reshape(3, 4)[:, ::2],
+            "s": np.array(["ab", "c"]), "e": np.zeros((0, 2), dtype=np.int32),
+            "nested": [None, True, {"k": (np.int32(7), [])}]}
+    zero_py.save_checkpoint(tmp_path / "numpy", model, opt, {"rng": rng, "nums": nums})
+    got = zero_py.load_checkpoint(tmp_path / "numpy", model, opt)
+    for k in ("torch", "random", "gen"):
+        assert got["rng"][k].dtype == torch.uint8 and torch.equal(got["rng"][k], rng[k]), k
+    assert got["rng"]["numpy"][0] == "MT19937" and got["rng"]["numpy"][2:] == rng["numpy"][2:]
+    assert got["rng"]["numpy"][1].dtype == np.uint32
+    assert np.array_equal(got["rng"]["numpy"][1], rng["numpy"][1])
+    ahead = np.random.rand(3)
+    np.random.set_state(got["rng"]["numpy"])
+    assert np.array_equal(np.random.rand(3), ahead)
+    for k, v in nums.items():
+        if k == "nested":
+            assert got["nums"][k] == v and type(got["nums"][k][2]["k"][0]) is np.int32
+            continue
+        assert type(got["nums"][k]) is type(v), k
+        assert (np.array_equal(got["nums"][k], v) and got["nums"][k].dtype == v.dtype
+                if isinstance(v, np.ndarray) else got["nums"][k] == v), k
     before = sorted(os.listdir(tmp_path))
     for bad, what in ((torch.zeros(2, dtype=torch.complex64), "complex64"),
                       (torch.zeros(2, dtype=torch.uint16), "uint16"),
-                      (torch.empty(3, device="meta"), "meta device")):
+                      (torch.empty(3, device="meta"), "meta device"),
+                      (np.array([object()]), "dtype object")):
         with pytest.raises(zero_py.CheckpointError, match=rf"extra\['x'\]\[1\].*{what}"):
             zero_py.save_checkpoint(tmp_path / "bad", model, opt, {"x": [0, bad]})
         assert sorted(os.listdir(tmp_path)) == before  # no temporary directory left
