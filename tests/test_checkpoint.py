@@ -17,6 +17,7 @@ The damaged-checkpoint cases run at 2 ranks: every rank must raise, nothing may 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -145,6 +147,70 @@ def run_first(rank, world, tmp):
         save(os.path.join(tmp, "rot", f"step_{t + 1}"), model, opt, sched, rank, world,
              keep_last=2)
     out["rot"] = sorted(os.listdir(os.path.join(tmp, "rot")))
+    out.update(_rotation_failures(rank, os.path.join(tmp, "rot_fail")))
+    return out
+
+
+def _rotation_failures(rank, root):
+    """keep_last when an older checkpoint cannot be removed (rank 0, which rotates, is refused
+    one of its files, as a file held open on NFS or a directory of another user's would be),
+    after a run restarted from scratch, and beside a directory whose manifest is damaged."""
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = models.MLP()
+        return model, zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+
+    model, opt = fresh(0)
+    gen = torch.Generator().manual_seed(rank)
+
+    def step(model, opt):
+        models.mlp_loss(model, models.mlp_batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def save(name, model, opt, **kw):
+        return zero_py.save_checkpoint(os.path.join(root, name), model, opt, **kw)
+
+    for t in (1, 2):
+        step(model, opt)
+        save(f"step_{t}", model, opt)
+    stuck, real = os.path.join(root, "step_1", "rank00001.safetensors"), os.unlink
+
+    def refusing(path, *args, **kwargs):
+        if os.fspath(path) == stuck:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+    out = {}
+    step(model, opt)
+    if rank == 0:
+        os.unlink = refusing
+    try:
+        error = _refusal(lambda: save("step_3", model, opt, keep_last=1))
+    finally:
+        os.unlink = real
+    out["rot_errors"] = [None, None]
+    dist.all_gather_object(out["rot_errors"], error)
+    out["rot_left"] = {n: sorted(os.listdir(os.path.join(root, n)))
+                       for n in sorted(os.listdir(root))}
+    saved = [p.detach().clone() for p in model.parameters()]
+    other, oopt = fresh(1)  # the checkpoint just written is whole
+    zero_py.load_checkpoint(os.path.join(root, "step_3"), other, oopt)
+    out["rot_loaded"] = all(torch.equal(a, b) for a, b in zip(saved, other.parameters()))
+    step(model, opt)  # the next save with keep_last removes what the failed one left
+    save("step_4", model, opt, keep_last=1)
+    out["rot_after"] = sorted(os.listdir(root))
+    if rank == 0:  # a checkpoint's directory whose manifest has a damaged step: never ours
+        shutil.copytree(os.path.join(root, "step_4"), os.path.join(root, "step_9"))
+        with open(os.path.join(root, "step_9", "manifest.json")) as f:
+            man = json.load(f)
+        man["step"] = "nine"
+        with open(os.path.join(root, "step_9", "manifest.json"), "w") as f:
+            json.dump(man, f)
+    dist.barrier()
+    model, opt = fresh(2)  # restarted from scratch: step 1 under a new name
+    step(model, opt)
+    save("step_1", model, opt, keep_last=1)
+    out["restart"] = sorted(os.listdir(root))
     return out
 
 
@@ -156,6 +222,24 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
     "missing": ("delete rank00001", "missing"),
     "version": ("format version 99", "format version 99"),
     "edited": ("manifest.json without 'files'", "lacks 'files'"),
+    # the manifest's layout against its files (validate.py), each problem by file and field
+    "layout_shape": ("a shape whose product the pieces do not cover",
+                     "manifest.json: params['blocks.0.attn.qkv.weight'].pieces cover elements "
+                     "[0, 3072) of the 3104"),
+    "layout_empty_piece": ("a piece of zero length where the file holds elements",
+                           "manifest.json: params['pos_emb.weight'].pieces[0] is [0, 0, 0]: it "
+                           "holds no element"),
+    "layout_rank": ("a piece on a rank without a file",
+                    "manifest.json: params['tok_emb.weight'].pieces[0] is [7, 0, "),
+    "layout_dtype": ("a dtype other than the file's",
+                     "safetensors: tensor param/blocks.0.ln1.weight is F32, where "),
+}
+LAYOUT_EDITS = {  # case: what it does to the manifest of a copy of C
+    "layout_shape": lambda m: m["params"]["blocks.0.attn.qkv.weight"].update(shape=[97, 32]),
+    "layout_empty_piece": lambda m: m["params"]["pos_emb.weight"]["pieces"][0].__setitem__(
+        2, m["params"]["pos_emb.weight"]["pieces"][0][1]),
+    "layout_rank": lambda m: m["params"]["tok_emb.weight"]["pieces"][0].__setitem__(0, 7),
+    "layout_dtype": lambda m: m["params"]["blocks.0.ln1.weight"].update(dtype="bfloat16"),
 }
 
 
@@ -187,11 +271,14 @@ def make_damaged(tmp):
             data["version"] = 99
             with open(man, "w") as f:
                 json.dump(data, f)
-        elif case == "edited":
+        elif case in ("edited", *LAYOUT_EDITS):
             man = os.path.join(dst, "manifest.json")
             with open(man) as f:
                 data = json.load(f)
-            del data["files"]
+            if case == "edited":
+                del data["files"]
+            else:
+                LAYOUT_EDITS[case](data)
             with open(man, "w") as f:
                 json.dump(data, f)
 
@@ -246,6 +333,20 @@ def run_second_2(rank, world, tmp):
             lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
     finally:
         reader.Checkpoint.read_into = real
+    # a failure the checks do not foresee, on one rank, raises on every rank (it used to leave
+    # the others waiting in the agreement)
+    from zero_py.checkpoint import load as load_mod
+
+    real_holdings = load_mod.holdings
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected failure")
+        load_mod.holdings = broken
+    try:
+        out["unforeseen"] = _refusal(
+            lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
+    finally:
+        load_mod.holdings = real_holdings
     return out
 
 
@@ -355,6 +456,26 @@ def test_keep_last_rotation(runs):
     assert runs["first"]["rot"] == ["step_3", "step_4"]
 
 
+def test_keep_last_that_cannot_remove_an_old_checkpoint_says_so_and_keeps_the_new_one(runs):
+    """It used to raise "save_checkpoint failed, the previous checkpoint is kept" after the new
+    one was published; and a run restarted from scratch (smaller steps) had the checkpoint it
+    had just written deleted as the oldest, with save_checkpoint returning its path."""
+    first = runs["first"]
+    step_1 = os.path.join(runs["tmp"], "rot_fail", "step_1")
+    msg = first["rot_errors"][0]
+    assert first["rot_errors"][1] == msg  # every rank raises the same
+    assert msg is not None and "the checkpoint is saved, whole" in msg, msg
+    assert f"could not remove 1 older checkpoint(s): {step_1} (Permission denied" in msg, msg
+    assert "previous checkpoint is kept" not in msg, msg
+    # the manifest goes last: what is left is a checkpoint the next rotation takes
+    assert first["rot_left"] == {
+        "step_1": ["manifest.json", "rank00001.safetensors"],
+        "step_3": ["manifest.json", "rank00000.safetensors", "rank00001.safetensors"]}
+    assert first["rot_loaded"]
+    assert first["rot_after"] == ["step_4"]
+    assert first["restart"] == ["step_1", "step_9"]
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGED))
 def test_damaged_checkpoint_is_refused_on_every_rank(runs, case):
     for rank_out in runs["second"]:
@@ -375,6 +496,12 @@ def test_a_failed_read_of_the_other_ranks_parameters_raises_on_every_rank(runs):
         msg = rank_out["replicas_failed"]
         assert msg is not None and "rank 1" in msg and "injected read error" in msg, msg
         assert "other ranks' parameter values" in msg and "load the checkpoint again" in msg
+
+
+def test_an_unforeseen_failure_of_one_rank_in_a_load_raises_on_every_rank(runs):
+    for rank_out in runs["second"]:
+        msg = rank_out["unforeseen"]
+        assert msg is not None and "rank 1: RuntimeError: injected failure" in msg, msg
 
 
 def test_async_save_writes_the_state_of_its_call(runs):
@@ -520,6 +647,25 @@ def test_inspect_prints_the_manifest(runs):
     assert "Traceback" not in edited.stderr, edited.stderr
 
 
+def test_inspect_and_consolidate_refuse_a_manifest_that_does_not_describe_its_files(
+        runs, tmp_path, capsys):
+    """A manifest whose layout disagrees with its files (a shape the pieces do not cover, an
+    empty piece, a piece on a rank without a file, another dtype) used to pass `inspect` as
+    "OK" (and make consolidate fail with a KeyError traceback or write a wrong tensor):
+    refused as load_checkpoint refuses it, each problem by file and field."""
+    from zero_py.__main__ import main
+
+    for case in LAYOUT_EDITS:
+        path = os.path.join(runs["tmp"], "bad_" + case)
+        assert main(["inspect", path]) == 1, case
+        out, err = capsys.readouterr()
+        assert " OK" not in out and DAMAGED[case][1] in err and path in err, (case, err)
+        assert main(["consolidate", path, str(tmp_path / "out.safetensors")]) == 1, case
+        out, err = capsys.readouterr()
+        assert DAMAGED[case][1] in err, (case, err)
+        assert not (tmp_path / "out.safetensors").exists()
+
+
 def _crc32c_reference(data: bytes) -> int:
     """Bit by bit, from the definition (reflected polynomial 0x82F63B78)."""
     crc = 0xFFFFFFFF
@@ -580,6 +726,86 @@ def test_a_momentum_switched_on_by_a_scheduler_resumes_exactly(single_rank_group
         assert torch.equal(a, b)
 
 
+def test_sgd_parameters_without_a_momentum_buffer_yet_resume_as_torch(single_rank_group,
+                                                                        tmp_path):
+    """SGD with momentum on the weights' group from the start and off on the biases' until
+    after the save: the biases have no momentum buffer (torch.optim holds none), so their
+    first step with momentum starts it from the gradient. Resumed through a checkpoint (the
+    optimizer's state resident, on NVMe, in host memory) and through the consolidated state
+    dict in torch.optim.SGD itself, every run goes on as torch.optim.SGD that never stopped
+    (they used to load a zero buffer and dampen the gradient into it)."""
+    def groups(model):
+        return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+                 "momentum": 0.9},
+                {"params": [p for n, p in model.named_parameters() if n.endswith("bias")]}]
+    kw = dict(lr=5e-2, momentum=0.0, dampening=0.3)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    ref_opt = torch.optim.SGD(groups(ref), **kw)
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.mlp_batch(gen) for _ in range(5)]
+    runs = []
+    (tmp_path / "nvme").mkdir()
+    for off in ({}, {"offload_optimizer": "nvme", "offload_dir": str(tmp_path / "nvme")},
+                {"offload_optimizer": "cpu"}):
+        torch.manual_seed(0)
+        model = models.MLP()
+        opt = zero_py.ZeroOptimizer(groups(model), torch.optim.SGD, **off, **kw)
+        for x, y in batches[:2]:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        zero_py.save_checkpoint(tmp_path / "ck", model, opt)
+        torch.manual_seed(1)
+        model = models.MLP()
+        opt = zero_py.ZeroOptimizer(groups(model), torch.optim.SGD, **off, **kw)
+        zero_py.load_checkpoint(tmp_path / "ck", model, opt)
+        runs.append((model, opt))
+    torch_model = copy.deepcopy(runs[0][0])
+    torch_opt = torch.optim.SGD(groups(torch_model), **kw)
+    torch_opt.load_state_dict(runs[0][1].consolidate_state_dict())
+    runs.append((torch_model, torch_opt))
+    for k, (x, y) in enumerate(batches):
+        if k == 2:
+            for _, opt in [(ref, ref_opt)] + runs:
+                opt.param_groups[1]["momentum"] = 0.9
+        for model, opt in [(ref, ref_opt)] + runs if k >= 2 else [(ref, ref_opt)]:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for i, (model, _) in enumerate(runs):
+        assert max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
+                                                             ref.parameters())) < 1e-6, i
+
+
+def test_a_bf16_run_saved_before_its_first_step_resumes(single_rank_group, tmp_path):
+    """A save before any step holds the fp32 masters the manifest says it has (it used to
+    leave them out, and every load of it failed: "lacks tensor master/..."); resident and on
+    NVMe, the resumed run goes on as the one that never stopped."""
+    def run(resume, offload):
+        torch.manual_seed(0)
+        model = models.MLP().bfloat16()
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, **offload)
+        if resume:
+            zero_py.save_checkpoint(tmp_path / "ck0", model, opt)
+            torch.manual_seed(1)
+            model = models.MLP().bfloat16()
+            opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                        **offload)
+            zero_py.load_checkpoint(tmp_path / "ck0", model, opt)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            x, y = models.mlp_batch(gen)
+            torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+    (tmp_path / "nvme").mkdir()
+    for offload in ({}, {"offload_optimizer": "nvme", "offload_dir": str(tmp_path / "nvme")}):
+        for a, b in zip(run(False, offload), run(True, offload)):
+            assert torch.equal(a, b), offload
+
+
 # -- what a save refuses before writing anything, in one process ------------------------------
 
 
@@ -610,10 +836,37 @@ def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single
     assert got.keys() == extra.keys() and got["ints"] == extra["ints"] and got["big"] == 2 ** 62
     for k in ("t", "bf", "zero_d", "empty"):
         assert got[k].dtype == extra[k].dtype and torch.equal(got[k], extra[k]), k
+    # numpy scalars and arrays (np.random.get_state()), torch's RNG states: given back as
+    # they were (numpy used to be refused, with a hint to call its state_dict())
+    np.random.seed(4)
+    rng = {"torch": torch.get_rng_state(), "random": torch.random.get_rng_state(),
+           "numpy": np.random.get_state(), "gen": torch.Generator().manual_seed(3).get_state()}
+    nums = {"i": np.int64(-3), "u": np.uint8(200), "f": np.float32(1.25), "d": np.float64(0.1),
+            "b": np.bool_(True), "a": np.arange(12, dtype=np.float16).reshape(3, 4)[:, ::2],
+            "s": np.array(["ab", "c"]), "e": np.zeros((0, 2), dtype=np.int32),
+            "nested": [None, True, {"k": (np.int32(7), [])}]}
+    zero_py.save_checkpoint(tmp_path / "numpy", model, opt, {"rng": rng, "nums": nums})
+    got = zero_py.load_checkpoint(tmp_path / "numpy", model, opt)
+    for k in ("torch", "random", "gen"):
+        assert got["rng"][k].dtype == torch.uint8 and torch.equal(got["rng"][k], rng[k]), k
+    assert got["rng"]["numpy"][0] == "MT19937" and got["rng"]["numpy"][2:] == rng["numpy"][2:]
+    assert got["rng"]["numpy"][1].dtype == np.uint32
+    assert np.array_equal(got["rng"]["numpy"][1], rng["numpy"][1])
+    ahead = np.random.rand(3)
+    np.random.set_state(got["rng"]["numpy"])
+    assert np.array_equal(np.random.rand(3), ahead)
+    for k, v in nums.items():
+        if k == "nested":
+            assert got["nums"][k] == v and type(got["nums"][k][2]["k"][0]) is np.int32
+            continue
+        assert type(got["nums"][k]) is type(v), k
+        assert (np.array_equal(got["nums"][k], v) and got["nums"][k].dtype == v.dtype
+                if isinstance(v, np.ndarray) else got["nums"][k] == v), k
     before = sorted(os.listdir(tmp_path))
     for bad, what in ((torch.zeros(2, dtype=torch.complex64), "complex64"),
                       (torch.zeros(2, dtype=torch.uint16), "uint16"),
-                      (torch.empty(3, device="meta"), "meta device")):
+                      (torch.empty(3, device="meta"), "meta device"),
+                      (np.array([object()]), "dtype object")):
         with pytest.raises(zero_py.CheckpointError, match=rf"extra\['x'\]\[1\].*{what}"):
             zero_py.save_checkpoint(tmp_path / "bad", model, opt, {"x": [0, bad]})
         assert sorted(os.listdir(tmp_path)) == before  # no temporary directory left

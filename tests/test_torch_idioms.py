@@ -2,9 +2,10 @@
 backward and step, step twice, step before any backward, zero_grad(set_to_none=False)),
 add_param_group after construction (a fine-tuning script unfreezing a layer), optimizer.state
 as this rank's slices, the state-dict hooks, hyperparameters changed after construction (an
-SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay), and
-module buffers (BatchNorm running statistics) broadcast at construction and, with
-broadcast_buffers=True, before forwards as DDP does.
+SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay; the
+record that a parameter has no momentum buffer yet kept through add_param_group, checkpoints
+and state dicts), and module buffers (BatchNorm running statistics) broadcast at construction
+and, with broadcast_buffers=True, before forwards as DDP does.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -13,6 +14,7 @@ Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e
 import contextlib
 import copy
 import inspect
+import os
 
 import torch
 import torch.nn as nn
@@ -228,6 +230,80 @@ def changed_hyperparameters(rank, stage, case):
     return out
 
 
+def _sgd_momentum_groups(params, model, mixed):
+    """All parameters in one group, or (mixed) weights with momentum from the start and biases
+    without (their momentum is switched on later)."""
+    if not mixed:
+        return params
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{"params": [p for p in params if names[id(p)].endswith("weight")], "momentum": 0.9},
+            {"params": [p for p in params if names[id(p)].endswith("bias")]}]
+
+
+def momentum_record_kept(rank, stage, how, mixed, tmp):
+    """SGD(momentum=0, dampening=0.3): 2 steps without momentum, then `how` (add_param_group,
+    a checkpoint saved and loaded into a new optimizer, or this rank's or the full state dict
+    loaded back), then momentum 0.9 for every group. torch.optim holds no momentum buffer for
+    a parameter stepped only without momentum, so its first step with momentum starts the
+    buffer from the gradient; zero_py used to lose that record in each of these calls and
+    dampen the gradient into a zero buffer instead."""
+    kw = dict(lr=5e-2, momentum=0.0, dampening=0.3)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zmodel = copy.deepcopy(ref)
+    if how == "add_group":
+        zmodel.head.requires_grad_(False)
+    base = [p for n, p in ref.named_parameters() if how != "add_group" or "head" not in n]
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(_sgd_momentum_groups(base, ref, mixed), **kw)
+
+    def build(model):
+        params = _sgd_momentum_groups([p for p in model.parameters() if p.requires_grad],
+                                      model, mixed)
+        return _zero(model, stage, torch.optim.SGD, lambda m: params, **kw)
+    zmodel, zopt = build(zmodel)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for k in range(5):
+        if k == 2:
+            if how == "add_group":
+                ref_opt.add_param_group({"params": list(ref.head.parameters())})
+                zmodel.head.requires_grad_(True)
+                zopt.add_param_group({"params": list(zmodel.head.parameters())})
+            elif how == "checkpoint":
+                path = os.path.join(tmp, f"momentum_{stage}_{mixed}")
+                zero_py.save_checkpoint(path, zmodel, zopt)
+                torch.manual_seed(5)
+                zmodel, zopt = build(models.MLP())
+                zero_py.load_checkpoint(path, zmodel, zopt)
+            else:
+                sd = zopt.state_dict() if how == "shard_dict" else zopt.consolidate_state_dict()
+                if how == "full_dict":
+                    box = [sd]
+                    torch.distributed.broadcast_object_list(box, 0)
+                    sd = box[0]
+                zopt.load_state_dict(copy.deepcopy(sd))
+            for opt in (ref_opt, zopt):
+                for g in opt.param_groups:
+                    g["momentum"] = 0.9
+        batch = models.mlp_batch(gen)
+        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            model.zero_grad()  # the reference's head, outside its optimizer until step 2
+        with zero_py.gathered(zmodel):
+            worst = max(worst, _rel(zmodel, ref))
+    return {"rel": worst}
+
+
+# (how, stage, mixed): add_param_group rebuilds the update (stages 1-2); the others reload it
+# (mixed: some groups with momentum from the start, so the update keeps buffers throughout)
+MOMENTUM_RECORD = [("add_group", 1, False), ("add_group", 2, True), ("checkpoint", 1, False),
+                   ("checkpoint", 2, True), ("checkpoint", 3, True), ("shard_dict", 2, True),
+                   ("full_dict", 1, True)]
+
+
 class BatchNormMLP(nn.Module):
     """fc1 has no bias: BatchNorm removes it, leaving it a gradient of rounding noise that
     AdamW would blow up into steps of size lr in arbitrary directions."""
@@ -337,8 +413,11 @@ def clip_then_backward(rank, stage, clip_again):
     return {"rel": worst, "norms": norms}
 
 
-def _all(rank, world_size):
+def _all(rank, world_size, tmp):
     out = {}
+    for how, stage, mixed in MOMENTUM_RECORD:
+        out[("momentum_record", how, stage, mixed)] = momentum_record_kept(rank, stage, how,
+                                                                           mixed, tmp)
     for stage in (1, 2, 3):
         for again in (False, True):
             out[("clip_backward", stage, again)] = clip_then_backward(rank, stage, again)
@@ -357,8 +436,8 @@ def _all(rank, world_size):
     return out
 
 
-def test_torch_idioms_match_ddp():
-    results = distributed.run(_all, 2, timeout=240)
+def test_torch_idioms_match_ddp(tmp_path):
+    results = distributed.run(_all, 2, str(tmp_path), timeout=240)
     for rank, res in enumerate(results):
         for key, r in res.items():
             where = f"{key} rank {rank}"

@@ -143,12 +143,18 @@ def torch_optimizer_state(path: str) -> dict:
 
 def describe(path, verify: bool = True) -> str:
     """The manifest as text: a summary and a table of the files (with their checksums checked
-    unless verify=False) and of the parameters."""
+    unless verify=False) and of the parameters. A checkpoint whose manifest does not describe
+    its files is refused as load_checkpoint refuses it (Checkpoint.open: every problem, by
+    file and field); one whose files fail their checksums raises CheckpointError listing
+    each such file, after checking them all."""
+    from zero_py.checkpoint.reader import CheckpointError
+
     ck = Checkpoint.open(path)
     try:
         man = ck.manifest
         lines = [f"checkpoint   {ck.path}",
-                 f"format       {man['format']} version {man['version']}, saved {man['created']}",
+                 f"format       {man['format']} version {man['version']}, saved "
+                 f"{man.get('created', '(not recorded)')}",
                  f"step         {man['step']}",
                  f"world size   {man['world_size']}, stage {man['stage']}",
                  f"optimizer    {man['optimizer']['class']} "
@@ -156,11 +162,21 @@ def describe(path, verify: bool = True) -> str:
                  f"{len(man['optimizer']['param_groups'])} param group(s)",
                  f"loss scaler  {'yes' if man['loss_scaler'] else 'no'}", "",
                  f"{'file':<24} {'rank':>4} {'bytes':>14} {'crc32c':>8}  check"]
+        failed = []
         for name, info in sorted(man["files"].items()):
+            check = "not checked"
             if verify:
-                ck.verify([name])  # raises CheckpointError on a damaged file
+                try:
+                    ck.verify([name])
+                    check = "OK"
+                except CheckpointError as exc:
+                    failed.append(str(exc))
+                    check = "FAILED"
             lines.append(f"{name:<24} {info['rank']:>4} {info['bytes']:>14,} {info['crc32c']:>8}"
-                         f"  {'OK' if verify else 'not checked'}")
+                         f"  {check}")
+        if failed:
+            raise CheckpointError(f"{len(failed)} of {len(man['files'])} file(s) failed their "
+                                  "check:\n  " + "\n  ".join(failed))
         lines += ["", f"{'parameter':<40} {'shape':<18} {'dtype':<9} {'train':>5} {'step':>6}"
                   f" {'ranks':>5}"]
         total = 0

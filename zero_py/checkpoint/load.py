@@ -24,8 +24,10 @@ import torch
 from zero_py.checkpoint import feedback, plain
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
-from zero_py.checkpoint.reader import Checkpoint, CheckpointError, agree, optimizer_of
+from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
+from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.update import without_buffer
 
 
 def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
@@ -100,7 +102,8 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
         raise CheckpointError(f"{ck.path}: {exc}") from None
     for name, h in held.items():
         st = ck.params[name].get("state")
-        if keys is not None and h.index is not None and st is not None and st["keys"] != keys:
+        if keys is not None and h.index is not None and st is not None and st["keys"] != keys \
+                and not without_buffer(opt._kind, keys, st["keys"]):
             raise CheckpointError(
                 f"{ck.path}: parameter {name} has optimizer state {st['keys']} there, this "
                 f"optimizer keeps {keys}: build it with the same options (e.g. amsgrad, "
@@ -108,6 +111,11 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
     if man["loss_scaler"] is not None and opt.loss_scaler is None:
         raise CheckpointError(f"{ck.path} was saved with a loss scaler: build the optimizer "
                               "with loss_scaler=zero_py.LossScaler() to resume it")
+    if man["loss_scaler"] is not None:  # checked here: the commit must not fail halfway
+        try:
+            LossScaler.check_state(plain.decode(man["loss_scaler"]))
+        except ValueError as exc:
+            raise CheckpointError(f"{ck.path}: {MANIFEST}'s loss_scaler: {exc}") from None
     return new_groups, keys
 
 
@@ -133,6 +141,9 @@ class _Plan:
         self.piece_files: list = []
         # grad_error_feedback's residuals this rank gets back (feedback.py; none: zeros)
         self.feedback: Dict[int, torch.Tensor] = {}
+        # SGD: the parameters saved without a momentum buffer (stepped without momentum only):
+        # FusedUpdate.no_momentum_yet after the commit
+        self.no_buffer: set = set()
 
     def stage(self, ck: Checkpoint, kind: str, name: str, lo: int, hi: int,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -150,11 +161,14 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held], keys: Optional[List[str]])
             continue
         plan.params.append((h, plan.stage(ck, ck.value_kind(name, h.dtype), name, h.load_lo,
                                           h.load_hi)))
+    with_state = {name for name, h in held.items() if h.slice is not None
+                  and ck.params[name].get("step") and ck.params[name].get("state")}
+    if keys is not None:
+        plan.no_buffer = {held[n].index for n in with_state
+                          if without_buffer(opt._kind, keys, ck.params[n]["state"]["keys"])}
     if streamed(opt) is not None:
         plan.records = True
         return plan
-    with_state = {name for name, h in held.items() if h.slice is not None
-                  and ck.params[name].get("step") and ck.params[name].get("state")}
     if opt.uses_fused_kernel:
         plan.keys = keys
         plan.fresh = opt._update.fresh_states([held[n].slice for n in with_state], len(keys))
@@ -172,7 +186,10 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held], keys: Optional[List[str]])
         st = entry["state"]
         if plan.fresh is not None:
             views = opt._update.views_in(plan.fresh, s, plan.keys)
-            for key in st["keys"]:
+            for key in plan.keys:
+                if key not in st["keys"]:  # SGD's momentum buffer of a parameter with none yet
+                    views[key].zero_()  # (fresh_states left the slice to be filled)
+                    continue
                 t = plan.stage(ck, f"state/{key}", name, s.param_lo, s.param_hi, views[key])
                 if t is not views[key]:
                     plan.copies.append((views[key], t))
@@ -210,6 +227,8 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
         store.flip(range(store.n_chunks))
     else:
         _commit_optimizer(opt, plan)
+    if opt.uses_fused_kernel:
+        opt._update.no_momentum_yet = set(plan.no_buffer)
     for name, buf in persistent_buffers(model).items():
         buf.copy_(buffers[name])
     if opt.loss_scaler is not None and man["loss_scaler"] is not None:
@@ -285,8 +304,10 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
                 write_records(ck, opt, held, {id(h): t for h, t in plan.params})
             plan.feedback = feedback.stage(ck, opt, ex.rank)
         extra = ck.extra(ex.rank if ex.rank < ck.manifest["world_size"] else 0)
-    except (CheckpointError, ValueError, TypeError, OSError, KeyError) as exc:
-        error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+    except (CheckpointError, ValueError, TypeError, OSError) as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any other failure of one rank: raised on every
+        error = f"{type(exc).__name__}: {exc}"  # rank by the agreement, not left to hang it
     if error is not None and ck is not None:
         ck.close()
     # every rank read the same save (a save published to the path meanwhile, or different

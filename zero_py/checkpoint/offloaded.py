@@ -351,8 +351,11 @@ def write_records(ck: Checkpoint, opt, held, staged) -> None:
                         t = t[p0 - h.load_lo:p1 - h.load_lo]
                     arrays[0][dst].copy_(t.to(flat.bucket_dtype(b)))
                 if name in with_state:
+                    saved = entry["state"]["keys"]
                     for j, key in enumerate(update.keys):
-                        read(f"state/{key}", name, p0, p1, arrays[j + 1][dst])
+                        if key in saved:  # else SGD's momentum buffer of a parameter with
+                            read(f"state/{key}", name, p0, p1, arrays[j + 1][dst])  # none yet
+
         stats["requests"] += 1
         stats["ring_bytes"] = min(len(store.ring), stats["requests"]) * store.record_bytes
 

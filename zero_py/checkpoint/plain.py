@@ -14,6 +14,10 @@ of these, so they are tagged objects with one key that starts with "__":
     {"__scalar__": value, "dtype": "float32"}     a tensor of one element and no dimensions
     {"__tensor__": "<name>"}                      any other tensor: stored under <name> by
                                                   sink(tensor) -> name, read by source(name)
+    {"__numpy__": value, "dtype": "int64"}        a numpy scalar (np.int64, np.float32,
+                                                  np.bool_, ...), given back as one
+    {"__ndarray__": "<name>", "dtype": "<u4",     a numpy array (np.random.get_state()'s key):
+     "shape": [624]}                              its bytes as a uint8 tensor through sink
 
 Anything else (a function, a module, an arbitrary object) is refused with its path in the
 value, so nothing is silently dropped.
@@ -50,6 +54,8 @@ def encode(value: Any, sink: Optional[Callable[[torch.Tensor], str]] = None,
     go to `sink` (refused when it is None)."""
     if value is None or isinstance(value, (bool, str)):
         return value
+    if type(value).__module__ == "numpy":  # before int and float: np.float64 is a float
+        return _encode_numpy(value, sink, path)
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -90,6 +96,35 @@ def encode(value: Any, sink: Optional[Callable[[torch.Tensor], str]] = None,
                     "its state_dict()")
 
 
+def _encode_numpy(value: Any, sink: Optional[Callable[[torch.Tensor], str]], path: str) -> Any:
+    import numpy as np
+
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return {"__numpy__": encode(value.item(), None, path), "dtype": value.dtype.name}
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufcmMSU":
+        if sink is None:
+            raise TypeError(f"{path} is a numpy array; only scalars are stored here")
+        raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        return {"__ndarray__": sink(torch.from_numpy(raw.copy())), "dtype": value.dtype.str,
+                "shape": list(value.shape)}
+    raise TypeError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}"
+                    + (f" of dtype {value.dtype}" if isinstance(value, np.ndarray) else "")
+                    + ", which zero_py checkpoints do not store (numpy scalars and arrays of "
+                    "numbers, dates and fixed-size strings they do): convert it, e.g. with "
+                    ".tolist()")
+
+
+def _decode_numpy(data: dict, source: Optional[Callable[[str], torch.Tensor]]) -> Any:
+    import numpy as np
+
+    if "__numpy__" in data:
+        return np.dtype(data["dtype"]).type(decode(data["__numpy__"]))
+    if source is None:
+        raise ValueError("a numpy array where none is expected")
+    raw = source(data["__ndarray__"]).numpy().tobytes()
+    return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
+
+
 def decode(data: Any, source: Optional[Callable[[str], torch.Tensor]] = None) -> Any:
     """The value `encode` was given, from its JSON-serializable form."""
     if isinstance(data, list):
@@ -114,6 +149,8 @@ def decode(data: Any, source: Optional[Callable[[str], torch.Tensor]] = None) ->
             return source(data[tag])
         if "__scalar__" in data:
             return torch.tensor(decode(data["__scalar__"]), dtype=dtype_of(data["dtype"]))
+    if set(data) in ({"__numpy__", "dtype"}, {"__ndarray__", "dtype", "shape"}):
+        return _decode_numpy(data, source)
     return {k: decode(v, source) for k, v in data.items()}
 
 

@@ -25,11 +25,13 @@ from safetensors import safe_open
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import ST_DTYPES, file_crc32c, read_header
+from zero_py.checkpoint.validate import layout_problems
 from zero_py.collectives.objects import gather_json
 
 FORMAT = "zero_py-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+_PROBLEMS_SHOWN = 20  # a damaged manifest's problems listed in its error
 
 
 class CheckpointError(RuntimeError):
@@ -91,6 +93,7 @@ class Checkpoint:
         self._handles: Dict[str, Any] = {}
         self._raws: Dict[str, _RawFile] = {}
         self._headers: Dict[str, Tuple[dict, int]] = {}  # file -> (header, data offset)
+        self._sizes: Dict[str, int] = {}  # file -> bytes
 
     @classmethod
     def open(cls, path) -> "Checkpoint":
@@ -114,6 +117,7 @@ class Checkpoint:
             raise
         try:
             ck._check_files()
+            ck._check_layout()
         except BaseException:
             ck.close()
             raise
@@ -172,7 +176,7 @@ class Checkpoint:
             fpath = os.path.join(self.path, name)
             if not os.path.isfile(self._at(name)):
                 raise CheckpointError(f"{fpath} is missing")
-            size = os.path.getsize(self._at(name))
+            size = self._sizes[name] = os.path.getsize(self._at(name))
             try:
                 self._headers[name] = read_header(self._at(name))  # read once: _raw() takes it
                 meta = self._headers[name][0].get("__metadata__") or {}
@@ -192,6 +196,19 @@ class Checkpoint:
                 raise CheckpointError(f"{fpath} says rank {meta.get('rank')} step "
                                       f"{meta.get('step')}, the manifest rank {info['rank']} "
                                       f"step {man['step']}")
+
+    def _check_layout(self) -> None:
+        """The manifest's parameters, buffers and pieces against themselves and the files'
+        headers (validate.py): every problem, each naming its file and field."""
+        problems = layout_problems(self.manifest, self._headers, self._sizes, self.path,
+                                   MANIFEST)
+        if problems:
+            shown = problems[:_PROBLEMS_SHOWN]
+            more = len(problems) - len(shown)
+            raise CheckpointError(
+                f"{self.path} is damaged: its manifest does not describe its files "
+                f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
+                + (f"\n  ... and {more} more" if more else ""))
 
     def verify(self, names: Optional[List[str]] = None,
                segments: Sequence["Segment"] = (), check: bool = True) -> None:

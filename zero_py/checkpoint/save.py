@@ -45,6 +45,7 @@ from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointErro
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
+from zero_py.optim.update import BUFFER
 
 
 def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
@@ -58,10 +59,25 @@ def _streamed_state(opt, s, reader: SpanReader) -> Optional[Dict[str, Any]]:
     if opt._step_in_state():
         state["step"] = torch.tensor(float(opt._step_count[s.param]), dtype=torch.float32)
     for j, key in enumerate(update.keys):
+        if key == BUFFER and s.param in update.no_momentum_yet:
+            continue  # SGD stepped without momentum only: no buffer (as _slice_state)
         state[key] = reader.span(j + 1, lo, lo + s.numel)
     if opt._masters.dtype_of[s.bucket] is not None:
         state["master_param"] = reader.span(0, lo, lo + s.numel)
     return state
+
+
+def _unstepped_master(opt, s, reader: Optional[SpanReader]):
+    """The fp32 master of slice s of a parameter not stepped yet (a view, or a Span of the NVMe
+    offload file), or None where its bucket has none (fp32: the parameter is its own). A save
+    before the first step holds it too: the manifest says "master", and after a load of an
+    fp32 checkpoint into a bf16 model it holds more than the parameter's bits."""
+    if opt._masters.dtype_of[s.bucket] is None:
+        return None
+    if reader is not None:
+        lo = opt._flat.bucket_shard_offset[s.bucket] + s.piece_lo
+        return reader.span(0, lo, lo + s.numel)
+    return opt._masters.piece(s.bucket)[s.piece_lo:s.piece_hi]
 
 
 def _record_order(h: Held) -> tuple:
@@ -96,7 +112,10 @@ def _rank_payload(model, opt, held: Dict[str, Held], extra, reader: Optional[Spa
             continue
         state = (opt._slice_state(h.slice, copy=False) if reader is None
                  else _streamed_state(opt, h.slice, reader))
-        if state is None:  # not stepped yet: no state
+        if state is None:  # not stepped yet: no state, but its fp32 master (the manifest
+            master = _unstepped_master(opt, h.slice, reader)  # says it has one)
+            if master is not None:
+                tensors.append((f"master/{name}", master))
             continue
         keys, scalars = [], {}
         for key, value in state.items():
@@ -225,26 +244,56 @@ def _not_replaceable(path: str) -> Optional[str]:
 
 
 def _rotate(path: str, keep_last: int) -> List[str]:
-    """Removes the oldest checkpoints named like `path` (same name, another number) beyond the
-    newest keep_last; returns what it removed."""
+    """After a save to `path`: removes the checkpoints named like it (same name, another number)
+    beyond the keep_last newest (by step, then number), never `path` itself (a run restarted
+    from scratch saves smaller steps under new names: the checkpoint just written is kept, and
+    the keep_last - 1 newest others), and never a directory without a finished zero_py manifest
+    (or whose step is not a number). Returns what could not be removed: '<path> (<why>)'."""
     parent, base = os.path.split(path)
     stem = _NUMBERED.match(base).group(1)
     found = []
-    for name in os.listdir(parent):
+    try:
+        names = os.listdir(parent)
+    except OSError as exc:
+        return [f"{parent} ({exc.strerror or exc}: its checkpoints could not be listed)"]
+    for name in names:
         m = _NUMBERED.match(name)
         full = os.path.join(parent, name)
-        if not m or m.group(1) != stem:
+        if not m or m.group(1) != stem or full == path:
             continue
-        man = _finished_manifest(full)
-        if man is not None:  # else not a finished zero_py checkpoint: never ours to delete
-            found.append((int(man.get("step", 0)), int(m.group(2)), full))
+        man = _finished_manifest(full)  # None: not a finished zero_py checkpoint, not ours
+        step = man.get("step") if man is not None else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            found.append((step, int(m.group(2)), full))
     found.sort()
-    removed = [full for _, _, full in found[:-keep_last]]
-    for full in removed:
-        shutil.rmtree(full)
-    if removed:
-        fsync_dir(parent)
-    return removed
+    failed = []
+    for _, _, full in found[:max(0, len(found) - (keep_last - 1))]:
+        try:
+            _remove_checkpoint(full)
+        except OSError as exc:
+            failed.append(f"{full} ({exc.strerror or exc}"
+                          + (f": {exc.filename}" if exc.filename not in (None, full) else "")
+                          + ")")
+    if len(failed) < len(found):
+        try:
+            fsync_dir(parent)
+        except OSError:
+            pass  # the removals stand; only their durability is unsure
+    return failed
+
+
+def _remove_checkpoint(full: str) -> None:
+    """Removes an old checkpoint directory, its manifest last: one that cannot be removed whole
+    stays a finished checkpoint (which a load refuses for its missing files) that the next
+    rotation tries again, never a directory of files no rotation takes."""
+    names = sorted(os.listdir(full), key=lambda n: (n == MANIFEST, n))
+    for name in names:
+        entry = os.path.join(full, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry)
+        else:
+            os.unlink(entry)
+    os.rmdir(full)
 
 
 def _close(reader: Optional[SpanReader], pieces: PieceReaders) -> None:
@@ -346,13 +395,18 @@ def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Op
             write_text_durably(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
             fsync_dir(tmp)
             old = publish_dir(tmp, path)
-            if old is not None:
-                remove_in_background(old)  # the checkpoint this save replaced
-            if keep_last is not None:
-                _rotate(path, keep_last)
         except (OSError, CheckpointError, TypeError, ValueError) as exc:
             outcome = f"save_checkpoint({path}) failed, the previous checkpoint is kept: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
+        else:  # published: whatever follows leaves this checkpoint whole
+            if old is not None:
+                remove_in_background(old)  # the checkpoint this save replaced
+            failed = _rotate(path, keep_last) if keep_last is not None else []
+            if failed:
+                outcome = (f"save_checkpoint({path}): the checkpoint is saved, whole, but "
+                           f"keep_last={keep_last} could not remove {len(failed)} older "
+                           f"checkpoint(s): {'; '.join(failed)}. Remove them yourself (or make "
+                           "them removable: the next save with keep_last tries again)")
     return broadcast_json(ex, outcome)
 
 
@@ -366,7 +420,9 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     returned). `extra`: plain data (numbers, strings, lists, dicts, tensors: an LR scheduler's
     state_dict(), a data-loader position, RNG states), each rank's own; load_checkpoint gives
     each rank back its own. `keep_last=k`: after this save, keep only the k newest checkpoints
-    named like `path` with another number (e.g. ckpt/step_00100, ckpt/step_00200).
+    named like `path` with another number (e.g. ckpt/step_00100, ckpt/step_00200), by step:
+    this one and the k - 1 newest others. An older one that cannot be removed raises
+    CheckpointError on every rank, naming it; the checkpoint saved is whole all the same.
     Returns the absolute path. Loads at any world size and stage: see load_checkpoint.
 
     `async_save=True`: what the rank saves is copied to host memory now (so training may go on
@@ -381,7 +437,8 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool)
+                                  or keep_last < 1):
         error = f"keep_last must be an int >= 1 or None, got {keep_last!r}"
     elif keep_last is not None and not _NUMBERED.match(base):
         error = (f"keep_last needs checkpoint names that end in a number, to tell which are "

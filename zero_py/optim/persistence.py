@@ -21,7 +21,7 @@ from zero_py.collectives import gather_object
 from zero_py.optim import agreement
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
-from zero_py.optim.update import added_state, fused_kind, state_keys
+from zero_py.optim.update import BUFFER, added_state, fused_kind, state_keys
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -43,6 +43,8 @@ class StateDicts:
         if step == 0:
             return None
         state = self._update.slice_state(s, copy)
+        if self.uses_fused_kernel and s.param in self._update.no_momentum_yet:
+            state.pop(BUFFER, None)  # stepped without momentum only: torch.optim holds none
         if self._step_in_state():
             state = {"step": torch.tensor(float(step), dtype=torch.float32), **state}
         if "master_param" in state:  # read from NVMe with the slice's state

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zero_py.optim import agreement, compat
-from zero_py.optim.update import fused_kind, state_keys, warn_ignored_group_options
+from zero_py.optim.update import fused_kind, warn_ignored_group_options
 from zero_py.sharding.storage import FlatParams
 
 
@@ -58,8 +58,13 @@ def add_param_group(opt, param_group: dict) -> None:
                          "the others")
     kind = fused_kind(opt.optimizer_class, opt.param_groups + [group])
     warn_ignored_group_options(opt.optimizer_class, opt.defaults, [group])
-    if kind != opt._kind or (kind is not None and state_keys(
-            kind, opt.param_groups + [group]) != opt._update.keys):
+    keys = None  # the fused update's state keys over the new groups: the kept ones, then
+    if kind == opt._kind and kind is not None:  # SGD's momentum buffer where a momentum is on
+        try:  # that no step has used yet (added_state)
+            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group])
+        except ValueError:
+            keys = None
+    if kind != opt._kind or (kind is not None and keys is None):
         raise ValueError("the new group's options need another update path or other state "
                          "than this optimizer keeps (e.g. amsgrad, momentum, a tensor lr): "
                          "give every group the same kind of options at construction")
@@ -97,8 +102,13 @@ def add_param_group(opt, param_group: dict) -> None:
         opt._managed_index += [start + k for k, p in enumerate(group["params"])
                                 if p.requires_grad and p.numel() > 0]
         had_grad = opt._had_grad
+        # SGD: the parameters stepped only without momentum so far (their state has no buffer)
+        no_buffer = set(getattr(opt._update, "no_momentum_yet", ()))
         opt._build(storage, opt._step_count + [0] * len(new))
         opt._had_grad[:len(had_grad)] = had_grad
+        if keys is not None:
+            opt._update.keys = keys
+            opt._update.no_momentum_yet = no_buffer
         opt.sync_master_from_params()
         opt._allocate_states([s for s in storage.slices if saved.get(s.param)])
         for s in storage.slices:
@@ -109,7 +119,10 @@ def add_param_group(opt, param_group: dict) -> None:
                     opt._install_slice(s, st)
                     continue
                 for key, view in views.items():
-                    view.copy_(st[key])
+                    if key in st:
+                        view.copy_(st[key])
+                    else:  # SGD's momentum buffer of a parameter that has none yet
+                        view.zero_()
         opt._step_count[:len(counts)] = counts
         for name, q in zip(group.get("param_names", ()), group["params"]):
             opt._names.setdefault(id(q), name)

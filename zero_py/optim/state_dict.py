@@ -17,7 +17,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_py import kernels
 from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.update import BUFFER
 
 FORMAT_VERSION = 1
 
@@ -140,12 +142,13 @@ def _scalar(value) -> Optional[float]:
 
 
 def check_param_state(index: int, state, shape: Tuple[int, ...], keys: Optional[List[str]],
-                      name: str, has_master: bool) -> None:
+                      name: str, has_master: bool, optional: Sequence[str] = ()) -> None:
     """One parameter's loaded state: `shape` is what each per-element tensor must have (the
     parameter's shape in a full dict, its slice's (n,) in a shard dict); `keys` are the
     per-element tensors the fused kernels keep (None on the torch.optim path: then every tensor
-    with dimensions is per-element). A one-element or other broadcastable tensor is refused:
-    it would be spread over the parameter silently."""
+    with dimensions is per-element), of which those in `optional` may be absent or None (SGD's
+    momentum buffer: none yet). A one-element or other broadcastable tensor is refused: it
+    would be spread over the parameter silently."""
     if not isinstance(state, dict):
         raise ValueError(f"zero_py: the state of parameter {index} must be a dict, got "
                          f"{type(state).__name__}")
@@ -158,7 +161,7 @@ def check_param_state(index: int, state, shape: Tuple[int, ...], keys: Optional[
                              f"one-element tensor), got {state['step']!r}")
     per_element = set(keys) if keys is not None else None
     if keys is not None:
-        lacking = [k for k in keys if k not in state]
+        lacking = [k for k in keys if k not in state and k not in optional]
         if lacking:
             raise ValueError(f"zero_py: the state of parameter {index} lacks {lacking}, which "
                              f"{name} keeps: was it saved by another optimizer class or with other "
@@ -174,6 +177,8 @@ def check_param_state(index: int, state, shape: Tuple[int, ...], keys: Optional[
             continue
         if key == "master_param" and not has_master:
             continue  # an fp32 parameter is its own master; the saved one is not needed
+        if value is None and key in optional:
+            continue
         tensor_expected = key == "master_param" or (
             key in per_element if per_element is not None else
             isinstance(value, torch.Tensor) and value.dim() > 0)
@@ -247,8 +252,9 @@ def check_loadable(opt, state_dict: dict):
         else:
             expected = shapes[index]
         check_param_state(index, st, expected, keys, name,
-                                  opt._masters.dtype_of[opt._flat.param_bucket[
-                                      opt._managed_of[index]]] is not None)
+                          opt._masters.dtype_of[opt._flat.param_bucket[
+                              opt._managed_of[index]]] is not None,
+                          optional=[BUFFER] if opt._kind == kernels.OPT_SGD else ())
         saved_state[index] = st
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):

@@ -85,6 +85,20 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
     return ["exp_avg"]  # Lion
 
 
+BUFFER = "momentum_buffer"  # SGD's: torch.optim makes it at a parameter's first step with momentum
+
+
+def without_buffer(kind: Optional[int], keys: Sequence[str], saved: Sequence[str]) -> bool:
+    """Whether a parameter's saved state keys `saved` are `keys` (what the update keeps, with or
+    without a buffer) less SGD's momentum buffer: a parameter stepped only without momentum so
+    far, which torch.optim holds no buffer for (its first step with momentum makes the buffer
+    the gradient itself).
+    Its state is saved without the buffer, and a load gives it none (FusedUpdate
+    .no_momentum_yet), as torch.optim's state dicts carry it."""
+    return (kind == kernels.OPT_SGD and BUFFER not in saved
+            and list(saved) == [k for k in keys if k != BUFFER])
+
+
 def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict]) -> Optional[List[str]]:
     """The state keys `groups` need beyond `keys` (what an update keeps): [] when none, SGD's
     ["momentum_buffer"] once a momentum is switched on after construction (torch.optim makes
@@ -308,14 +322,26 @@ class FusedUpdate(_Update):
         return {k: t[r].clone() if copy else t[r] for k, t in zip(self.keys, self.states)}
 
     def install(self, s: ShardSlice, state: dict) -> None:
-        missing = [k for k in self.keys if k not in state]
+        """Slice s's state from `state`; an SGD state without a momentum buffer (absent or None,
+        as torch.optim saves a parameter not stepped with momentum yet) gets none: zeros, and
+        its next step with momentum is a first one (no_momentum_yet)."""
+        absent = (self.kind == kernels.OPT_SGD and BUFFER in self.keys
+                  and state.get(BUFFER) is None)
+        missing = [k for k in self.keys if k not in state and not (absent and k == BUFFER)]
         if missing:
             raise ValueError(f"the loaded state of a parameter lacks {missing}; was it saved by "
                              "another optimizer class or with other options (e.g. amsgrad)?")
         states = self._ensure_states()
         lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
         for k, t in zip(self.keys, states):
-            t[lo:lo + s.numel].copy_(state[k].reshape(-1))
+            if absent and k == BUFFER:
+                t[lo:lo + s.numel].zero_()
+            else:
+                t[lo:lo + s.numel].copy_(state[k].reshape(-1))
+        if absent:
+            self.no_momentum_yet.add(s.param)
+        else:
+            self.no_momentum_yet.discard(s.param)
 
     def state_views(self, s: ShardSlice) -> Dict[str, torch.Tensor]:
         """Live views of slice s's state tensors (allocated at first use), to fill in place."""
