@@ -256,8 +256,18 @@ def _torch_clip(stage):
         model = nn.Linear(4, 4)
         first = zero_py.ZeroOptimizer(model.parameters(), stage=stage)
         model(torch.randn(2, 4)).sum().backward()
-        return model, first, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # some of the optimizer's parameters only (over all of them it is the optimizer's clip)
+        return model, first, lambda: torch.nn.utils.clip_grad_norm_([model.weight], 1.0)
     return build
+
+
+def _torch_clip_beside_others(_):
+    """All of the optimizer's parameters, and another module's with gradients of their own."""
+    model, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer(model.parameters(), stage=2)
+    (model(torch.randn(2, 4)).sum() + other(torch.randn(2, 4)).sum()).backward()
+    return model, first, lambda: torch.nn.utils.clip_grad_norm_(
+        list(model.parameters()) + list(other.parameters()), 1.0)
 
 
 def _torch_clip_value(_):
@@ -379,6 +389,8 @@ CALL_CASES = [
      "optimizer.clip_grad_norm_"),
     ("torch clip_grad_norm_ stage 2", _torch_clip(2), RuntimeError,
      "clip nothing and return 0"),
+    ("torch clip_grad_norm_ beside other gradients", _torch_clip_beside_others, RuntimeError,
+     "every parameter the optimizer trains"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
     ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),

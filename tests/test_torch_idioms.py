@@ -383,10 +383,12 @@ def adagrad_group_accumulator(rank, stage):
                                      if "initial_accumulator_value" in str(w.message)]}
 
 
-def clip_then_backward(rank, stage, clip_again):
+def clip_then_backward(rank, stage, clip_again, via_torch=False):
     """clip_grad_norm_ after a micro-batch's backward, then another backward (and another clip,
     or none) before step: torch's clip scaled the first gradients in place, so the second
-    backward adds to clipped ones (zero_py defers the coefficient: it must settle it first)."""
+    backward adds to clipped ones (zero_py defers the coefficient: it must settle it first).
+    via_torch: zero_py's side calls torch.nn.utils.clip_grad_norm_(model.parameters()) too, as
+    the DDP script did (the optimizer's clip)."""
     torch.manual_seed(0)
     ref = models.MLP()
     zmodel, zopt = _zero(copy.deepcopy(ref), stage)
@@ -399,7 +401,8 @@ def clip_then_backward(rank, stage, clip_again):
         got = []
         for model, opt, clip in (
                 (ddp, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)),
-                (zmodel, zopt, lambda: zopt.clip_grad_norm_(0.05))):
+                (zmodel, zopt, lambda: torch.nn.utils.clip_grad_norm_(zmodel.parameters(), 0.05)
+                 if via_torch else zopt.clip_grad_norm_(0.05))):
             models.mlp_loss(model, first).backward()
             got.append(float(clip()))
             models.mlp_loss(model, second).backward()
@@ -421,6 +424,7 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2, 3):
         for again in (False, True):
             out[("clip_backward", stage, again)] = clip_then_backward(rank, stage, again)
+        out[("clip_backward", stage, "torch")] = clip_then_backward(rank, stage, True, True)
     for stage in (1, 2):
         out[("adagrad", stage)] = adagrad_group_accumulator(rank, stage)
     for stage in (1, 2, 3):

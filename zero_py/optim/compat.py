@@ -9,12 +9,16 @@
 - Ownership: a parameter belongs to one ZeroOptimizer (its .data is a view of that optimizer's
   flat buffer, its gradient hooks feed that optimizer's reducer). A second optimizer over it is
   refused; once the owner is garbage-collected its hooks are removed and the parameter is free.
-- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over parameters a ZeroOptimizer manages are
-  refused: under stage 1 param.grad holds this rank's unreduced gradient, under stages 2-3 it is
-  None (each rank keeps only its shard), so torch's clipping would clip by the wrong norm or, on
-  no gradient at all, return 0 and clip nothing. optimizer.clip_grad_norm_ is the replacement.
-  The guard wraps the two functions in torch.nn.utils when the first ZeroOptimizer is built; for
-  any other parameters they run unchanged.
+- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ over parameters a ZeroOptimizer manages:
+  under stage 1 param.grad holds this rank's unreduced gradient, under stages 2-3 it is None
+  (each rank keeps only its shard), so torch's own clipping would clip by the wrong norm or, on
+  no gradient at all, return 0 and clip nothing. clip_grad_norm_ over every parameter one
+  ZeroOptimizer trains (model.parameters(), as a DDP script calls it; frozen ones and ones
+  without a gradient may be among them) is that optimizer's clip_grad_norm_, the same total
+  norm and the same clipping as torch's under DDP. Over some of them only, or beside other
+  parameters that have gradients, and clip_grad_value_ always, they are refused, pointing to
+  optimizer.clip_grad_norm_. The guard wraps the two functions in torch.nn.utils when the
+  first ZeroOptimizer is built; for any other parameters they run unchanged.
 - Parameters the step could not update, which torch.optim would: step() refuses them
   (refuse_detached_params) rather than leave them as they are.
 - nn.Module.zero_grad (model.zero_grad(), which Hugging Face's Trainer and many scripts call
@@ -31,6 +35,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -151,13 +156,49 @@ _CLIP_MESSAGE = (
     "torch.nn.utils.{fn} got parameters managed by a ZeroOptimizer (stage {stage}): {why}, "
     "so torch's function would clip {effect}. Use optimizer.clip_grad_norm_(max_norm, "
     "norm_type) instead, after backward and before step(): it clips every rank's gradients "
-    "together and returns the same total norm as torch's function under DDP")
+    "together and returns the same total norm as torch's function under DDP "
+    "(torch.nn.utils.clip_grad_norm_ over every parameter the optimizer trains, e.g. "
+    "model.parameters(), is the same call)")
+
+
+def _whole_optimizer(params: List[torch.Tensor]):
+    """The ZeroOptimizer whose every trained parameter is in `params`, where the others there
+    have no gradient (frozen, or unused); else None."""
+    owners = {}
+    for p in params:
+        owner = owner_of(p)
+        if owner is not None:
+            owners[id(owner)] = owner
+        elif p.grad is not None:
+            return None  # a gradient outside every ZeroOptimizer: its norm is this rank's
+    if len(owners) != 1:
+        return None
+    (owner,) = owners.values()
+    given = {id(p) for p in params}
+    return owner if all(id(p) in given for p in owner._flat.params) else None
+
+
+def _clip_through_owner(original):
+    """clip_grad_norm_ as a DDP script calls it, over model.parameters(): the owner's."""
+    signature = inspect.signature(original)
+
+    def clip(params, *args, **kwargs):
+        bound = signature.bind(params, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return _whole_optimizer(params).clip_grad_norm_(
+            a["max_norm"], a.get("norm_type", 2.0), a.get("error_if_nonfinite", False))
+    return clip
 
 
 def _guard(fn_name: str, original):
+    through_owner = _clip_through_owner(original) if fn_name == "clip_grad_norm_" else None
+
     @functools.wraps(original)
     def guarded(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if through_owner is not None and _whole_optimizer(params) is not None:
+            return through_owner(params, *args, **kwargs)
         for p in params:
             owner = owner_of(p)
             if owner is not None:
