@@ -347,6 +347,17 @@ def run_second_2(rank, world, tmp):
             lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
     finally:
         load_mod.holdings = real_holdings
+    # and in a save, before anything is written: every rank raises, the path stays absent
+    from zero_py.checkpoint import save as save_mod
+
+    if rank == 1:
+        save_mod.holdings = broken
+    try:
+        out["unforeseen_save"] = _refusal(
+            lambda: zero_py.save_checkpoint(os.path.join(tmp, "C_unforeseen"), model, opt))
+    finally:
+        save_mod.holdings = real_holdings
+    out["unforeseen_save_absent"] = not os.path.exists(os.path.join(tmp, "C_unforeseen"))
     return out
 
 
@@ -502,6 +513,9 @@ def test_an_unforeseen_failure_of_one_rank_in_a_load_raises_on_every_rank(runs):
     for rank_out in runs["second"]:
         msg = rank_out["unforeseen"]
         assert msg is not None and "rank 1: RuntimeError: injected failure" in msg, msg
+        msg = rank_out["unforeseen_save"]
+        assert msg is not None and "RuntimeError: injected failure" in msg, msg
+        assert "rank 1" in msg and rank_out["unforeseen_save_absent"]
 
 
 def test_async_save_writes_the_state_of_its_call(runs):

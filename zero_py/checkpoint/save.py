@@ -461,6 +461,10 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
             error = str(exc)
         except OSError as exc:  # reading the NVMe offload file
             error = f"rank {ex.rank} could not read its state for the checkpoint: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any other failure of one rank (the host
+            # copy out of memory, a torch error): raised on every rank by the agreement, not
+            # left to hang the others in it
+            error = f"rank {ex.rank} could not gather its state: {type(exc).__name__}: {exc}"
         finally:
             if async_save:
                 _close(reader, pieces)
