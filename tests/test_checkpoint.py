@@ -336,27 +336,23 @@ def run_second_2(rank, world, tmp):
     # a failure the checks do not foresee, on one rank, raises on every rank (it used to leave
     # the others waiting in the agreement)
     from zero_py.checkpoint import load as load_mod
-
-    real_holdings = load_mod.holdings
-    if rank == 1:
-        def broken(*args, **kwargs):
-            raise RuntimeError("injected failure")
-        load_mod.holdings = broken
-    try:
-        out["unforeseen"] = _refusal(
-            lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
-    finally:
-        load_mod.holdings = real_holdings
-    # and in a save, before anything is written: every rank raises, the path stays absent
     from zero_py.checkpoint import save as save_mod
 
-    if rank == 1:
-        save_mod.holdings = broken
-    try:
-        out["unforeseen_save"] = _refusal(
-            lambda: zero_py.save_checkpoint(os.path.join(tmp, "C_unforeseen"), model, opt))
-    finally:
-        save_mod.holdings = real_holdings
+    def on_rank_1_failing(module, call):
+        real = module.holdings
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            module.holdings = broken
+        try:
+            return _refusal(call)
+        finally:
+            module.holdings = real
+    out["unforeseen"] = on_rank_1_failing(
+        load_mod, lambda: zero_py.load_checkpoint(os.path.join(tmp, "C"), model, opt))
+    # and in a save, before anything is written: every rank raises, the path stays absent
+    out["unforeseen_save"] = on_rank_1_failing(
+        save_mod, lambda: zero_py.save_checkpoint(os.path.join(tmp, "C_unforeseen"), model, opt))
     out["unforeseen_save_absent"] = not os.path.exists(os.path.join(tmp, "C_unforeseen"))
     return out
 

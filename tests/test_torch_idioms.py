@@ -43,17 +43,22 @@ def _zero(model, stage, cls=None, select=None, **kw):
     return zero_py.initialize(model, cls, stage=stage, bucket_bytes=1024, **kw)
 
 
-# what each rank does per step: "b" backward, "s" step, "z" zero_grad(), "k" zero_grad(False)
-ORDERS = ["s", "bsz", "bzs", "s", "bssz", "bsk", "bks", "bsz", "bz", "bs"]
-
-
-def call_orders(rank, stage):
+def _pair(rank, stage):
+    """An MLP under DDP + AdamW and its copy under zero_py at `stage`, and this rank's data."""
     torch.manual_seed(0)
     ref = models.MLP()
     zmodel, zopt = _zero(copy.deepcopy(ref), stage)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(rank)
+    return ref, zmodel, zopt, ddp, ref_opt, torch.Generator().manual_seed(rank)
+
+
+# what each rank does per step: "b" backward, "s" step, "z" zero_grad(), "k" zero_grad(False)
+ORDERS = ["s", "bsz", "bzs", "s", "bssz", "bsk", "bks", "bsz", "bz", "bs"]
+
+
+def call_orders(rank, stage):
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
     worst, moved = 0.0, []
     for order in ORDERS:
         batch = models.mlp_batch(gen)
@@ -389,12 +394,7 @@ def clip_then_backward(rank, stage, clip_again, via_torch=False):
     backward adds to clipped ones (zero_py defers the coefficient: it must settle it first).
     via_torch: zero_py's side calls torch.nn.utils.clip_grad_norm_(model.parameters()) too, as
     the DDP script did (the optimizer's clip)."""
-    torch.manual_seed(0)
-    ref = models.MLP()
-    zmodel, zopt = _zero(copy.deepcopy(ref), stage)
-    ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(rank)
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
     worst, norms = 0.0, []
     for _ in range(2):
         first, second = models.mlp_batch(gen), models.mlp_batch(gen)

@@ -54,6 +54,17 @@ def _zero(model, stage, wrap=300, cls=torch.optim.AdamW, **kw):
     return zero_py.initialize(model, cls, stage=stage, bucket_bytes=1024, **kw)
 
 
+def _mlp_pair(rank, stage):
+    """An MLP under DDP + AdamW, its copy under zero_py at `stage`, and this rank's data."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    zm, zopt = _zero(zm, stage)
+    return ref, ddp, ropt, zm, zopt, torch.Generator().manual_seed(rank)
+
+
 def _gathered(model):
     """zero_py.gathered for a model given to initialize; nothing to gather otherwise."""
     if getattr(model, "_zero_py", None) is None:
@@ -161,13 +172,7 @@ def _plain(model, module, opt, batch, step):
 def module_zero_grad(rank, stage):
     """model.zero_grad() in place of optimizer.zero_grad(): before backward, after step, with
     set_to_none=False; then a submodule's zero_grad() after backward."""
-    torch.manual_seed(0)
-    ref = models.MLP()
-    zm = copy.deepcopy(ref)
-    ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
-    zm, zopt = _zero(zm, stage)
-    gen = torch.Generator().manual_seed(rank)
+    ref, ddp, ropt, zm, zopt, gen = _mlp_pair(rank, stage)
     worst, refused = 0.0, []
     for step in range(6):
         batch = models.mlp_batch(gen)
@@ -194,13 +199,7 @@ def stray_grad(rank, stage):
     """Stages 2-3: a param.grad assigned after the reduced backward (an auxiliary gradient) is
     refused by step() on every rank, whether every rank assigned one or rank 1 alone; after
     optimizer.zero_grad() training goes on as DDP's, which skipped those steps."""
-    torch.manual_seed(0)
-    ref = models.MLP()
-    zm = copy.deepcopy(ref)
-    ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
-    zm, zopt = _zero(zm, stage)
-    gen = torch.Generator().manual_seed(rank)
+    ref, ddp, ropt, zm, zopt, gen = _mlp_pair(rank, stage)
     refused = []
     for step in range(5):
         batch = models.mlp_batch(gen)
