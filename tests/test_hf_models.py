@@ -3,8 +3,10 @@ and a tiny Llama, built from configs, trained with activation checkpointing on.
 
 - Stages 1-3 against DDP + torch.optim.AdamW from the same values on the same batches: the
   losses of every step and the final weights.
-- Export: zero_py.full_state_dict (gathered onto rank 0) then save_pretrained; this process
-  reloads it with from_pretrained and gets the trained model's logits.
+- Export: stage 1, zero_py.full_state_dict (gathered onto rank 0) then save_pretrained; stage
+  3, save_pretrained by rank 0 alone while the others wait at a barrier (its weights equal
+  DDP's); this process reloads each with from_pretrained and gets the trained model's logits.
+- Stage 3's num_parameters() (all, trainable, without embeddings) counts the full model.
 - Generation under stage 3 with a different prompt and length on each rank (synced_gpus left
   to zero_py): each rank's tokens equal greedy generation of the reloaded model; the same with
   collective gathers (ZP_SHM=0, synced_gpus=True by default) and by rank 0 alone between steps.
@@ -88,6 +90,7 @@ def _train(model, opt, batches):
 
 
 def _hf(rank, world_size, export_dir):
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import transformers
 
@@ -121,9 +124,25 @@ def _hf(rank, world_size, export_dir):
                 with torch.no_grad():
                     r["logits"] = zm(input_ids=probe).logits  # collective under stage 3
                 path = os.path.join(export_dir, f"{name}-stage{stage}")
-                if rank == 0:
+                if stage == 1 and rank == 0:
                     zm.save_pretrained(path, state_dict=full)
+                if stage == 3:
+                    # the usual idiom, rank 0 alone: its state dict gathers from the peers'
+                    # shards (one host), while they wait at the barrier
+                    if rank == 0:
+                        zm.save_pretrained(path)
+                        r["saved_diff"], r["saved_keys"] = _saved_diff(path, ref_sd)
+                    dist.barrier()
                 r["path"] = path
+            if stage == 3:
+                # counts of the full model, not of this rank's shard slices (defect: they were)
+                r["counts"] = [zm.num_parameters(), zm.num_parameters(only_trainable=True),
+                               zm.num_parameters(exclude_embeddings=True),
+                               sum(zero_py.full_shape(p).numel() for p in zm.parameters())]
+                r["ref_counts"] = [ref.num_parameters(), ref.num_parameters(only_trainable=True),
+                                   ref.num_parameters(exclude_embeddings=True),
+                                   sum(p.numel() for p in ref.parameters())]
+                r["shard_count"] = sum(p.numel() for p in zm.parameters())
             if stage == 3:
                 # ranks generate different lengths from different prompts: every forward
                 # gathers collectively, so the rank that stops first must keep stepping
@@ -135,6 +154,18 @@ def _hf(rank, world_size, export_dir):
             res[stage] = r
         out[name] = res
     return out
+
+
+def _saved_diff(path, ref_sd):
+    """The largest difference of a save_pretrained directory's weights from DDP's, and whether
+    it holds every weight but the tied ones (which transformers leaves out)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    diff = max((saved[k] - ref_sd[k]).abs().max().item() for k in saved)
+    kept = {ref_sd[k].data_ptr() for k in saved}
+    return diff, set(saved) <= set(ref_sd) and all(
+        ref_sd[k].data_ptr() in kept for k in set(ref_sd) - set(saved))
 
 
 def _generate_alone_and_synced(rank, world_size):
@@ -264,6 +295,25 @@ def test_save_pretrained_reloads_with_the_same_logits(hf, name, stage):
         logits = model(input_ids=probe).logits
     for res in hf:  # every rank's model gave the same logits
         torch.testing.assert_close(res[name][stage]["logits"], logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_stage3_save_pretrained_by_rank_0_alone_saves_what_ddp_trained(hf, name):
+    """`if rank == 0: model.save_pretrained(path)` under stage 3 (the peers at a barrier):
+    the file holds DDP's weights after the same steps."""
+    r = hf[0][name][3]
+    assert r["saved_keys"]
+    assert r["saved_diff"] < WEIGHT_ATOL, r["saved_diff"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_stage3_num_parameters_counts_the_full_model(hf, name):
+    """num_parameters() (all, trainable, without embeddings) and the sum of full_shape()
+    equal the plain model's counts on every rank; p.numel() is the rank's slice."""
+    for rank, res in enumerate(hf):
+        r = res[name][3]
+        assert r["counts"] == r["ref_counts"], (rank, r["counts"], r["ref_counts"])
+        assert r["shard_count"] < r["ref_counts"][0]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

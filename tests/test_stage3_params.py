@@ -7,10 +7,23 @@ model; model.load_state_dict() round-trips and refuses wrong shapes without writ
 frozen parameters are sharded (memory) and stay frozen; no_sync() issues no reduction and
 matches DDP's no_sync; a process group that is a subgroup trains (two subgroups side by side,
 each against DDP on its group); every collective of stage 3 goes through the executor seam.
+
+What a training script does that stage 3 must not get wrong silently: rank 0 alone saves
+(`if rank == 0: torch.save(model.state_dict(), path)`: the values DDP trained, while the
+others wait at a barrier or go on training; refused on every rank, or after the group's
+timeout, where gathers are collective); a cast or move after initialize (refused at the next
+forward or step, on every rank); a parameter used in the loss outside its unit's forward (the
+root unit's between forward and backward matches DDP; a block's is refused at backward with
+its name). Bad input gets a clear error (device, gradient of a parameter between uses).
+
+Every scenario of one world size runs in one set of processes (start-up dominates).
 """
 
 import copy
+import datetime
 import io
+import os
+import time
 
 import pytest
 import torch
@@ -233,18 +246,231 @@ def subgroups(rank, world_size):
             "group_rank": zopt.executor.rank, "group_size": zopt.executor.world_size}
 
 
-def _all(rank, world_size):
+def _pair(rank, **init_kw):
+    """A TiedGPT under DDP + AdamW and the same model under stage 3."""
+    torch.manual_seed(0)
+    ref = models.TiedGPT()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), **LR)
+    zm, zopt = zero_py.initialize(zm, stage=3, wrap_policy={Block}, **init_kw, **LR)
+    return ddp, ref_opt, zm, zopt
+
+
+def _rel_sd(sd, ref):
+    """Largest relative difference of a state dict's parameters from DDP's, and whether it has
+    every key."""
+    want = ref.state_dict()
+    return (max(models.max_rel_diff(sd[k], v) for k, v in want.items() if k in sd),
+            set(sd) == set(want))
+
+
+def one_rank_saves(rank, world_size, tmp):
+    """Rank 0 alone calls model.state_dict() (and full_state_dict, gathered) while the others
+    wait at a barrier or go on training: one host, so it gathers from the peers' shards alone
+    and saves what DDP trained. The model's group has a 20 s timeout, so a collective gather
+    fails the test instead of hanging it."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=20))
+    ddp, ref_opt, zm, zopt = _pair(rank, process_group=group)
+    gen_a = torch.Generator().manual_seed(rank)
+    gen_b = torch.Generator().manual_seed(rank)
+    out = {"alone": zopt._engine.reads_alone()}
+    for _ in range(3):
+        _step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b)
+    path = os.path.join(tmp, "rank0_alone.pt")
+    if rank == 0:
+        torch.save(zm.state_dict(), path)
+    dist.barrier()  # the others wait here meanwhile
+    if rank == 0:
+        out["saved_rel"], out["saved_keys"] = _rel_sd(torch.load(path, weights_only=True),
+                                                      ddp.module)
+    # again a step later, the others going straight on to their next step, which waits for
+    # this rank's forward
+    losses = [(_step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b))]
+    if rank == 0:
+        out["full_rel"], out["full_keys"] = _rel_sd(zero_py.full_state_dict(zm), ddp.module)
+        with zero_py.gathered(zm):
+            out["gathered_rel"] = max(models.max_rel_diff(a, b) for a, b in
+                                      zip(zm.parameters(), ddp.module.parameters()))
+    losses += [(_step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b)) for _ in range(2)]
+    # a step inside rank 0's gathered() block: its full values follow the update
+    idx, tgt = _batch(gen_a)
+    for model, opt in ((ddp, ref_opt), (zm, zopt)):
+        model(idx, tgt).backward()
+        if model is zm and rank == 0:
+            with zero_py.gathered(zm):
+                opt.step()
+                out["step_inside_rel"] = max(models.max_rel_diff(a, b) for a, b in
+                                             zip(zm.parameters(), ddp.module.parameters()))
+        else:
+            opt.step()
+        opt.zero_grad()
+    out["loss_rel"] = max(abs(a - b) / abs(a) for a, b in losses)
+    out["rel"] = max(models.max_rel_diff(v, ddp.module.state_dict()[k])
+                     for k, v in _full(zm).items())
+    return out
+
+
+COLLECTIVE_TIMEOUT_S = 5
+
+
+def one_rank_collective(rank, world_size):
+    """ZP_SHM=0 (as across hosts): gathers are collective, so rank 0 alone in
+    model.state_dict() is refused: at once on every rank when the others go on to a forward,
+    after the group's timeout (5 s here) when they wait at a barrier of another group."""
+    os.environ["ZP_SHM"] = "0"
+    try:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        torch.manual_seed(0)
+        zm, zopt = zero_py.initialize(models.TiedGPT(), stage=3, wrap_policy={Block},
+                                      process_group=group, **LR)
+    finally:
+        os.environ["ZP_SHM"] = "1"
+    gen = torch.Generator().manual_seed(rank)
+    out = {"alone": zopt._engine.reads_alone()}
+    _step(zm, zopt, gen)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            zm.state_dict()
+        else:
+            _step(zm, zopt, gen)
+        out["next_error"] = ""
+    except RuntimeError as exc:
+        out["next_error"] = str(exc)
+    out["next_s"] = time.monotonic() - start
+    _step(zm, zopt, gen)  # refused alike on every rank: training goes on
+    out["full_after"] = zero_py.full_state_dict(zm) is not None  # on every rank: fine
+    start = time.monotonic()
+    if rank == 0:
+        try:
+            zm.state_dict()
+            out["alone_error"] = ""
+        except RuntimeError as exc:
+            out["alone_error"] = str(exc)
+        out["alone_s"] = time.monotonic() - start
+    dist.barrier()  # the others wait here, on the world group
+    return out
+
+
+def cast_after_initialize(rank, world_size):
+    """A cast or move after initialize is refused at the next forward (on every rank, also
+    where only rank 0 cast) or at step(), never undone silently."""
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+
+    def model():
+        torch.manual_seed(0)
+        zm, zopt = zero_py.initialize(models.TiedGPT(), stage=3, wrap_policy={Block},
+                                      persistence_threshold=40, **LR)
+        _step(zm, zopt, gen)
+        return zm, zopt
+
+    casts = {"half": lambda m: m.half(), "bf16": lambda m: m.to(torch.bfloat16),
+             "double": lambda m: m.double(), "meta": lambda m: m.to("meta"),
+             "rank0_half": lambda m: m.half() if rank == 0 else m}
+    for name, cast in casts.items():
+        zm, zopt = model()
+        cast(zm)
+        try:
+            _step(zm, zopt, gen)
+            out[name] = ""
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    zm, zopt = model()
+    idx, tgt = _batch(gen)
+    zm(idx, tgt).backward()
+    zm.double()
+    try:
+        zopt.step()
+        out["at_step"] = ""
+    except RuntimeError as exc:
+        out["at_step"] = str(exc)
+    return out
+
+
+def outside_use(rank, world_size):
+    """A parameter used in the loss outside its unit's forward: the root unit's (the tied
+    embedding, whole from the forward to the end of backward) trains like DDP; a block's is
+    refused at backward, naming it, wherever the use is (after the forward, before it, alone);
+    a block's passed to a call that fails on its slice says so."""
+    ddp, ref_opt, zm, zopt = _pair(rank)
+    gen_a = torch.Generator().manual_seed(rank)
+    gen_b = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        row = []
+        for model, opt, gen in ((ddp, ref_opt, gen_a), (zm, zopt, gen_b)):
+            idx, tgt = _batch(gen)
+            inner = model.module if model is ddp else model
+            loss = model(idx, tgt) + 1e-2 * inner.lm_head.weight.pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            row.append(loss.item())
+        losses.append(row)
+    out = {"root_loss_rel": max(abs(a - b) / abs(a) for a, b in losses),
+           "root_rel": max(models.max_rel_diff(v, ddp.module.state_dict()[k])
+                           for k, v in _full(zm).items())}
+    for case in ("after", "before", "alone", "failing_call"):
+        torch.manual_seed(0)
+        zm, _ = zero_py.initialize(models.TiedGPT(), stage=3, wrap_policy={Block}, **LR)
+        w = zm.blocks[1].mlp[0].weight
+        idx, tgt = _batch(gen_b)
+        try:
+            if case == "after":
+                (zm(idx, tgt) + 1e-2 * w.pow(2).sum()).backward()
+            elif case == "before":
+                penalty = 1e-2 * w.pow(2).sum()
+                (zm(idx, tgt) + penalty).backward()
+            elif case == "alone":
+                w.pow(2).sum().backward()
+            else:
+                torch.nn.functional.linear(torch.randn(2, 32, generator=gen_b), w)
+            out[case] = ""
+        except RuntimeError as exc:
+            out[case] = str(exc)
+    with torch.no_grad():
+        out["read_norm"] = float(w.norm())  # reading between uses is still fine
+    return out
+
+
+def errors(rank, world_size):
+    """Bad input gets a clear error: a device that is not the model's, and a gradient computed
+    from a parameter outside the forward (its shard slice)."""
+    out = {}
+    model = models.TiedGPT()
+    with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):
+        zero_py.initialize(model, stage=3, wrap_policy={Block}, device="meta", **LR)
+    with pytest.raises(ValueError, match="only apply to stage=3"):
+        zero_py.initialize(model, stage=2, device="cpu", **LR)
+    model, opt = zero_py.initialize(model, stage=3, wrap_policy={Block}, **LR)
+    w = model.blocks[0].ln1.weight  # its shard slice between uses
+    with pytest.raises(RuntimeError, match="inside the forward"):
+        (w * 2).sum().backward()
+    out["ok"] = True
+    return out
+
+
+def _all(rank, world_size, tmp):
     out = {"touch": touch(rank, world_size), "frozen": frozen(rank, world_size),
            "no_sync": no_sync_and_seam(rank, world_size),
-           "leftovers": no_sync_leftovers(rank, world_size)}
+           "leftovers": no_sync_leftovers(rank, world_size),
+           "one_rank_saves": one_rank_saves(rank, world_size, tmp),
+           "cast": cast_after_initialize(rank, world_size),
+           "outside": outside_use(rank, world_size),
+           "errors": errors(rank, world_size)}
     if world_size == 4:
         out["subgroups"] = subgroups(rank, world_size)
+    # last: the one-rank timeout leaves its group unusable
+    out["collective"] = one_rank_collective(rank, world_size)
     return out
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
-def results(request):
-    return request.param, distributed.run(_all, request.param)
+def results(request, tmp_path_factory):
+    return request.param, distributed.run(_all, request.param,
+                                          str(tmp_path_factory.mktemp("stage3_params")))
 
 
 def test_parameters_are_safe_to_read_between_uses(results):
@@ -318,21 +544,74 @@ def test_a_subgroup_process_group_trains(results):
         assert s["loss_rel"] < 1e-5 and s["rel"] < 1e-5
 
 
-def test_stage3_device_and_gradient_errors():
+def test_stage3_device_and_gradient_errors(results):
     """Bad input gets a clear error: a device that is not the model's, and a gradient computed
     from a parameter outside the forward (its shard slice)."""
-    import distributed as d
+    _, res = results
+    assert all(r["errors"]["ok"] for r in res)
 
-    d.run(_errors, 2)
+
+def test_one_rank_saves_alone_what_ddp_trained(results):
+    """`if rank == 0: torch.save(model.state_dict(), path)` on one host: rank 0 gathers from
+    the peers' shards alone (the others at a barrier, or in their next step), saves what DDP
+    trained, and training goes on matching DDP."""
+    _, res = results
+    assert all(r["one_rank_saves"]["alone"] for r in res)
+    r = res[0]["one_rank_saves"]
+    assert r["saved_keys"] and r["full_keys"]
+    assert r["saved_rel"] < 1e-5 and r["full_rel"] < 1e-5 and r["gathered_rel"] < 1e-5, r
+    assert r["step_inside_rel"] < 1e-5, r
+    for r in res:
+        assert r["one_rank_saves"]["loss_rel"] < 1e-5 and r["one_rank_saves"]["rel"] < 1e-5
 
 
-def _errors(rank, world_size):
-    model = models.TiedGPT()
-    with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):
-        zero_py.initialize(model, stage=3, wrap_policy={Block}, device="meta", **LR)
-    with pytest.raises(ValueError, match="only apply to stage=3"):
-        zero_py.initialize(model, stage=2, device="cpu", **LR)
-    model, opt = zero_py.initialize(model, stage=3, wrap_policy={Block}, **LR)
-    w = model.blocks[0].ln1.weight  # its shard slice between uses
-    with pytest.raises(RuntimeError, match="inside the forward"):
-        (w * 2).sum().backward()
+def test_one_rank_state_dict_is_refused_where_gathers_are_collective(results):
+    """ZP_SHM=0: rank 0 alone in model.state_dict() while the others run a forward: refused at
+    once on every rank, saying to call it on every rank; training then goes on. While they
+    wait at a barrier: refused on rank 0 after the group's timeout, not a hang."""
+    _, res = results
+    for rank, r in enumerate(res):
+        c = r["collective"]
+        assert not c["alone"]
+        assert "every rank" in c["next_error"] and "model.state_dict()" in c["next_error"], c
+        assert "forward" in c["next_error"], c  # names what the others ran
+        assert c["next_s"] < COLLECTIVE_TIMEOUT_S, c
+        assert c["full_after"] == (rank == 0)
+    c = res[0]["collective"]
+    assert "model.state_dict() was called on this rank (rank 0) but not on every rank" in \
+        c["alone_error"], c
+    assert "timeout" in c["alone_error"]
+    assert COLLECTIVE_TIMEOUT_S - 0.5 < c["alone_s"] < COLLECTIVE_TIMEOUT_S + 5, c
+
+
+@pytest.mark.parametrize("how", ["half", "bf16", "double", "meta", "rank0_half", "at_step"])
+def test_a_cast_after_initialize_is_refused_on_every_rank(results, how):
+    _, res = results
+    want = {"half": "float16", "bf16": "bfloat16", "double": "float64", "meta": "meta",
+            "rank0_half": "float16", "at_step": "float64"}[how]
+    for rank, r in enumerate(res):
+        msg = r["cast"][how]
+        assert "changed after zero_py.initialize" in msg or "refused" in msg, (rank, msg)
+        if how != "rank0_half" or rank == 0:
+            assert want in msg and "before zero_py.initialize" in msg, (rank, msg)
+        else:  # rank 0 cast alone: the others say so
+            assert "rank 0 refused this forward" in msg, (rank, msg)
+
+
+def test_a_root_unit_parameter_in_the_loss_matches_ddp(results):
+    _, res = results
+    for r in res:
+        assert r["outside"]["root_loss_rel"] < 1e-5 and r["outside"]["root_rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("case", ["after", "before", "alone", "failing_call"])
+def test_a_block_parameter_outside_its_forward_is_refused_by_name(results, case):
+    _, res = results
+    for r in res:
+        msg = r["outside"][case]
+        assert "'blocks.1.mlp.0.weight' (unit 'blocks.1')" in msg, msg
+        assert "shard slice" in msg and "gathered" in msg, msg
+        if case != "failing_call":
+            assert "outside the forward of its unit" in msg and "backward" in msg, msg
+            assert "inside the forward" in msg
+        assert r["outside"]["read_norm"] >= 0

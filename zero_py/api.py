@@ -26,6 +26,7 @@ from zero_py.optim import agreement, compat
 from zero_py.optim.arguments import DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, fingerprint
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
+from zero_py.sharding.between_uses import full_numel
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
@@ -71,7 +72,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     parameters (requires_grad=False) are sharded too. Between uses a parameter is its slice
     of this rank's shard (1-D; zero_py.full_shape(p) gives its real shape); read full values
     inside `with zero_py.gathered(model):`. model.state_dict() / load_state_dict() take and give
-    full values and are collective (see zero_py/stage3/state_dict.py).
+    full values (who must call them: zero_py/stage3/state_dict.py). Cast and move the model
+    before initialize: a cast or move after it is refused at the next forward or step.
 
     Stage-3 options:
         reshard_after_forward: free a unit after its forward (default) or keep it until its
@@ -316,6 +318,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     # sampling for its log) wait for ever in transformers' all-reduce of "finished"
     if dp.world_size > 1 and not engine.eval_gathers_alone and _takes_synced_gpus(model):
         model.generate = _SyncedGenerate(model)
+    # Hugging Face's num_parameters() sums p.numel(), this rank's slices between uses: it
+    # counts the full parameters instead (its own code, numel() being the full count inside)
+    if callable(getattr(type(model), "num_parameters", None)):
+        model.num_parameters = _FullNumParameters(model)
     model._zero_py = opt
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
@@ -381,6 +387,20 @@ class _SyncedGenerate:
     def __call__(self, *args, **kwargs):
         kwargs.setdefault("synced_gpus", True)
         return type(self.model).generate(self.model, *args, **kwargs)
+
+
+class _FullNumParameters:
+    """model.num_parameters under stage 3 (a Hugging Face model): the class's own method, run
+    where numel() of a parameter between uses is its full count (between_uses.full_numel),
+    so it counts the model, not this rank's shard slices. A class, so that torch.save(model)
+    pickles."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with full_numel():
+            return type(self.model).num_parameters(self.model, *args, **kwargs)
 
 
 # ZeroOptimizer's own settings (the rest of initialize's keywords go to the optimizer class)
@@ -479,8 +499,11 @@ def _engine(opt) -> Optional[Stage3Engine]:
 @contextlib.contextmanager
 def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
              optimizer: Optional[ZeroOptimizer] = None):
-    """Full parameters inside the block. Collective: every rank enters it with the same
-    arguments.
+    """Full parameters inside the block. Every rank enters it with the same arguments, except
+    under stage 3 without a modifier rank where the ranks share one host's memory (CPU ranks
+    on gloo, the default): there each rank reads every rank's shards on its own, and one rank
+    may enter it alone (see zero_py/stage3/state_dict.py). Elsewhere a rank that enters it
+    alone raises (after the process group's timeout at the latest).
 
     `module_or_params`: a model given to zero_py.initialize, one of its submodules, or some of
     its parameters (then pass `optimizer=`, the one initialize returned, unless the model
@@ -511,7 +534,9 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
 
 def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
     """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
-    elsewhere. Under stage 3 the units are gathered one at a time. Collective."""
+    elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
+    calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
+    call it alone; see zero_py/stage3/state_dict.py)."""
     opt = getattr(model, "_zero_py", None)
     if opt is None:
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")

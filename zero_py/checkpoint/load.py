@@ -17,6 +17,7 @@ them, for less than the all-gather a step ends with.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -315,7 +316,11 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     agree(ex, error, "load_checkpoint", ck.manifest.get("save_id") if ck is not None else None)
     flat = opt._flat
     try:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as writing:
+            # stage 3: one-sided readers of this rank's shards wait until they are loaded
+            for storage in (flat, getattr(flat, "frozen_storage", None)):
+                if hasattr(storage, "writing"):
+                    writing.enter_context(storage.writing())
             _commit(ck, model, opt, held, groups, plan)
             if not flat.params_sharded:
                 try:

@@ -6,12 +6,15 @@ tensors): a unit can then be gathered by one rank alone (a no_grad forward that 
 runs, or a unit one rank reaches out of the common order), by copying every rank's piece out of
 its file, with no collective.
 
-Each file starts with a version (int64): the owner publishes 2 * steps when its tensors hold the
-values of `steps` completed steps and 2 * steps + 1 while it updates them (release order, the C
-core's zp_flag_publish); a reader waits, with acquire loads (zp_flags_wait_ge), until a peer's
-version reaches its own even one, so it never copies a piece half-updated or from an earlier step.
-A peer can lag (it is still in its step) but never lead: its next update needs this rank's part
-in the step's collectives. The files are unlinked once every rank mapped them.
+Each file starts with a version (int64): the owner publishes 2 * updates when its tensors hold the
+values of `updates` completed updates and 2 * updates + 1 while it makes one (release order, the
+C core's zp_flag_publish); a reader waits, with acquire loads (zp_flags_wait_ge), until a peer's
+version reaches its own even one, so it never copies a piece half-updated or from an earlier
+update. An update is an optimizer step, or a write every rank makes outside one (stage 3:
+load_state_dict, gathered(modifier_rank=...), load_checkpoint; ShardedParams.begin_write). A
+peer can lag (it is still in its step or load) but never lead a reader that has made its own:
+its next step needs this rank's part in the step's collectives. The files are unlinked once
+every rank mapped them.
 """
 
 from __future__ import annotations
@@ -123,12 +126,13 @@ class PeerMemory:
                                            "exited") from None
                     if time.monotonic() >= deadline:
                         raise RuntimeError(
-                            f"zero_py: {what}: rank {q}'s shards stayed at step "
-                            f"{self.version(q) // 2} (this rank is at step {mine // 2}) for "
-                            f"{self.timeout_s:g} s, the process group's timeout; it is stuck "
-                            "or dead") from None
+                            f"zero_py: {what}: rank {q}'s shards stayed at update "
+                            f"{self.version(q) // 2} (this rank's are at update {mine // 2}: "
+                            f"steps and loads) for {self.timeout_s:g} s, the process group's "
+                            "timeout; it is stuck or dead, or did not make the same steps and "
+                            "loads (load_state_dict goes on every rank)") from None
             if self.version(q) != mine:
                 raise RuntimeError(
-                    f"zero_py: {what}: rank {q}'s shards are at step {self.version(q) // 2}, "
-                    f"ahead of this rank's step {mine // 2}: the ranks ran different numbers of "
-                    "optimizer steps")
+                    f"zero_py: {what}: rank {q}'s shards are at update {self.version(q) // 2}, "
+                    f"ahead of this rank's update {mine // 2}: the ranks ran different numbers of "
+                    "optimizer steps or loads (load_state_dict goes on every rank)")

@@ -286,8 +286,15 @@ def refuse_detached_params(opt) -> None:
     update that torch.optim would: under stages 1-2 one whose .data was replaced (it no
     longer aliases its flat buffer); one given with requires_grad=False and unfrozen since
     (requires_grad_(True), as fine-tuning does), which is laid out nowhere (stages 1-2) or
-    in the frozen storage (stage 3), so nothing would reduce or update it. Before any
-    collective of the step, so every rank that changed them alike raises at one point."""
+    in the frozen storage (stage 3), so nothing would reduce or update it; under stage 3
+    one cast, moved or replaced after zero_py.initialize (Stage3Engine.check_model), which
+    the next gather would silently undo. Before any collective of the step, so every rank
+    that changed them alike raises at one point."""
+    engine = getattr(opt, "_engine", None)
+    if engine is not None:
+        problem = engine.check_model()
+        if problem is not None:
+            raise RuntimeError(problem)
     if not opt._flat.params_sharded:
         moved = opt._flat.moved_params()
         if moved:

@@ -496,7 +496,11 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 mask = self._reducer.finish(check_stray=False)  # zeroed below
                 if mask is not None:
                     self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
-        super().zero_grad(set_to_none=set_to_none)
+        if self.stage == 3:  # a parameter between uses is a BetweenUses: no torch function
+            with torch._C.DisableTorchFunctionSubclass():
+                super().zero_grad(set_to_none=set_to_none)
+        else:
+            super().zero_grad(set_to_none=set_to_none)
         if self._early is not None:
             self._early.discard()  # the gradients they used are gone: no step will use them
         self._clip_coef, self._nonfinite = None, None

@@ -46,7 +46,7 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.stats import control
-from zero_py.collectives.work import Work, issue
+from zero_py.collectives.work import CollectiveError, Work, issue
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
 
@@ -65,39 +65,90 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 MAX_BUCKETS_IN_FLIGHT = 2
 
 # what a rank announces at the start of a pass or a step (_Count)
-_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD, _STEP_STRAY = 1, 2, 3, 4, 5, 6
+_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD, _STEP_STRAY, _GATHERED = (
+    1, 2, 3, 4, 5, 6, 7)
 _KIND_NAMES = {_PASS: "backward pass", _STEP: "step()",
                _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
                _STEP_STRAY: "step() with a param.grad set after the last reduced backward",
-               _FORWARD: "forward", _EVAL_FORWARD: "no_grad forward"}
+               _FORWARD: "forward", _EVAL_FORWARD: "no_grad forward",
+               _GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()"}
+
+# what every rank is told when one called a collective gathered access alone
+_CALL_ON_EVERY_RANK = (
+    "Under stage 3, model.state_dict(), zero_py.full_state_dict() and zero_py.gathered() "
+    "gather the parameters collectively where the ranks do not share one host's memory "
+    "(several hosts, CUDA, or ZP_SHM=0), so every rank of the group must call them, at the "
+    "same point: e.g. `sd = model.state_dict()` on every rank, then `if rank == 0: "
+    "torch.save(sd, path)`; or `sd = zero_py.full_state_dict(model)` on every rank (the "
+    "values on rank 0, None elsewhere); a Hugging Face model's save_pretrained(path) called "
+    "on every rank writes the files on rank 0 only. On one host with shared memory (the "
+    "default for CPU ranks) a read-only access gathers alone and one rank may call it.")
 
 
 class _Count:
-    """Every rank's (what, step, pass) in one SUM all-reduce (each rank fills its own row)."""
+    """Every rank's (what, step, pass, refused) in one SUM all-reduce (each rank fills its own
+    row). `problem`: why this rank refuses to go on (e.g. its model was cast after
+    zero_py.initialize), raised on every rank by check(). `what`: the gathered access a
+    _GATHERED count announces, in words."""
 
-    def __init__(self, executor, kind: int, step: int, passes: int):
+    def __init__(self, executor, kind: int, step: int, passes: int,
+                 problem: Optional[str] = None, what: Optional[str] = None):
         # hybrid sharding: every replica's ranks (a replica out of step would pair its
         # replicate all-reduces with other ones)
         executor = getattr(executor, "world", executor)
         self.kind, self.step, self.passes = kind, step, passes
+        self.problem, self.what = problem, what
         ws = executor.world_size
-        self.rows = torch.zeros(ws, 3, dtype=torch.int64, device=executor.device)
-        self.rows[executor.rank] = torch.tensor([kind, step, passes], dtype=torch.int64)
+        self.rows = torch.zeros(ws, 4, dtype=torch.int64, device=executor.device)
+        self.rows[executor.rank] = torch.tensor([kind, step, passes, problem is not None],
+                                                dtype=torch.int64)
+        if kind == _GATHERED:
+            name = (f"the all-reduce that starts {what} (which gathers collectively here: "
+                    "every rank of the group must call it)")
+        else:
+            name = f"all-reduce of the ranks' pass counts at the start of a {_KIND_NAMES[kind]}"
         with control():
-            self.work = issue(f"all-reduce of the ranks' pass counts at the start of a "
-                              f"{_KIND_NAMES[kind]}", executor.all_reduce, self.rows)
+            self.work = issue(name, executor.all_reduce, self.rows)
         self.rank = executor.rank
 
     def check(self) -> None:
-        self.work.wait()
+        try:
+            self.work.wait()
+        except CollectiveError as exc:
+            if self.kind != _GATHERED:
+                raise
+            # a rank that called it alone: the peers ran no collective of this group
+            err = CollectiveError(f"the all-reduce that starts {self.what}", exc.reason)
+            err.args = (
+                f"zero_py: {self.what} was called on this rank (rank {self.rank}) but not on "
+                "every rank of the group: the all-reduce that starts it did not complete "
+                f"within the process group's timeout ({exc.reason}). {_CALL_ON_EVERY_RANK}",)
+            raise err from exc
         rows = self.rows.tolist()
+        refused = [q for q, r in enumerate(rows) if r[3]]
+        if refused:
+            if self.problem is not None:
+                raise RuntimeError(self.problem)
+            ranks = ", ".join(map(str, refused))
+            raise RuntimeError(
+                f"zero_py: rank{'s' if len(refused) > 1 else ''} {ranks} refused this "
+                f"{_KIND_NAMES.get(self.kind, self.kind)} (this is rank {self.rank}): the model "
+                "was changed there after zero_py.initialize (a parameter cast, moved or "
+                "replaced); see the error on that rank. Cast and move the model before "
+                "zero_py.initialize")
         if all(r == rows[0] for r in rows):
             return
         said = "; ".join(
             f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
             if k in (_FORWARD, _EVAL_FORWARD, _PASS) else
+            f"rank {q}: {self.what if q == self.rank and self.what else _KIND_NAMES[k]} in "
+            f"step {st}" if k == _GATHERED else
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
-            f" in step {st}" for q, (k, st, p) in enumerate(rows))
+            f" in step {st}" for q, (k, st, p, _) in enumerate(rows))
+        if any(r[0] == _GATHERED for r in rows):
+            raise RuntimeError(
+                "zero_py: the ranks did not all start the same gathered access (this is rank "
+                f"{self.rank}): {said}. {_CALL_ON_EVERY_RANK}")
         raise RuntimeError(
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
@@ -534,17 +585,35 @@ class GradReducer:
         self._finished = True
         return self._global_used
 
-    def announce_forward(self, eval_forward: bool) -> None:
+    def announce_forward(self, eval_forward: bool, problem: Optional[str] = None) -> None:
         """Stage 3, at the start of a forward whose gathers are collective: every rank must be
-        starting the same forward (compared now, before any gather)."""
+        starting the same forward (compared now, before any gather). `problem`: why this
+        rank refuses it, raised on every rank (the others say which rank refused)."""
         if not self.check_counts:
+            if problem is not None:
+                raise RuntimeError(problem)
             return
         self._check_count()
-        if not eval_forward:
-            self.forwards_since_step += 1
+        n = self.forwards_since_step + (not eval_forward)
         self._count = _Count(self.executor, _EVAL_FORWARD if eval_forward else _FORWARD,
-                             self.steps, self.forwards_since_step)
+                             self.steps, n, problem)
+        self._check_count()  # a refused forward is not counted: every rank raised alike
+        self.forwards_since_step = n
+
+    def announce_gathered(self, what: str) -> None:
+        """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
+        rank must be starting one (compared now, before any gather). A rank whose peers go
+        on to a forward, backward or step raises with them, naming each rank's call; a rank
+        whose peers run no collective of the group raises after its timeout."""
         self._check_count()
+        self._count = _Count(self.executor, _GATHERED, self.steps, 0, what=what)
+        self._check_count()
+
+    @property
+    def updating(self) -> bool:
+        """finish() ran and the step has not ended: the optimizer may be writing the parameter
+        shards (stage 3's one-sided readers cannot tell from the peers' versions)."""
+        return self._updating
 
     def _check_count(self) -> None:
         """Raises on every rank if the ranks' last pass or step announcements differ."""

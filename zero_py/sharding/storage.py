@@ -21,12 +21,14 @@ failed collective names), so the optimizer never needs to know which stage it se
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from zero_py.collectives.peer_memory import PeerMemory
 from zero_py.collectives.work import Work, issue
+from zero_py.sharding.between_uses import BetweenUses
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.pieces_on_file import PiecesOnFile
 
@@ -269,6 +271,11 @@ class ShardedParams(PiecesOnFile, FlatLayout):
         self._buffers: List[Optional[torch.Tensor]] = [None] * self.n_buckets
         self._full: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self._exposed = [False] * self.n_buckets  # params are their full views now
+        # buckets gathered by this rank alone for zero_py.gathered() or a state dict (peers
+        # may not hold them): publish() leaves them to end_update(); free() forgets them
+        self.held_alone: set = set()
+        self._writes = 0  # the shards' version (begin_write)
+        self._writing = 0
         self.unit_names: Optional[List[str]] = None  # set by the engine, for errors
 
     def _build_local(self) -> None:
@@ -373,13 +380,41 @@ class ShardedParams(PiecesOnFile, FlatLayout):
     def begin_update(self, steps: int) -> None:
         """The optimizer is about to update the shards in step `steps` (0-based): one-sided
         readers on other ranks wait until end_update."""
-        if self.peers is not None:
-            self.peers.publish_version(2 * steps + 1)
+        self.begin_write()
 
     def end_update(self, steps: int) -> None:
-        """The shards hold the values after `steps` steps."""
-        if self.peers is not None:
-            self.peers.publish_version(2 * steps)
+        """The shards hold the values after the step; the buckets held alone (a step inside a
+        zero_py.gathered() block of this rank's) are copied again from them."""
+        self.end_write()
+        for b in sorted(self.held_alone):
+            self.gather_one_sided(b, f"one-sided gather of {self.describe_bucket(b)} after "
+                                     "step() inside zero_py.gathered()").wait()
+
+    # The shards' version, which one-sided readers wait for (PeerMemory): 2 * writes once this
+    # rank's shards hold its `writes`-th update, odd while it writes one. An update is a step,
+    # and any write outside one (load_state_dict, gathered(modifier_rank=...),
+    # load_checkpoint), which every rank makes too, with no collective after it: a peer that
+    # reads this rank's shards after its own load waits for this rank's load to end.
+    def begin_write(self) -> None:
+        self._writing += 1
+        if self._writing == 1 and self.peers is not None:
+            self.peers.publish_version(2 * self._writes + 1)
+
+    def end_write(self) -> None:
+        self._writing -= 1
+        if self._writing == 0:
+            self._writes += 1
+            if self.peers is not None:
+                self.peers.publish_version(2 * self._writes)
+
+    @contextlib.contextmanager
+    def writing(self):
+        """This rank writes its shards outside a step (see begin_write)."""
+        self.begin_write()
+        try:
+            yield
+        finally:
+            self.end_write()
 
     def read_ahead(self, buckets: Sequence[int]) -> None:
         """Buckets about to be gathered (the engine's schedule): on NVMe, their records start
@@ -389,10 +424,14 @@ class ShardedParams(PiecesOnFile, FlatLayout):
 
     def free(self, b: int) -> None:
         """Releases bucket b's full values: its parameters are their shard slices again."""
+        self.held_alone.discard(b)
         if not self._exposed[b]:
             return
         for i in self.bucket_params[b]:
-            self.params[i].data = self._local[i]
+            p = self.params[i]
+            p.data = self._local[i]
+            if type(p) is torch.nn.Parameter:  # computing with the slice says so (between_uses)
+                p.__class__ = BetweenUses
         buf = self._buffers[b]
         buf.untyped_storage().resize_(0)
         self.meter.add(-buf.numel() * buf.element_size())
@@ -400,13 +439,37 @@ class ShardedParams(PiecesOnFile, FlatLayout):
 
     def _expose(self, b: int) -> None:
         for i in self.bucket_params[b]:
-            self.params[i].data = self._full[i]
+            p = self.params[i]
+            if type(p) is BetweenUses:
+                p.__class__ = torch.nn.Parameter
+            p.data = self._full[i]
+
+    def changed_params(self) -> List[tuple]:
+        """The parameters whose values are no longer where this storage put them, as
+        (index, what it is now, what it should be), e.g. (3, "torch.float16 on cpu",
+        "torch.float32 on cpu"): cast or moved after zero_py.initialize (model.half(),
+        model.to(device)) or given another .data (`p.data = t`), which changes only the tensor
+        the parameter is now (its shard slice, or its full view while gathered): the next
+        gather or free would put the old one back and drop the change. Empty when none
+        changed."""
+        out = []
+        with torch._C.DisableTorchFunctionSubclass():  # about 0.4 us a parameter
+            for i, p in enumerate(self.params):
+                want = self._full[i] if self._exposed[self.param_bucket[i]] else self._local[i]
+                if want is not None and (p.data_ptr() != want.data_ptr()
+                                         or p.dtype is not want.dtype):
+                    out.append((i, f"{p.dtype} on {p.device}", f"{want.dtype} on "
+                                f"{want.device}"))
+        return out
 
     def publish(self, executor, buckets: Sequence[int]) -> None:
         """After an update of the shards: refresh every bucket whose full values exist (the
         persistent unit's, and any held by zero_py.gathered()); the others are gathered from
-        the new shards at their next use."""
-        pending = [self.gather(b) for b in range(self.n_buckets) if self._exposed[b]]
+        the new shards at their next use. Buckets this rank holds alone (held_alone: peers
+        may not hold them) are not gathered here but copied again by end_update, once every
+        rank's shards hold the step's values."""
+        pending = [self.gather(b) for b in range(self.n_buckets)
+                   if self._exposed[b] and b not in self.held_alone]
         for work in pending:
             work.wait()
 

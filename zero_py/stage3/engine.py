@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zero_py._native import _C
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
+from zero_py.sharding.between_uses import describe
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 
@@ -152,6 +153,22 @@ class Stage3Engine:
         self._set_order(list(range(n)))
         for storage in self.storages:  # failed gathers name the unit's module
             storage.unit_names = [name for name, _ in units]
+        # where the model registers each sharded parameter: check_model() finds the ones
+        # replaced since (e.g. by model.to(device) where torch makes new Parameters)
+        managed = {id(p) for s in self.storages for p in s.params}
+        self._registered = [(m, f"{mn}.{n}" if mn else n, n, p)
+                            for mn, m in model.named_modules() for n, p in m._parameters.items()
+                            if p is not None and id(p) in managed]
+        # how errors name each parameter (between_uses.describe): its first name, its unit
+        names: Dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        for s in self.storages:
+            for i, p in enumerate(s.params):
+                u = s.param_unit[i]
+                where = ("kept whole: persistence_threshold" if u == s.persistent_unit else
+                         f"unit {units[u][0] or '(the root module)'!r}")
+                p._zero_py_describe = f"{names.get(id(p), '?')!r} ({where})"
         reducer.before_backward_end(self._drain_backward)
         reducer.on_backward_end(self._end_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
@@ -170,6 +187,53 @@ class Stage3Engine:
         with no collective (every storage one-sided): a rank may then run it alone, and ranks
         may run different numbers of them."""
         return all(s.one_sided for s in self.storages)
+
+    def reads_alone(self) -> bool:
+        """Whether a read-only gathered access (model.state_dict(), full_state_dict(),
+        gathered() without a modifier rank) gathers from the peers' shards in shared memory
+        now, with no collective, so that one rank may make it alone: every storage one-sided,
+        and this rank not between finish() and the end of its step (clip_grad_norm_ then
+        step()), where a peer may be writing its shards with no version to wait for."""
+        return self.eval_gathers_alone and not self.reducer.updating
+
+    def check_model(self) -> Optional[str]:
+        """None, or what was changed in the model since zero_py.initialize that stage 3 would
+        silently undo: a parameter cast or moved (model.half(), model.to(torch.bfloat16),
+        model.double(), model.to(device): only its shard slice changed, and the next gather
+        puts back the dtype and device it was sharded with), its .data replaced, or the
+        Parameter itself replaced in its module (which the engine no longer gathers).
+        Under a microsecond a parameter: run at each forward and step."""
+        found = []
+        for m, name, n, p in self._registered:
+            now = m._parameters.get(n)
+            if now is not p:
+                with torch._C.DisableTorchFunctionSubclass():
+                    what = ("removed" if now is None else
+                            f"replaced by another Parameter ({now.dtype} on {now.device})")
+                found.append(f"parameter {name!r} was {what}")
+        for s in self.storages:
+            for i, now, was in s.changed_params():
+                found.append(f"parameter {describe(s.params[i])} is {now}, but it was sharded "
+                             f"as {was}" if now != was else
+                             f"the .data of parameter {describe(s.params[i])} was replaced "
+                             "(`p.data = t`, e.g. by torch.nn.utils.vector_to_parameters)")
+        if not found:
+            return None
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        return (
+            f"zero_py stage 3: the model was changed after zero_py.initialize: {found[0]}{more}. "
+            "Under stage 3 a cast or a move after initialize (model.half(), "
+            "model.to(torch.bfloat16), model.double(), model.to(device)) changes only this "
+            "rank's shard slices, and the next gather would silently bring back the sharded "
+            "dtype and device (a replaced Parameter would no longer be gathered or trained). "
+            "Cast and move the model before zero_py.initialize: for mixed precision, "
+            "model.to(torch.bfloat16) (or float16) before initialize keeps an fp32 master of "
+            "every shard and updates it there (add grad_reduce_dtype=torch.float32 for an fp32 "
+            "gradient sum, loss_scaler=zero_py.LossScaler() for fp16), or pass config= with a "
+            "DeepSpeed bf16/fp16 section, which casts it for you; to compute in low precision "
+            "over fp32 parameters, run the forward under torch.autocast. To change values, "
+            "use model.load_state_dict(...) or write them inside `with "
+            "zero_py.gathered(module, modifier_rank=0, optimizer=optimizer):`.")
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -353,10 +417,14 @@ class Stage3Engine:
                     room -= self._unit_bytes[k]
                 self._set_keep(keep)
         phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
+        problem = self.check_model()
         if phase == _C.PF_FORWARD or not self.eval_gathers_alone:
             # its gathers are collective: every rank must be starting this forward (a no_grad
-            # forward gathers alone where the shards are in shared memory)
-            self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL)
+            # forward gathers alone where the shards are in shared memory); a rank whose model
+            # changed refuses it in the announcement, so that every rank raises
+            self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL, problem)
+        elif problem is not None:
+            raise RuntimeError(problem)
         self._phase = phase
         self._open_phase(self._phase)
         self._post_pending = [0] * len(self.units)
@@ -446,13 +514,15 @@ class Stage3Engine:
     _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
                     _C.PF_BACKWARD: "the backward"}
 
-    def _gather(self, u: int, scheduled: bool = True) -> None:
+    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None) -> None:
         """Starts gathering unit u: collectively, or from the peers' shards in shared memory
         with no collective (a no_grad forward, which one rank may run alone, and a gather only
-        this rank makes) where the storages allow it."""
+        this rank makes) where the storages allow it; `alone` decides instead where given (a
+        read-only hold that reads_alone())."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
-        alone = ((self._phase == _C.PF_FORWARD_EVAL or not scheduled)
-                 and all(s.one_sided for s in self.storages))
+        if alone is None:
+            alone = ((self._phase == _C.PF_FORWARD_EVAL or not scheduled)
+                     and all(s.one_sided for s in self.storages))
         if alone:
             self._pending[u] = [
                 s.gather_one_sided(b, f"one-sided gather of {s.describe_bucket(b)} for {phase}")
@@ -493,33 +563,55 @@ class Stage3Engine:
     # -- gathered access ------------------------------------------------------------------------
 
     def gathered(self, params: Optional[Set[int]], modifier_rank: Optional[int]):
-        """Full values of the units holding `params` (ids; None: all). Collective. With
-        `modifier_rank`, that rank's values are broadcast and stored into every rank's shards
-        on exit (the caller syncs the optimizer's fp32 masters)."""
+        """Full values of the units holding `params` (ids; None: all). Collective, except
+        read-only where reads_alone(). With `modifier_rank`, that rank's values are broadcast
+        and stored into every rank's shards on exit (the caller syncs the optimizer's fp32
+        masters)."""
         units = sorted({s.param_unit[i] for s in self.storages
                         for i, p in enumerate(s.params) if params is None or id(p) in params})
         return self.hold(units, modifier_rank)
 
-    @contextlib.contextmanager
-    def hold(self, wanted: Sequence[int], modifier_rank: Optional[int] = None):
-        """gathered() by unit ids. Collective."""
+    def announce(self, what: str) -> None:
+        """Before the collective gathers of `what` (e.g. "model.state_dict()"): every rank
+        must be starting it, or every rank that takes part in the comparison raises, and a
+        rank that calls it alone raises after the process group's timeout at the latest
+        (GradReducer.announce_gathered), rather than wait in a gather for ever."""
+        self.reducer.announce_gathered(what)
+
+    def refuse_inside_pass(self, what: str) -> None:
         if self._phase is not None:
-            raise RuntimeError("zero_py.gathered() cannot be used inside the model's forward or "
-                               "backward; use it between steps")
+            raise RuntimeError(f"{what} cannot be used inside the model's forward or backward; "
+                               "use it between steps")
+
+    @contextlib.contextmanager
+    def hold(self, wanted: Sequence[int], modifier_rank: Optional[int] = None,
+             what: str = "zero_py.gathered()", announced: bool = False):
+        """gathered() by unit ids. Read-only (no `modifier_rank`) where reads_alone(), this
+        rank gathers from the peers' shards alone; otherwise collective, announced first
+        unless the caller did (`announced`: one announcement for a whole state dict)."""
+        self.refuse_inside_pass(what)
+        alone = modifier_rank is None and self.reads_alone()
+        if not alone and not announced:
+            self.announce(what)
         opened = [u for u in wanted if not self.is_gathered(u)]
         # memory_report's gathered_peak is training's working set: what the caller holds
         # here (up to the whole model) is the caller's, and is not counted in it
         meter = self.flat.meter
         peak_before = meter.peak_bytes
         for u in opened:
-            self._gather(u)
+            self._gather(u, alone=alone)
+            if alone:  # peers may not hold it: a step inside the block refreshes it alone
+                for s in self.storages:
+                    s.held_alone.update(s.unit_buckets[u])
         for u in opened:
             self._wait(u)
         self._held.append(set(wanted))
         try:
             yield
             if modifier_rank is not None:
-                with torch.no_grad():
+                with torch.no_grad(), contextlib.ExitStack() as writing:
+                    for s in self.storages:  # one-sided readers wait for the writes
+                        writing.enter_context(s.writing())
                     for u in wanted:
                         pending = [(s, b, s.executor.broadcast(s.full_buffer(b), modifier_rank))
                                    for s in self.storages for b in s.unit_buckets[u]]

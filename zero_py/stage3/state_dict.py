@@ -1,16 +1,29 @@
-"""model.state_dict() and model.load_state_dict() under stage 3: full values, collective.
+"""model.state_dict() and model.load_state_dict() under stage 3: full values.
 
 Between uses a stage-3 parameter is its shard slice, so torch's own state dict would hold each
 rank's slices under the full names. zero_py.initialize installs hooks on the model instead:
 
-- model.state_dict() returns every parameter with its full shape and values, on every rank
-  (units are gathered one at a time, the values cloned). It is collective: call it on every
-  rank (e.g. `sd = model.state_dict(); if rank == 0: torch.save(sd, path)`).
+- model.state_dict() returns every parameter with its full shape and values (units are
+  gathered one at a time, the values cloned).
 - model.load_state_dict(sd) takes such a full dict (or any torch state dict of the same model)
   on every rank: each rank keeps its own slice of each value, with no communication, and the
   optimizer's fp32 masters follow. Shapes are checked before anything is written.
 
 full_state_dict() gives the same values on one rank only (None elsewhere), cloned to the CPU.
+
+Who must call them. Where every rank of the group runs on this host with its shards in shared
+memory (ShardedParams.one_sided: gloo and CPU tensors, the default), model.state_dict() and
+full_state_dict() read every rank's pieces from there, with no collective
+(Stage3Engine.reads_alone), so one rank may call them alone: `if rank == 0:
+model.save_pretrained(path)` saves the values every rank would. A peer in the middle of its
+step is waited for (the shards' versions, collectives/peer_memory.py). Elsewhere (several
+hosts, CUDA, ZP_SHM=0), and on a rank between finish() and the end of its step, they gather
+collectively and every rank must call them at the same point (e.g. `sd = model.state_dict()`
+on every rank, then `if rank == 0: torch.save(sd, path)`). Each call is announced first
+(GradReducer.announce_gathered): a rank that calls it alone raises, on every rank that takes
+part (the peers' next forward, backward or step compares with it) or, where the peers run no
+collective of the group, after the process group's timeout, with an error that says to call
+it on every rank; it never waits in a gather for ever.
 """
 
 from __future__ import annotations
@@ -40,17 +53,28 @@ def _param_keys(model: nn.Module, engine: Stage3Engine
 
 
 def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
-             dst: Optional[int], to_cpu: bool) -> None:
+             dst: Optional[int], to_cpu: bool, what: str) -> None:
     """Replaces the sharded parameters' entries of `sd` by full values, cloned (on group rank
-    `dst` only when given; entries elsewhere are removed). Gathers one unit at a time."""
+    `dst` only when given; entries elsewhere are removed). Gathers one unit at a time: from
+    the peers' shards in shared memory, alone, where engine.reads_alone(); otherwise
+    collectively, announced once as `what` (see the module docstring)."""
     me = engine.executor.rank
+    engine.refuse_inside_pass(what)
+    alone = engine.reads_alone()
     by_unit: Dict[int, List[Tuple[str, ShardedParams, int]]] = {}
     for name, (s, i) in _param_keys(model, engine).items():
         if prefix + name in sd:
             by_unit.setdefault(s.param_unit[i], []).append((prefix + name, s, i))
+    if dst is not None and me != dst and alone:
+        for entries in by_unit.values():  # nothing to gather for the other rank
+            for key, _, _ in entries:
+                sd.pop(key, None)
+        return
+    if not alone and by_unit:
+        engine.announce(what)
     for u in sorted(by_unit):
         entries = by_unit[u]
-        with engine.hold([u]):
+        with engine.hold([u], what=what, announced=True):
             for key, s, i in entries:
                 if dst is None or me == dst:
                     value = s.full_view(i).detach()
@@ -62,11 +86,11 @@ def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
 def full_state_dict(model: nn.Module, engine: Stage3Engine, rank: int
                     ) -> Optional[Dict[str, torch.Tensor]]:
     """The model's state dict with full tensors, cloned to the CPU, on group rank `rank`;
-    None elsewhere. Collective."""
+    None elsewhere. Collective, except where engine.reads_alone() (module docstring)."""
     with engine.raw_state_dict():
         sd = model.state_dict()
     params = {k for k in _param_keys(model, engine) if k in sd}
-    _collect(model, engine, sd, "", rank, to_cpu=True)
+    _collect(model, engine, sd, "", rank, to_cpu=True, what="zero_py.full_state_dict()")
     if engine.executor.rank != rank:
         return None
     # the parameters are CPU clones already; buffers and the rest are cloned here
@@ -79,7 +103,7 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
 
     def on_save(module, sd, prefix, local_metadata):
         if not engine.raw:
-            _collect(module, engine, sd, prefix, None, to_cpu=False)
+            _collect(module, engine, sd, prefix, None, to_cpu=False, what="model.state_dict()")
 
     def before_load(module, sd, prefix, local_metadata, strict, missing, unexpected, errors):
         keys = _param_keys(module, engine)
@@ -99,6 +123,9 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
         loading[0] = contextlib.ExitStack()
         for s in engine.storages:
             loading[0].enter_context(s.resident())
+            # one-sided readers on other ranks (a state dict or no_grad forward right after
+            # their own load) wait until this rank's load has ended
+            loading[0].enter_context(s.writing())
         for name, (s, i) in keys.items():
             value = sd.get(prefix + name)
             if not isinstance(value, torch.Tensor) or s.is_gathered(s.param_bucket[i]):

@@ -1,0 +1,170 @@
+"""BetweenUses: the class of a stage-3 parameter while it is its shard slice.
+
+Between the uses of its unit a stage-3 parameter is this rank's 1-D slice of its value
+(sharding/storage.py). Reading it is safe (printing, cloning, an EMA, torch.save). Computing
+with it and backpropagating is not: a loss that adds `model.blocks[0].fc.weight.pow(2).sum()`
+outside blocks[0]'s forward would differentiate the slice, not the parameter, and autograd
+fails with a raw shape error ("Function PowBackward0 returned an invalid gradient at index 0 -
+got [2048] but expected shape compatible with [128, 32]"), from a node that is not even the
+culprit when the use came before the forward. The gradient cannot be made right cheaply
+either: each rank holds a different piece, and the piece's gradient is not the parameter's.
+
+So ShardedParams.free() gives such a parameter this class (a subclass of nn.Parameter, so
+isinstance checks hold), and _expose() gives it back nn.Parameter: only while a parameter is
+its slice do torch calls on it go through __torch_function__ below (about 3 us each). That
+hook runs the call as torch would; where the call records autograd history for the
+parameter, it runs it once more on an alias (the same storage, a leaf of its own) whose
+gradient hook raises an error naming the parameter and saying what to do, so
+
+- the error comes, on every rank alike, only if that result is really backpropagated (a
+  norm logged without torch.no_grad() costs nothing more);
+- the parameter's own gradient accumulator never sees the slice, so its uses inside the
+  forward keep working and the error is the first one that backward meets;
+- a torch call that fails on the slice (e.g. a parameter used inside another unit's forward,
+  which no wrap policy can see) says that the parameter was its shard slice there.
+
+full_numel(): inside the block, numel() of such a parameter is its full count (the model's
+num_parameters() under stage 3; see zero_py.api). Nothing else changes what torch returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import torch
+import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
+
+_full_numel = [False]  # inside full_numel()
+
+
+class BetweenUses(nn.Parameter):
+    """A stage-3 parameter while it is its shard slice (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not all(issubclass(cls, t) for t in types):
+            return NotImplemented  # another subclass's own override decides (as torch's)
+        kwargs = kwargs or {}
+        with DisableTorchFunctionSubclass():
+            if func is torch.Tensor.numel and _full_numel[0] and len(args) == 1:
+                shape = getattr(args[0], "_zero_py_shape", None)
+                if shape is not None:
+                    return _numel(shape)
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError as exc:
+                used = _params_in(args, kwargs)
+                if not used:
+                    raise
+                raise RuntimeError(f"{exc}\n\n{_note(used)}") from exc
+            if torch.is_grad_enabled() and _has_history(out):
+                used = [p for p in _params_in(args, kwargs) if p.requires_grad]
+                if used:
+                    # again on aliases whose gradient raises: the parameter's own gradient
+                    # accumulator must not see the slice (the first result is dropped, and
+                    # with it any accumulator it made)
+                    aliases = {id(p): _alias(p) for p in used}
+                    out = func(*_swap(args, aliases), **_swap(kwargs, aliases))
+        return out
+
+    def __deepcopy__(self, memo):
+        # a copy is an ordinary parameter (of this rank's slice), not managed by zero_py
+        if id(self) in memo:
+            return memo[id(self)]
+        with DisableTorchFunctionSubclass():
+            result = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                  self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+
+@contextlib.contextmanager
+def full_numel():
+    """Inside the block, numel() of a stage-3 parameter between uses is its full count."""
+    before, _full_numel[0] = _full_numel[0], True
+    try:
+        yield
+    finally:
+        _full_numel[0] = before
+
+
+def describe(p: torch.Tensor) -> str:
+    """A parameter in words, for errors: its name and unit (set by zero_py.initialize)."""
+    return getattr(p, "_zero_py_describe", None) or "(unnamed)"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _params_in(args, kwargs) -> List[torch.Tensor]:
+    """The parameters between uses among the arguments (and inside lists and tuples of them:
+    torch.cat, torch.stack)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            found += [t for t in a if isinstance(t, BetweenUses)]
+        elif isinstance(a, BetweenUses):
+            found.append(a)
+    return found
+
+
+def _has_history(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn is not None
+    if isinstance(out, (list, tuple)):
+        return any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in out)
+    return False
+
+
+def _swap(obj, aliases):
+    if isinstance(obj, dict):
+        return {k: _swap(v, aliases) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        swapped = [aliases.get(id(t), t) if isinstance(t, torch.Tensor) else _swap(t, aliases)
+                   for t in obj]
+        return tuple(swapped) if isinstance(obj, tuple) else swapped
+    return aliases.get(id(obj), obj) if isinstance(obj, torch.Tensor) else obj
+
+
+def _alias(p: torch.Tensor) -> torch.Tensor:
+    alias = p.detach().requires_grad_(True)
+    message = _refusal(p)
+
+    def refuse(grad):
+        raise RuntimeError(message)
+    alias.register_hook(refuse)
+    return alias
+
+
+def _slice_words(p: torch.Tensor) -> str:
+    shape = tuple(getattr(p, "_zero_py_shape", ()) or ())
+    return (f"this rank's 1-D shard slice ({p.numel()} of the {_numel(shape)} elements of its "
+            f"shape {shape})")
+
+
+def _refusal(p: torch.Tensor) -> str:
+    return (
+        f"zero_py stage 3: parameter {describe(p)} was used outside the forward of its unit, "
+        f"where it is {_slice_words(p)}, and backward reached that use: stage 3 cannot give "
+        "it a gradient there (each rank holds another piece, and DDP would differentiate the "
+        "whole parameter). Compute with it inside the forward: inside the forward of the "
+        "module that registers it (a unit's parameters are whole only while that unit runs; "
+        "the root unit's and persistent ones stay whole from the model's forward to the end "
+        "of its backward, so a loss may use those after the forward), or for a weight penalty "
+        "use the optimizer's weight_decay. To read values between steps, without a gradient, "
+        "use `with zero_py.gathered(model):`.")
+
+
+def _note(used: List[torch.Tensor]) -> str:
+    p = used[0]
+    return (f"zero_py stage 3: parameter {describe(p)} was passed to this call outside the "
+            f"forward of its unit, where it is {_slice_words(p)}. Use it inside the forward of "
+            "the module that registers it (no wrap policy can see a parameter used by a "
+            "module of another unit: register or tie it there, or keep both in one unit), or "
+            "read its full value inside `with zero_py.gathered(model):`.")
