@@ -308,9 +308,13 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)
     opt._engine = engine
     if meta:
-        # on NVMe each bucket's piece is written to its record once filled (filling())
-        replay_init(model, engine, uninitialized, init_fn)
-        opt.sync_master_from_params()
+        # on NVMe each bucket's piece is written to its record once filled (filling()); a
+        # write of the shards, as shard_parameters' (one-sided readers wait for its end)
+        with contextlib.ExitStack() as writing:
+            for s in engine.storages:
+                writing.enter_context(s.writing())
+            replay_init(model, engine, uninitialized, init_fn)
+            opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
     _start_buffers(model, opt, broadcast_buffers)
     # generate()'s forwards are no_grad: collective ones need synced_gpus, but where they gather

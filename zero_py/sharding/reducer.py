@@ -576,9 +576,11 @@ class GradReducer:
                 "gradients only in a step without backward (they are then reduced: the "
                 "torch.autograd.grad idiom), or use stage 1; optimizer.zero_grad() drops them")
         self._retire(block_over=0)
-        # the update of the parameter shards follows: one-sided readers wait for its end
-        self._updating = True
-        getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
+        # the update of the parameter shards follows: one-sided readers wait for its end (once:
+        # a clip_grad_norm_ and a backward after it finish() twice before the step)
+        if not self._updating:
+            self._updating = True
+            getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
         if self._used_pending is not None:
             self._used_pending.wait()
             self._used_pending = None

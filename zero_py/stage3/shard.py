@@ -43,7 +43,9 @@ def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
     if on_made is not None:
         flat.param_file_error = failure[0] if failure else None
         on_made(flat)
-    with torch.no_grad():
+    # a write of the shards (their first): a peer that reads them one-sided (a no_grad
+    # forward, a state dict) once its own initialize returned waits until this rank's is done
+    with torch.no_grad(), flat.writing():
         for b in range(flat.n_buckets):
             # the values to lay out, taken before materialize() points .data elsewhere
             values = {i: flat.params[i].detach() for i in flat.bucket_params[b]
