@@ -49,8 +49,9 @@ def _gather_bytes(executor, payload: bytes, dst: Optional[int]) -> Optional[List
     return out if dst is None or executor.rank == dst else None
 
 
-def gather_object(executor, obj: Any, dst: int = 0) -> Optional[List[Any]]:
-    """The list of every rank's `obj` on group rank `dst`, None elsewhere. Collective."""
+def gather_object(executor, obj: Any, dst: Optional[int] = 0) -> Optional[List[Any]]:
+    """The list of every rank's `obj` on group rank `dst` (every rank when dst is None), None
+    elsewhere. Collective."""
     if executor.world_size == 1:
         return [obj]
     buf = io.BytesIO()

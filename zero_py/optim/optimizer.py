@@ -22,7 +22,7 @@ from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.offload.early import EarlyStep, check_overlap_step
 from zero_py.collectives import quantized
-from zero_py.optim import agreement, compat, regroup
+from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
                                      DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
@@ -518,7 +518,15 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         """Updates this rank's shard and all-gathers the parameters. With a loss scaler, a step
         whose gradients overflow on any rank is skipped on every rank (last_step_skipped).
         As torch.optim does, a parameter without a gradient (none since zero_grad(), or step()
-        before any backward) is left alone, and step() twice applies the gradients twice."""
+        before any backward) is left alone, and step() twice applies the gradients twice.
+
+        Called by torch.distributed.checkpoint to "initialize" a stateless optimizer (zero
+        gradients assigned to every parameter, lr 0), it drops those gradients and does
+        nothing (zero_py/optim/dcp.py)."""
+        if dcp.caller(("_init_optim_state",)) is not None:
+            for p in self._all_params:
+                p.grad = None
+            return None
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)

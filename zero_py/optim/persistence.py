@@ -18,7 +18,7 @@ import torch
 
 from zero_py import kernels
 from zero_py.collectives import gather_object
-from zero_py.optim import agreement
+from zero_py.optim import agreement, dcp
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
 from zero_py.optim.update import BUFFER, added_state, fused_kind, state_keys
@@ -137,7 +137,17 @@ class StateDicts:
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state, in torch's format plus a "zero_py" entry
         saying which slice of each parameter it holds. Every rank saves its own. Hooks
-        registered with register_state_dict_pre_hook / _post_hook run as in torch.optim."""
+        registered with register_state_dict_pre_hook / _post_hook run as in torch.optim.
+
+        Called by torch.distributed.checkpoint's get_optimizer_state_dict (or set_'s, which
+        reads it to place what it loads), it gives the full torch-format dict on every rank
+        instead (collective there): DCP gathers only FSDP's and DTensor's shards, and would
+        hand back this rank's slices under the full names (zero_py/optim/dcp.py)."""
+        if dcp.caller(("_get_optim_state_dict",)) is not None:
+            if self.loss_scaler is not None and not dcp.loading():
+                raise ValueError(dcp.LOSS_SCALER_MESSAGE)
+            full = self._full_state_dict(None)
+            return dcp.with_placeholders(self, full) if dcp.loading() else full
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.resident():
@@ -173,6 +183,10 @@ class StateDicts:
         """The full optimizer state dict, in torch.optim's own format (loadable by
         optimizer_class), returned on group rank `to` and None elsewhere. Collective: every rank
         must call it. State-dict pre hooks run on every rank, post hooks on the full dict."""
+        return self._full_state_dict(to)
+
+    def _full_state_dict(self, to: Optional[int]) -> Optional[dict]:
+        """consolidate_state_dict(to), or on every rank where `to` is None."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.resident():
@@ -201,7 +215,7 @@ class StateDicts:
             raise TypeError("load_state_dict takes the dict that state_dict() or "
                             "consolidate_state_dict() returned (or a torch.optim optimizer's "
                             f"state_dict()), got {type(state_dict).__name__}")
-        state_dict = state_dict.copy()
+        state_dict = dcp.drop_placeholders(state_dict.copy())
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

@@ -107,12 +107,36 @@ def state_index(key, n_params: int) -> int:
     try:
         index = int(key)
     except (TypeError, ValueError):
-        raise ValueError(f"zero_py: the state dict's 'state' key {key!r} is not a parameter "
-                         "index") from None
+        raise ValueError(f"zero_py: the state dict's 'state' key {key!r} is neither a "
+                         "parameter index nor a key its param_groups' 'params' list: the dict "
+                         "was saved for other parameters") from None
     if not 0 <= index < n_params:
         raise ValueError(f"zero_py: the state dict holds state for parameter {index}, this "
                          f"optimizer has {n_params} parameters; the model differs")
     return index
+
+
+def _hashable(key) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def saved_positions(saved_groups: List[dict]) -> Dict[object, int]:
+    """{key of a parameter in the dict's param groups: its position over the groups}: as
+    torch.optim's load_state_dict, a 'state' key names the parameter at the position its key
+    holds in the param groups, whatever the key is (an index, or the name under which
+    torch.distributed.checkpoint's state dicts keep it)."""
+    out: Dict[object, int] = {}
+    at = 0
+    for g in saved_groups:
+        for key in g["params"]:
+            if _hashable(key):
+                out.setdefault(key, at)
+            at += 1
+    return out
 
 
 def _is_number(v) -> bool:
@@ -239,8 +263,11 @@ def check_loadable(opt, state_dict: dict):
               for k, shape in enumerate(opt._flat.param_shapes)}
     slices = {opt._managed_index[s.param]: s for s in opt._flat.slices}
     keys = opt._update.keys + opt._state_to_add(groups) if opt.uses_fused_kernel else None
+    positions = saved_positions(state_dict["param_groups"])
     for k, st in state_dict["state"].items():
-        index = state_index(k, len(opt._all_params))
+        index = positions.get(k) if _hashable(k) else None
+        if index is None:
+            index = state_index(k, len(opt._all_params))
         if index not in numel:
             continue  # a parameter this optimizer keeps frozen: torch would ignore it too
         if shard:

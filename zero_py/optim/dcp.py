@@ -1,0 +1,152 @@
+"""torch.distributed.checkpoint.state_dict (DCP's get_/set_optimizer_state_dict and
+get_/set_state_dict, as FSDP2 and torchtitan-style training code call them) over a
+ZeroOptimizer.
+
+Those functions read and load an optimizer through its own state_dict() / load_state_dict() and
+map its parameter indices to fully qualified names; they know how to gather only FSDP's and
+DTensor's shards. ZeroOptimizer.state_dict() is this rank's shard (its slices, flattened), so
+DCP would hand back each rank's slices under the full names: partial state that looks whole. So:
+
+- ZeroOptimizer.state_dict() called by DCP gives the full torch-format dict (as
+  consolidate_state_dict() does) on every rank: get_optimizer_state_dict then holds torch.optim's
+  values whatever the stage and StateDictOptions (full_state_dict=False included: the tensors
+  are plain and replicated, so DCP's save writes each once). It costs the full optimizer state
+  on every rank for the call (zero_py.save_checkpoint writes each rank's shard instead). An
+  optimizer with a loss scaler is refused there: DCP keeps only "state" and "param_groups", so
+  the scaler's state would be lost silently.
+- load_state_dict() maps the dict's parameter keys through its param groups by position, as
+  torch.optim does, so DCP's dicts keyed by names load (set_optimizer_state_dict, with
+  full_state_dict or not).
+- DCP first "initializes" an optimizer that holds no state by assigning zero gradients
+  (param.grad = zeros_like(param)) and stepping with lr 0. Under stage 3 a parameter is its
+  shard slice then, so that step cannot run; under stages 1-2 it is collective, and a rank
+  that holds state of no parameter would run it alone (a hang). ZeroOptimizer.step() called by
+  it drops those gradients and does nothing, at every stage: the optimizer stays as it was
+  (where torch.optim's would take one step of lr 0: its step count 1, its moments 0).
+  set_optimizer_state_dict(full_state_dict=True) then reads the optimizer's state dict to
+  place the loaded values where its own are: one without state shows it placeholders in that
+  call only (with_placeholders), which load_state_dict drops.
+
+The callers are recognized by their frames (the module and the function), the only hook DCP
+leaves a non-FSDP optimizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Optional
+
+DCP_MODULE = "torch.distributed.checkpoint.state_dict"
+_DEPTH = 6  # torch's step/state_dict wrappers sit between DCP's frame and ours
+
+
+def caller(names) -> Optional[str]:
+    """The name of the first function of DCP's state_dict module among `names` found in the
+    few frames above the caller of this function, or None."""
+    frame = sys._getframe(2)
+    for _ in range(_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__") == DCP_MODULE and frame.f_code.co_name in names:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def loading() -> bool:
+    """Whether set_optimizer_state_dict is on the stack (it reads the optimizer's state dict
+    to place the loaded values)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_globals.get("__name__") == DCP_MODULE
+                and frame.f_code.co_name == "_load_optim_state_dict"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+LOSS_SCALER_MESSAGE = (
+    "torch.distributed.checkpoint's get_optimizer_state_dict / get_state_dict keep only the "
+    "optimizer state dict's 'state' and 'param_groups', so this ZeroOptimizer's loss scaler "
+    "state would be lost: save with zero_py.save_checkpoint(path, model, optimizer), or take "
+    "optimizer.consolidate_state_dict() (which carries 'loss_scaler')")
+
+
+
+# where a stateless optimizer shows DCP's loader the entries a loaded state will have
+# (a float: DCP's walks take only plain types; the object itself is the mark)
+
+
+class _Placeholder(float):
+    def __repr__(self) -> str:
+        return "<zero_py placeholder>"
+
+
+PLACEHOLDER = _Placeholder("nan")
+# the key of the placeholder state tensor that shows the loader the optimizer's device
+DEVICE_MARKER = "zero_py.dcp_device"
+
+
+def _state_keys(opt) -> list:
+    """The keys of the state optimizer_class keeps per parameter (one step of it on a
+    two-element stand-in with a zero gradient), or ["step"] where that fails."""
+    import torch
+
+    keys = getattr(opt, "_dcp_state_keys", None)
+    if keys is None:
+        try:
+            p = torch.nn.Parameter(torch.zeros(2))
+            p.grad = torch.zeros(2)
+            takes = inspect.signature(opt.optimizer_class.__init__).parameters
+            stand_in = opt.optimizer_class([p], **{k: v for k, v in opt.defaults.items()
+                                                   if k in takes})
+            stand_in.step()
+            keys = list(stand_in.state[p])
+        except Exception:  # an optimizer that cannot run on a stand-in
+            keys = ["step"]
+        opt._dcp_state_keys = keys
+    return keys
+
+
+def with_placeholders(opt, full: dict) -> dict:
+    """`full` (the optimizer's full dict, for set_optimizer_state_dict(full_state_dict=True)),
+    with placeholders where a parameter has no state yet: DCP's loader places a loaded scalar
+    state ("step") only where the optimizer's own dict has it (after the zero step it takes,
+    which ZeroOptimizer skips), and asserts that some state tensor shows the device.
+    load_state_dict drops every placeholder a loaded value did not replace."""
+    import torch
+
+    keys = _state_keys(opt)
+    state = dict(full["state"])
+    for i in opt._managed_index:
+        if not state.get(i):
+            state[i] = {k: PLACEHOLDER for k in keys}
+    if not any(isinstance(v, torch.Tensor) and v.dim() > 0
+               for st in state.values() for v in st.values()) and opt._managed_index:
+        i = opt._managed_index[0]
+        state[i] = {**state[i], DEVICE_MARKER: torch.zeros(1, device=opt._all_params[i].device)}
+    return {**full, "state": state}
+
+
+def drop_placeholders(state_dict: dict) -> dict:
+    """`state_dict` without with_placeholders' entries (a parameter left with no other state
+    has none)."""
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        return state_dict
+
+    def placeholder(key, v) -> bool:
+        return v is PLACEHOLDER or key == DEVICE_MARKER
+
+    if not any(isinstance(st, dict) and any(placeholder(k, v) for k, v in st.items())
+               for st in state.values()):
+        return state_dict
+    kept = {}
+    for k, st in state.items():
+        if isinstance(st, dict):
+            st = {key: v for key, v in st.items() if not placeholder(key, v)}
+            if not st:
+                continue
+        kept[k] = st
+    return {**state_dict, "state": kept}
