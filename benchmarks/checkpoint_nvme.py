@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_py
+from zero_py.tools.env import cpu_model
 
 
 def _status(key: str) -> int:
@@ -41,7 +42,8 @@ def main() -> None:
     opt.zero_grad()
     params = sum(p.numel() for p in model.parameters())
     slot = opt.memory_report()["nvme_optimizer_states"] / 2
-    print(f"params {params / 1e6:.1f} M, optimizer shard on NVMe {slot / 1e6:.0f} MB")
+    print(f"params {params / 1e6:.1f} M, optimizer shard on NVMe {slot / 1e6:.0f} MB; "
+          f"CPU: {cpu_model()}")
     for mode in ("streamed", "resident", "streamed", "resident"):
         ctx = opt.resident if mode == "resident" else contextlib.nullcontext
         res = []

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zero_py.collectives import TorchDistExecutor
+from zero_py.tools.env import cpu_model
 
 # torch 2.13 renamed the flat collectives (*_single) and deprecated the old names
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,7 +93,8 @@ def main():
             rows.append((mb, name, statistics.median(samples[name]) * 1e3))
     if rank == 0:
         print(f"gloo, {world} ranks, torch {torch.__version__}, 1 thread per rank, "
-              f"{args.rounds} rounds x {args.calls} calls, median ms per call\n")
+              f"{args.rounds} rounds x {args.calls} calls, median ms per call; "
+              f"CPU: {cpu_model()}\n")
         print("| MB (full buffer) | form | median ms |")
         print("|---:|---|---:|")
         for mb, name, ms in rows:

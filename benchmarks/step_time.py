@@ -36,6 +36,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_py
+from zero_py.tools.env import cpu_model
 from zero_py.examples.demo import Block, TinyGPT, get_batch, load_corpus
 
 CONFIGS = ["DDP + AdamW", "DDP + ZeroRedundancyOptimizer", "zero_py stage 1", "zero_py stage 2",
@@ -197,7 +198,7 @@ def main():
         print(f"TinyGPT n_layer={args.n_layer} d_model={args.d_model} n_head={args.n_head}: "
               f"{n_params / 1e6:.2f}M parameters; {world} ranks x {args.batch_size}x"
               f"{args.block_size} tokens per step; torch {torch.__version__}, 1 thread per rank; "
-              f"zero_py C kernels: {zero_py.kernels.cpu_isa()}")
+              f"zero_py C kernels: {zero_py.kernels.cpu_isa()}; CPU: {cpu_model()}")
 
     for run in runs.values():
         for _ in range(args.warmup):
