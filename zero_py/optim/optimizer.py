@@ -432,6 +432,11 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             params = [params] if isinstance(params, torch.Tensor) else list(params or ())
             compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params],
                                  self._name)
+            if isinstance(param_group, dict):
+                # the list just made, not the group's own iterable: a generator (e.g.
+                # {"params": layer.parameters()}) is spent by now, and torch.optim would take
+                # it as an empty group, leaving those parameters untrained without a word
+                param_group = {**param_group, "params": params}
             super().add_param_group(param_group)
             for name, q in zip(param_group.get("param_names", ()), param_group["params"]):
                 self._names.setdefault(id(q), name)
