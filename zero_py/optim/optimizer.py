@@ -432,7 +432,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             params = [params] if isinstance(params, torch.Tensor) else list(params or ())
             compat.check_unowned([q[1] if isinstance(q, tuple) else q for q in params],
                                  self._name)
-            if isinstance(param_group, dict):
+            if isinstance(param_group, dict) and "params" in param_group:
                 # the list just made, not the group's own iterable: a generator (e.g.
                 # {"params": layer.parameters()}) is spent by now, and torch.optim would take
                 # it as an empty group, leaving those parameters untrained without a word
