@@ -3,7 +3,9 @@
 Against independent references (DDP + torch.optim, a plain model, torch.distributed): reading a
 parameter between uses (its shard slice) never crashes and equals its slice of the full value;
 model.state_dict() gives full values on every rank and torch.save of it loads into a plain
-model; model.load_state_dict() round-trips and refuses wrong shapes without writing anything;
+model; model.load_state_dict() round-trips and refuses wrong shapes without writing anything; a
+submodule's state_dict() and load_state_dict() (a block, an embedding, the tied head) do the
+same against DDP, where gathers are shared-memory reads and where they are collective;
 frozen parameters are sharded (memory) and stay frozen; no_sync() issues no reduction and
 matches DDP's no_sync; a process group that is a subgroup trains (two subgroups side by side,
 each against DDP on its group); every collective of stage 3 goes through the executor seam.
@@ -311,6 +313,150 @@ def one_rank_saves(rank, world_size, tmp):
     return out
 
 
+def _counting(engine):
+    """Counts the engine's gathers of a unit and its announcements of a collective access."""
+    counts = {"gathers": 0, "announced": []}
+    gather, announce = engine._gather, engine.announce
+
+    def counted_gather(u, *a, **k):
+        counts["gathers"] += 1
+        return gather(u, *a, **k)
+
+    def counted_announce(what, *a, **k):
+        counts["announced"].append(what)
+        return announce(what, *a, **k)
+
+    engine._gather, engine.announce = counted_gather, counted_announce
+    return counts
+
+
+def _sd_rel(sd, want):
+    """Largest relative difference of a state dict from `want`, 1.0 where a key or a shape
+    differs (a shard slice under the full name)."""
+    if set(sd) != set(want) or any(tuple(sd[k].shape) != tuple(v.shape) for k, v in want.items()):
+        return 1.0
+    return max(models.max_rel_diff(sd[k], v) for k, v in want.items())
+
+
+def _noisy(sd):
+    """A state dict plus the same seeded noise on every rank (as loaded from one file)."""
+    same = torch.Generator().manual_seed(11)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=same) for k, v in sd.items()}
+
+
+def submodule_state_dicts(rank, world_size):
+    """A submodule's state_dict() and load_state_dict() (a block, a module inside a block, the
+    root unit's embedding, the tied head) give and take full values as the root's do, against
+    DDP trained alike; the root's state_dict() still gathers each unit once."""
+    ddp, ref_opt, zm, zopt = _pair(rank)
+    ref = ddp.module
+    engine = zopt._engine
+    gen_a = torch.Generator().manual_seed(rank)
+    gen_b = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        _step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b)
+    out = {}
+    subs = {"block": lambda m: m.blocks[0], "inner": lambda m: m.blocks[1].mlp,
+            "emb": lambda m: m.tok_emb, "head": lambda m: m.lm_head}
+    counts = _counting(engine)
+    for name, sub in subs.items():
+        counts["gathers"] = 0
+        sd, want = sub(zm).state_dict(), sub(ref).state_dict()
+        out[f"{name}_keys"] = set(sd) == set(want)
+        out[f"{name}_shapes"] = all(tuple(sd[k].shape) == tuple(v.shape) for k, v in want.items()
+                                    if k in sd)
+        out[f"{name}_rel"] = _sd_rel(sd, want)
+        out[f"{name}_gathers"] = counts["gathers"]
+    counts["gathers"] = 0
+    full = zm.state_dict()  # the root's: the submodules' hooks must not gather again
+    out["root_gathers"] = counts["gathers"]
+    counts["gathers"] = 0
+    zero_py.full_state_dict(zm)
+    out["full_gathers"] = counts["gathers"]
+    out["units"] = len(engine.units)  # each gathered once (none is resident between steps)
+    out["root_rel"], out["root_keys"] = _rel_sd(full, ref)
+    # with a prefix, as a parent's state_dict() gives it
+    sd = zm.blocks[0].state_dict(prefix="blocks.0.")
+    out["prefix_rel"] = _sd_rel(sd, {k: v for k, v in ref.state_dict().items()
+                                     if k.startswith("blocks.0.")})
+    # load a block's dict (and a module's inside another block), then train on: as DDP
+    new = _noisy(ref.blocks[0].state_dict())
+    inner = _noisy(ref.blocks[1].mlp.state_dict())
+    dist.barrier()  # a peer's one-sided read of this rank's shards refuses a load ahead of it
+    try:
+        zm.blocks[0].load_state_dict(new)
+        zm.blocks[1].mlp.load_state_dict(inner)
+        out["load_error"] = ""
+    except RuntimeError as exc:
+        out["load_error"] = str(exc)
+    ref.blocks[0].load_state_dict(new)
+    ref.blocks[1].mlp.load_state_dict(inner)
+    back = zm.blocks[0].state_dict()
+    out["load_back"] = _sd_rel(back, new) == 0
+    # a wrong shape in a block's dict is refused before anything is written
+    bad = dict(new)
+    bad["mlp.0.bias"] = torch.zeros(3)
+    try:
+        zm.blocks[0].load_state_dict(bad)
+        out["bad_shape"] = "no error"
+    except RuntimeError as exc:
+        out["bad_shape"] = str(exc)
+    losses = [(_step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b)) for _ in range(2)]
+    out["load_loss_rel"] = max(abs(a - b) / abs(a) for a, b in losses)
+    out["load_rel"] = max(models.max_rel_diff(v, ref.state_dict()[k])
+                          for k, v in _full(zm).items())
+    # the root's load still keeps each rank's slice once (the submodules' hooks do nothing)
+    sd = zm.state_dict()
+    dist.barrier()
+    zm.load_state_dict(sd)
+    ref.load_state_dict(ref.state_dict())
+    losses = [(_step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b))]
+    out["root_load_rel"] = max(models.max_rel_diff(v, ref.state_dict()[k])
+                               for k, v in _full(zm).items())
+    out["loss_rel"] = max(abs(a - b) / abs(a) for a, b in losses)
+    return out
+
+
+def submodule_collective(rank, world_size):
+    """ZP_SHM=0 (gathers collective): a block's state_dict() on every rank gives what DDP
+    trained, announced once; rank 0 alone in it is refused on every rank, as is one rank asking
+    for another block than its peers."""
+    os.environ["ZP_SHM"] = "0"
+    try:
+        ddp, ref_opt, zm, zopt = _pair(rank)
+    finally:
+        os.environ["ZP_SHM"] = "1"
+    gen_a = torch.Generator().manual_seed(rank)
+    gen_b = torch.Generator().manual_seed(rank)
+    out = {"alone": zopt._engine.reads_alone()}
+    _step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b)
+    counts = _counting(zopt._engine)
+    sd = zm.blocks[1].state_dict()
+    out["rel"] = _sd_rel(sd, ddp.module.blocks[1].state_dict())
+    if out["rel"] > 1e-5:
+        return out  # no hooks there (not gathered, not announced): the rest would desync
+    out["announced"] = list(counts["announced"])
+    counts["announced"].clear()
+    zm.state_dict()
+    out["root_announced"] = list(counts["announced"])
+    try:
+        if rank == 0:
+            zm.blocks[0].state_dict()
+        else:
+            _step(zm, zopt, gen_b)
+        out["alone_error"] = ""
+    except RuntimeError as exc:
+        out["alone_error"] = str(exc)
+    try:
+        zm.blocks[rank % 2].state_dict()  # a different block on each rank
+        out["other_error"] = ""
+    except RuntimeError as exc:
+        out["other_error"] = str(exc)
+    _step(zm, zopt, gen_b)  # refused alike on every rank: training goes on
+    out["after"] = zero_py.full_state_dict(zm) is not None
+    return out
+
+
 COLLECTIVE_TIMEOUT_S = 5
 
 
@@ -459,7 +605,9 @@ def _all(rank, world_size, tmp):
            "one_rank_saves": one_rank_saves(rank, world_size, tmp),
            "cast": cast_after_initialize(rank, world_size),
            "outside": outside_use(rank, world_size),
-           "errors": errors(rank, world_size)}
+           "errors": errors(rank, world_size),
+           "submodule": submodule_state_dicts(rank, world_size),
+           "submodule_collective": submodule_collective(rank, world_size)}
     if world_size == 4:
         out["subgroups"] = subgroups(rank, world_size)
     # last: the one-rank timeout leaves its group unusable
@@ -615,3 +763,51 @@ def test_a_block_parameter_outside_its_forward_is_refused_by_name(results, case)
             assert "outside the forward of its unit" in msg and "backward" in msg, msg
             assert "inside the forward" in msg
         assert r["outside"]["read_norm"] >= 0
+
+
+def test_a_submodule_state_dict_is_full_and_matches_ddp(results):
+    """model.blocks[0].state_dict() (and a module inside a block, the root unit's embedding,
+    the tied head) gives full values, what DDP trained, gathering only its unit; the root's
+    state_dict() still gathers each unit once, as full_state_dict() does (the submodules'
+    hooks, which it runs too, gather nothing more)."""
+    _, res = results
+    for r in res:
+        s = r["submodule"]
+        for name in ("block", "inner", "emb", "head"):
+            assert s[f"{name}_keys"] and s[f"{name}_shapes"], (name, s)
+            assert s[f"{name}_rel"] < 1e-5, (name, s)
+        assert s["block_gathers"] == 1 and s["inner_gathers"] == 1, s
+        # as many as full_state_dict() on its rank (the others gather nothing for it)
+        assert s["root_gathers"] == res[0]["submodule"]["full_gathers"] == s["units"], s
+        assert s["root_rel"] < 1e-5 and s["root_keys"], s
+        assert s["prefix_rel"] < 1e-5, s
+
+
+def test_a_submodule_load_state_dict_keeps_slices_and_trains_as_ddp(results):
+    """blocks[0].load_state_dict(full dict) and blocks[1].mlp's on every rank, then training
+    goes on as DDP's after the same loads (the fp32 masters follow); a wrong shape in a block's
+    dict is refused before anything is written; the root's load still works."""
+    _, res = results
+    for r in res:
+        s = r["submodule"]
+        assert s["load_error"] == "", s["load_error"]
+        assert s["load_back"], s
+        assert "mlp.0.bias" in s["bad_shape"] and "nothing was loaded" in s["bad_shape"], s
+        assert s["load_loss_rel"] < 1e-5 and s["load_rel"] < 1e-5, s
+        assert s["root_load_rel"] < 1e-5 and s["loss_rel"] < 1e-5, s
+
+
+def test_a_submodule_state_dict_where_gathers_are_collective(results):
+    """ZP_SHM=0: a block's state_dict() on every rank is what DDP trained, announced once (the
+    root's too); rank 0 alone in it, or ranks asking for different blocks, is refused on every
+    rank, and training goes on."""
+    _, res = results
+    for rank, r in enumerate(res):
+        c = r["submodule_collective"]
+        assert not c["alone"]
+        assert c["rel"] < 1e-5, c
+        assert len(c["announced"]) == 1 and "blocks.1" in c["announced"][0], c
+        assert len(c["root_announced"]) == 1, c
+        assert "every rank" in c["alone_error"], c
+        assert "every rank" in c["other_error"], c
+        assert c["after"] == (rank == 0)

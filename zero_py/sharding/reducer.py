@@ -146,9 +146,12 @@ class _Count:
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
             f" in step {st}" for q, (k, st, p, _) in enumerate(rows))
         if any(r[0] == _GATHERED for r in rows):
+            other = (" (the same kind of access, of different modules: a submodule's "
+                     "state_dict() or gathered() must name the same module on every rank)"
+                     if all(r[0] == _GATHERED and r[1] == rows[0][1] for r in rows) else "")
             raise RuntimeError(
                 "zero_py: the ranks did not all start the same gathered access (this is rank "
-                f"{self.rank}): {said}. {_CALL_ON_EVERY_RANK}")
+                f"{self.rank}){other}: {said}. {_CALL_ON_EVERY_RANK}")
         raise RuntimeError(
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
@@ -602,13 +605,14 @@ class GradReducer:
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
 
-    def announce_gathered(self, what: str) -> None:
+    def announce_gathered(self, what: str, key: int = 0) -> None:
         """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
-        rank must be starting one (compared now, before any gather). A rank whose peers go
-        on to a forward, backward or step raises with them, naming each rank's call; a rank
-        whose peers run no collective of the group raises after its timeout."""
+        rank must be starting one (compared now, before any gather), with the same `key` (what
+        it gathers, e.g. a number for its units). A rank whose peers go on to a forward,
+        backward or step, or start one with another key, raises with them, naming each rank's
+        call; a rank whose peers run no collective of the group raises after its timeout."""
         self._check_count()
-        self._count = _Count(self.executor, _GATHERED, self.steps, 0, what=what)
+        self._count = _Count(self.executor, _GATHERED, self.steps, key, what=what)
         self._check_count()
 
     @property

@@ -571,12 +571,17 @@ class Stage3Engine:
                         for i, p in enumerate(s.params) if params is None or id(p) in params})
         return self.hold(units, modifier_rank)
 
-    def announce(self, what: str) -> None:
-        """Before the collective gathers of `what` (e.g. "model.state_dict()"): every rank
-        must be starting it, or every rank that takes part in the comparison raises, and a
-        rank that calls it alone raises after the process group's timeout at the latest
+    def announce(self, what: str, units: Sequence[int] = ()) -> None:
+        """Before the collective gathers of `what` (e.g. "model.state_dict()") of `units`:
+        every rank must be starting it, on the same units (a submodule's state dict or
+        gathered(): ranks that name different modules would pair the gathers of different
+        buckets), or every rank that takes part in the comparison raises, and a rank that
+        calls it alone raises after the process group's timeout at the latest
         (GradReducer.announce_gathered), rather than wait in a gather for ever."""
-        self.reducer.announce_gathered(what)
+        key = 0
+        for u in sorted(set(units)):  # the same number on every rank for the same units
+            key = (key * 1000003 + u + 1) % (2 ** 61 - 1)
+        self.reducer.announce_gathered(what, key)
 
     def refuse_inside_pass(self, what: str) -> None:
         if self._phase is not None:
@@ -592,7 +597,7 @@ class Stage3Engine:
         self.refuse_inside_pass(what)
         alone = modifier_rank is None and self.reads_alone()
         if not alone and not announced:
-            self.announce(what)
+            self.announce(what, wanted)
         opened = [u for u in wanted if not self.is_gathered(u)]
         # memory_report's gathered_peak is training's working set: what the caller holds
         # here (up to the whole model) is the caller's, and is not counted in it

@@ -1,13 +1,21 @@
 """model.state_dict() and model.load_state_dict() under stage 3: full values.
 
 Between uses a stage-3 parameter is its shard slice, so torch's own state dict would hold each
-rank's slices under the full names. zero_py.initialize installs hooks on the model instead:
+rank's slices under the full names. zero_py.initialize installs hooks on the model and on
+every submodule that holds a sharded parameter, so that any of them (a block, a backbone, a
+LoRA adapter) behaves as the model does:
 
-- model.state_dict() returns every parameter with its full shape and values (units are
-  gathered one at a time, the values cloned).
-- model.load_state_dict(sd) takes such a full dict (or any torch state dict of the same model)
-  on every rank: each rank keeps its own slice of each value, with no communication, and the
-  optimizer's fp32 masters follow. Shapes are checked before anything is written.
+- model.state_dict() (or sub.state_dict()) returns every parameter with its full shape and
+  values (units are gathered one at a time, only those of the module's parameters, the
+  values cloned).
+- model.load_state_dict(sd) (or sub.load_state_dict(sd)) takes such a full dict (or any torch
+  state dict of the same module) on every rank: each rank keeps its own slice of each value,
+  with no communication, and the optimizer's fp32 masters follow. Shapes are checked before
+  anything is written.
+
+torch runs a module's children's state-dict hooks inside its own call; only the outermost
+call acts (_Calls), so model.state_dict() gathers each unit once, as before, and a load is
+sliced and synced once.
 
 full_state_dict() gives the same values on one rank only (None elsewhere), cloned to the CPU.
 
@@ -23,7 +31,9 @@ on every rank, then `if rank == 0: torch.save(sd, path)`). Each call is announce
 (GradReducer.announce_gathered): a rank that calls it alone raises, on every rank that takes
 part (the peers' next forward, backward or step compares with it) or, where the peers run no
 collective of the group, after the process group's timeout, with an error that says to call
-it on every rank; it never waits in a gather for ever.
+it on every rank; it never waits in a gather for ever. The announcement carries the units it
+gathers, so ranks that ask for different submodules (blocks[0] here, blocks[1] there) raise
+alike instead of pairing the gathers of different buckets.
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ def _collect(model: nn.Module, engine: Stage3Engine, sd: dict, prefix: str,
                 sd.pop(key, None)
         return
     if not alone and by_unit:
-        engine.announce(what)
+        engine.announce(what, list(by_unit))
     for u in sorted(by_unit):
         entries = by_unit[u]
         with engine.hold([u], what=what, announced=True):
@@ -97,15 +107,67 @@ def full_state_dict(model: nn.Module, engine: Stage3Engine, rank: int
     return {k: v if k in params else v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
 
+class _Calls:
+    """The nesting of the state_dict() (or load_state_dict()) calls in progress over the
+    modules that carry the hooks: torch calls a module's children's state_dict() from its
+    own, so each hooked module sees the call, and only the outermost acts (one gather per
+    unit, one announcement; a load sliced and synced once)."""
+
+    def __init__(self):
+        self.stack: List[Tuple[nn.Module, str]] = []
+
+    def enter(self, module: nn.Module, prefix: str) -> bool:
+        """Opens a call; True when it is the outermost one. A call nested in the open one is
+        a direct child's, under the prefix torch gives it; anything else means the open ones
+        were left by a call that raised, and are dropped."""
+        if self.stack:
+            top, top_prefix = self.stack[-1]
+            if (prefix.startswith(top_prefix) and prefix.endswith(".")
+                    and top._modules.get(prefix[len(top_prefix):-1]) is module):
+                self.stack.append((module, prefix))
+                return False
+            self.stack.clear()
+        self.stack.append((module, prefix))
+        return True
+
+    def leave(self, module: nn.Module, prefix: str) -> bool:
+        """Closes the call; True when it was the outermost one (False for one that is not
+        open: its outermost call was dropped)."""
+        if not self.stack or self.stack[-1][0] is not module or self.stack[-1][1] != prefix:
+            return False
+        self.stack.pop()
+        return not self.stack
+
+
 def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
-    """The state-dict hooks of a stage-3 model (see the module docstring)."""
+    """The state-dict hooks of a stage-3 model, on the root and on every submodule that holds
+    a sharded parameter (see the module docstring)."""
     loading: List[Optional[contextlib.ExitStack]] = [None]  # residency of a load in progress
+    saves, loads = _Calls(), _Calls()
+    managed = {id(p) for s in engine.storages for p in s.params}
+    names = {}  # how announcements name a submodule's call
+    for name, m in model.named_modules():
+        names.setdefault(id(m), "model.state_dict()" if m is model else
+                         f"model.{name}.state_dict()")
+
+    def before_save(module, prefix, keep_vars):
+        saves.enter(module, prefix)
 
     def on_save(module, sd, prefix, local_metadata):
-        if not engine.raw:
-            _collect(module, engine, sd, prefix, None, to_cpu=False, what="model.state_dict()")
+        if saves.leave(module, prefix) and not engine.raw:
+            what = names.get(id(module), "a submodule's state_dict()")
+            _collect(module, engine, sd, prefix, None, to_cpu=False, what=what)
 
     def before_load(module, sd, prefix, local_metadata, strict, missing, unexpected, errors):
+        if not loads.enter(module, prefix):
+            return  # inside the load of a module above, which did this module's part
+        try:
+            _before_load(module, sd, prefix)
+        except BaseException:
+            loads.leave(module, prefix)
+            raise
+
+    def _before_load(module, sd, prefix):
         keys = _param_keys(module, engine)
         bad = []
         for name, (s, i) in keys.items():
@@ -135,6 +197,11 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
             sd[prefix + name] = flat[sl.param_lo:sl.param_hi] if sl is not None else flat[:0]
 
     def after_load(module, incompatible):
+        # torch gives a post hook no prefix: the call open on this module is the one ending
+        if not loads.stack or loads.stack[-1][0] is not module:
+            return
+        if not loads.leave(module, loads.stack[-1][1]):
+            return
         stack, loading[0] = loading[0], None
         with stack or contextlib.nullcontext(), torch.no_grad():
             for s in engine.storages:  # gathered buckets got full values: their pieces follow
@@ -143,6 +210,10 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
                         s.load_pieces_from(b, s.full_buffer(b))
             optimizer.sync_master_from_params()
 
-    model._register_state_dict_hook(on_save)
-    model._register_load_state_dict_pre_hook(before_load, with_module=True)
-    model.register_load_state_dict_post_hook(after_load)
+    for module in model.modules():
+        if not any(id(p) in managed for p in module.parameters()):
+            continue  # nothing sharded below: torch's own state dict is right
+        module.register_state_dict_pre_hook(before_save)
+        module._register_state_dict_hook(on_save)
+        module._register_load_state_dict_pre_hook(before_load, with_module=True)
+        module.register_load_state_dict_post_hook(after_load)
