@@ -382,8 +382,7 @@ def submodule_state_dicts(rank, world_size):
     # load a block's dict (and a module's inside another block), then train on: as DDP
     new = _noisy(ref.blocks[0].state_dict())
     inner = _noisy(ref.blocks[1].mlp.state_dict())
-    dist.barrier()  # a peer's one-sided read of this rank's shards refuses a load ahead of it
-    try:
+    try:  # right after the reads above: a load waits for every rank's reads (its barrier)
         zm.blocks[0].load_state_dict(new)
         zm.blocks[1].mlp.load_state_dict(inner)
         out["load_error"] = ""
@@ -407,9 +406,18 @@ def submodule_state_dicts(rank, world_size):
                           for k, v in _full(zm).items())
     # the root's load still keeps each rank's slice once (the submodules' hooks do nothing)
     sd = zm.state_dict()
-    dist.barrier()
     zm.load_state_dict(sd)
     ref.load_state_dict(ref.state_dict())
+    # read, then load, with rank 1 the slower reader: no rank overwrites its shards while a
+    # peer still reads them one-sided (a fast rank's load used to be "ahead" of a slow read)
+    try:
+        for k in range(6):
+            if rank == 1:
+                time.sleep(0.004 * (k % 3))
+            zm.load_state_dict(zm.state_dict())
+        out["read_load_error"] = ""
+    except RuntimeError as exc:
+        out["read_load_error"] = str(exc)
     losses = [(_step(ddp, ref_opt, gen_a), _step(zm, zopt, gen_b))]
     out["root_load_rel"] = max(models.max_rel_diff(v, ref.state_dict()[k])
                                for k, v in _full(zm).items())
@@ -795,6 +803,7 @@ def test_a_submodule_load_state_dict_keeps_slices_and_trains_as_ddp(results):
         assert "mlp.0.bias" in s["bad_shape"] and "nothing was loaded" in s["bad_shape"], s
         assert s["load_loss_rel"] < 1e-5 and s["load_rel"] < 1e-5, s
         assert s["root_load_rel"] < 1e-5 and s["loss_rel"] < 1e-5, s
+        assert s["read_load_error"] == "", s["read_load_error"]
 
 
 def test_a_submodule_state_dict_where_gathers_are_collective(results):

@@ -44,6 +44,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from zero_py.collectives.stats import control
+from zero_py.collectives.work import issue
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.engine import Stage3Engine
 
@@ -175,9 +177,11 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
             if isinstance(value, torch.Tensor) and tuple(value.shape) != s.param_shapes[i]:
                 bad.append(f"{prefix + name}: {tuple(value.shape)} given, the parameter is "
                            f"{s.param_shapes[i]}")
-        if bad:
-            raise RuntimeError("zero_py stage 3: load_state_dict got values of the wrong shape "
-                               "(nothing was loaded): " + "; ".join(bad))
+        problem = ("zero_py stage 3: load_state_dict got values of the wrong shape (nothing "
+                   "was loaded): " + "; ".join(bad)) if bad else None
+        _start_load(problem)
+        if problem is not None:
+            raise RuntimeError(problem)
         # offload_params="nvme": the shards in memory while torch copies the slices into them,
         # written back by after_load (a stack left open by a load that raised is closed first)
         if loading[0] is not None:
@@ -195,6 +199,26 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
             sl = s.slice_of_param.get(i)
             flat = value.detach().reshape(-1)
             sd[prefix + name] = flat[sl.param_lo:sl.param_hi] if sl is not None else flat[:0]
+
+    def _start_load(problem: Optional[str]) -> None:
+        """Where peers read this rank's shards one-sided (one host, shared memory), every
+        rank's reads before the load end before any rank writes: a load is collective (every
+        rank calls it), so a MAX all-reduce here is its barrier, and carries a refusal to
+        every rank (sd = model.state_dict(); model.load_state_dict(sd) raced: a slow rank
+        still reading found a fast one's shards loaded, ahead of its own)."""
+        if not any(s.one_sided for s in engine.storages):
+            if problem is not None:
+                raise RuntimeError(problem)
+            return
+        flag = torch.tensor([int(problem is not None)], dtype=torch.int64,
+                            device=engine.executor.device)
+        with control():
+            issue("the all-reduce that starts a stage-3 load_state_dict (every rank calls it)",
+                  engine.executor.all_reduce_max, flag).wait()
+        if problem is None and int(flag[0]):
+            raise RuntimeError("zero_py stage 3: another rank refused this load_state_dict "
+                               "(values of the wrong shape there; see its error): nothing was "
+                               "loaded")
 
     def after_load(module, incompatible):
         # torch gives a post hook no prefix: the call open on this module is the one ending
