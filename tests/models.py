@@ -138,3 +138,21 @@ def hf_missing() -> Optional[str]:
         return (f"transformers {version} runs models only on torch >= 2.6, not "
                 f"{torch.__version__}")
     return None
+
+
+def tiny_hf_configs(vocab: int, width: int) -> dict:
+    """Two-layer GPT-2 (tied embeddings, no dropout) and Llama (untied, grouped-query
+    attention) configs of `width`, for tests that build Hugging Face models from scratch."""
+    import transformers
+
+    return {
+        "gpt2": transformers.GPT2Config(
+            n_layer=2, n_embd=width, n_head=2, vocab_size=vocab, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=True),
+        "llama": transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False),
+    }

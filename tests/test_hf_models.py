@@ -41,18 +41,7 @@ WEIGHT_ATOL = 1e-5
 
 
 def _configs():
-    import transformers
-
-    return {
-        "gpt2": transformers.GPT2Config(
-            n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-            tie_word_embeddings=True),
-        "llama": transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-            bos_token_id=0, eos_token_id=0, tie_word_embeddings=False),
-    }
+    return models.tiny_hf_configs(VOCAB, 64)
 
 
 def _build(config):
