@@ -148,6 +148,25 @@ def _local_eval_across_hosts(rank, world):
         return {"error": str(exc), "seconds": time.monotonic() - start}
 
 
+def _local_eval_between_clip_and_step(rank, world):
+    """One host: a no_grad forward on rank 0 alone between clip_grad_norm_ and step(), where a
+    peer may be writing its shards (in its step) as rank 0 reads them."""
+    ddp, ref_opt, zm, zopt = _pair(rank)
+    gen = torch.Generator().manual_seed(10 + rank)
+    x, y = _batch(gen)
+    try:
+        zm(x, y).backward()
+        zopt.clip_grad_norm_(1.0)
+        if rank == 0:
+            with torch.no_grad():
+                zm(x, y)
+        zopt.step()
+        zm(x, y).backward()  # the peers' next forward meets rank 0's lone one
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+
+
 def _extra_backward(rank, world):
     ddp, ref_opt, zm, zopt = _pair(rank)
     gen = torch.Generator().manual_seed(10 + rank)
@@ -188,6 +207,15 @@ def test_a_rank_local_no_grad_forward_without_shared_memory_is_refused_on_every_
         assert r["error"] is not None, (rank, "the lone forward went unnoticed")
         assert "no_grad forward" in r["error"] and "one host" in r["error"], r["error"]
         assert r["seconds"] < 10, r
+
+
+def test_a_rank_local_no_grad_forward_between_clip_and_step_is_refused_on_every_rank():
+    """Between clip_grad_norm_ and step() a peer may be writing its shards with no version to
+    wait for, so a no_grad forward there is collective, even on one host: one rank's alone is
+    refused on every rank (it used to read the peers' shards, possibly half updated)."""
+    for rank, r in enumerate(distributed.run(_local_eval_between_clip_and_step, 2)):
+        assert r["error"] is not None, (rank, "the lone forward went unnoticed")
+        assert "clip_grad_norm_() and step()" in r["error"], r["error"]
 
 
 def test_a_different_number_of_backward_passes_is_refused_on_every_rank():

@@ -395,7 +395,7 @@ def clip_then_backward(rank, stage, clip_again, via_torch=False):
     via_torch: zero_py's side calls torch.nn.utils.clip_grad_norm_(model.parameters()) too, as
     the DDP script did (the optimizer's clip)."""
     ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
-    worst, norms = 0.0, []
+    worst, norms, evals = 0.0, [], []
     for _ in range(2):
         first, second = models.mlp_batch(gen), models.mlp_batch(gen)
         got = []
@@ -405,6 +405,8 @@ def clip_then_backward(rank, stage, clip_again, via_torch=False):
                  if via_torch else zopt.clip_grad_norm_(0.05))):
             models.mlp_loss(model, first).backward()
             got.append(float(clip()))
+            with torch.no_grad():  # every rank evaluates between the clip and the step
+                evals.append(model(second[0]))
             models.mlp_loss(model, second).backward()
             if clip_again:
                 got.append(float(clip()))
@@ -413,6 +415,7 @@ def clip_then_backward(rank, stage, clip_again, via_torch=False):
         norms.append(got)
         with zero_py.gathered(zmodel) if stage == 3 else contextlib.nullcontext():
             worst = max(worst, _rel(zmodel, ref))
+    worst = max([worst] + [models.max_rel_diff(z, d) for d, z in zip(evals[::2], evals[1::2])])
     return {"rel": worst, "norms": norms}
 
 

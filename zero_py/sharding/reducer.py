@@ -156,7 +156,9 @@ class _Count:
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
             "backward passes per step (outside no_sync()) and, under stage 3, the same "
-            "forwards (a no_grad forward of one rank alone needs every rank on one host); a "
+            "forwards (a no_grad forward of one rank alone needs every rank on one host, and "
+            "not between clip_grad_norm_() and step(), where peers may be writing their "
+            "shards); a "
             "rank with no data can run forward and backward on an empty batch or a zero loss "
             "(e.g. model(x[:0]).sum() * 0)")
 

@@ -130,6 +130,7 @@ class Stage3Engine:
         self._pending: Dict[int, list] = {}
         self._post_pending: List[int] = [0] * len(units)
         self._phase: Optional[int] = None
+        self._eval_alone = True  # the current no_grad forward gathers alone (_begin_forward)
         self._order_pending = None
         self._hooks: list = []
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
@@ -418,7 +419,11 @@ class Stage3Engine:
                 self._set_keep(keep)
         phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
         problem = self.check_model()
-        if phase == _C.PF_FORWARD or not self.eval_gathers_alone:
+        # between finish() and the end of the step (clip_grad_norm_, then step()) a peer may
+        # be writing its shards with no version to wait for: a no_grad forward there is
+        # collective, as reads_alone() makes a state dict
+        self._eval_alone = self.reads_alone()
+        if phase == _C.PF_FORWARD or not self._eval_alone:
             # its gathers are collective: every rank must be starting this forward (a no_grad
             # forward gathers alone where the shards are in shared memory); a rank whose model
             # changed refuses it in the announcement, so that every rank raises
@@ -521,8 +526,10 @@ class Stage3Engine:
         read-only hold that reads_alone())."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
         if alone is None:
-            alone = ((self._phase == _C.PF_FORWARD_EVAL or not scheduled)
-                     and all(s.one_sided for s in self.storages))
+            # an unscheduled gather of a training forward or backward reads alone: every
+            # rank is in that pass, so none is writing its shards
+            alone = ((self._phase == _C.PF_FORWARD_EVAL and self._eval_alone)
+                     or (not scheduled and all(s.one_sided for s in self.storages)))
         if alone:
             self._pending[u] = [
                 s.gather_one_sided(b, f"one-sided gather of {s.describe_bucket(b)} for {phase}")
