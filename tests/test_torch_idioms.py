@@ -53,6 +53,14 @@ def _pair(rank, stage):
     return ref, zmodel, zopt, ddp, ref_opt, torch.Generator().manual_seed(rank)
 
 
+def _step_both(pairs, batch) -> None:
+    """One training step of each (model, optimizer) pair on the same batch."""
+    for model, opt in pairs:
+        models.mlp_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 # what each rank does per step: "b" backward, "s" step, "z" zero_grad(), "k" zero_grad(False)
 ORDERS = ["s", "bsz", "bzs", "s", "bssz", "bsk", "bks", "bsz", "bz", "bs"]
 
@@ -127,10 +135,7 @@ def state_view_and_hooks(rank, stage):
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         batch = models.mlp_batch(gen)
-        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
-            models.mlp_loss(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
+        _step_both(((ddp, ref_opt), (zmodel, zopt)), batch)
     worst, held, covered = 0.0, 0, 0
     for p, q in zip(zmodel.parameters(), ref.parameters()):
         span = zopt.owned_range(p)
@@ -379,10 +384,7 @@ def adagrad_group_accumulator(rank, stage):
     worst = 0.0
     for _ in range(3):
         batch = models.mlp_batch(gen)
-        for model, opt in ((ddp, ref_opt), (zmodel, zopt)):
-            models.mlp_loss(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
+        _step_both(((ddp, ref_opt), (zmodel, zopt)), batch)
         worst = max(worst, _rel(zmodel, ref))
     return {"rel": worst, "warned": [str(w.message) for w in caught
                                      if "initial_accumulator_value" in str(w.message)]}
