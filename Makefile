@@ -30,6 +30,8 @@ peers: deps
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install pytest
+	@# pytest-xdist (make test's two workers) needs execnet and pytest only: torch is left alone
+	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install "pytest-xdist>=3.0"
 	@# setuptools >= 77: pyproject.toml's SPDX license; it also builds wheels without `wheel`
 	@$(PYTHON) -c "import sys, setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" \
 	  2>/dev/null || $(PYTHON) -m pip install "setuptools>=77"
@@ -136,8 +138,16 @@ wheel-check: deps
 lint: deps
 	$(PYTHON) -m ruff check zero_py tests benchmarks setup.py
 
+# Two pytest workers (pytest-xdist), each taking whole files (their module fixtures run once):
+# most tests wait on their ranks, gloo and subprocesses more than they compute. The fault
+# injection runs alone afterwards: it starts ~25 ranks at once, each bound to connect and to
+# raise within its process group's timeout. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+SERIAL_TESTS = tests/test_fault_injection.py
 pytest: build
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -p no:benchmark -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" \
+	  $(addprefix --ignore=,$(SERIAL_TESTS)) tests
+	$(PYTHON) -m pytest -q -p no:benchmark -m "not slow" $(SERIAL_TESTS)
 
 # Every Python test, the slow ones too (measured memory, many processes; tens of minutes).
 test-long: build

@@ -255,8 +255,41 @@ def _zero_scheduler(tmp, kind, stage, batches, ref_lrs, ref_split, ref_sd):
             "resumed": _rel_sd(zm.state_dict(), ref_sd)}
 
 
+def _per_rank_metric(rank, stage):
+    """ReduceLROnPlateau stepped on each rank's own metric (a DDP script's classic slip): it
+    lowers the lr on rank 0 only, and the next step() is refused on every rank before anything
+    changes; with the lrs set alike again, step() goes on as DDP's does."""
+    gen = torch.Generator().manual_seed(20 + rank)
+    batches = [models.mlp_batch(gen) for _ in range(2)]
+    torch.manual_seed(0)
+    ref = models.MLP()
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    torch.manual_seed(0)
+    zm, zo = zero_py.initialize(models.MLP(), torch.optim.AdamW, stage=stage, **KW)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(zo, factor=0.5, patience=0)
+    for m, o in ((ddp, ref_opt), (zm, zo)):
+        models.mlp_loss(m, batches[0]).backward()
+        o.step()
+        o.zero_grad()
+    sched.step(1.0)
+    sched.step(2.0 if rank == 0 else 0.5)  # worse on rank 0 only: its lr is halved
+    for m in (ddp, zm):
+        models.mlp_loss(m, batches[1]).backward()
+    try:
+        zo.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    for o in (ref_opt, zo):
+        o.param_groups[0]["lr"] = KW["lr"] / 4
+    ref_opt.step()
+    zo.step()
+    return {"error": error, "rel": _rel_sd(zm.state_dict(), ref.state_dict())}
+
+
 def _all(rank, world_size, tmp):
-    out = {}
+    out = {"per_rank_metric": {stage: _per_rank_metric(rank, stage) for stage in (2, 3)}}
     for kind in TORCH_SCHEDS:
         for stage, r in _torch_scheduler(rank, tmp, kind).items():
             out["torch", kind, stage] = r
@@ -318,3 +351,16 @@ def test_hf_scheduler_with_trainer_groups_matches_ddp(results, kind, stage):
         if kind == "cosine":
             assert _close(r["resumed_lrs"], r["ref_lrs"]), (rank, r["resumed_lrs"])
             assert r["resumed_diff"] <= WEIGHT_ATOL, (rank, r["resumed_diff"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hyperparameters_that_differ_between_ranks_are_refused(results, stage):
+    """Stages 2-3 compare the param groups' settings in each step's count all-reduce (stage 1
+    has no collective of its own to carry them)."""
+    for rank, res in enumerate(results):
+        r = res["per_rank_metric"][stage]
+        assert r["error"] is not None, f"rank {rank}: a step with another lr on rank 0 ran"
+        for words in ("hyperparameters differ between ranks", f"this is rank {rank}",
+                      f"lr={KW['lr'] / 2 if rank == 0 else KW['lr']}", "ReduceLROnPlateau"):
+            assert words in r["error"], (words, r["error"])
+        assert r["rel"] <= RTOL, f"rank {rank}: after the refused step {r['rel']:.2e}"

@@ -73,6 +73,20 @@ def param_entry(index: int, name: Optional[str], p: torch.Tensor, **extra: Any) 
     return f"parameter {index}", value
 
 
+def hyperparameters(param_groups: Sequence[dict]) -> Tuple[int, str]:
+    """The param groups' settings (every key but "params"), as a 62-bit fingerprint that is
+    equal on two ranks exactly when the settings agree, and in words (for the error). Stages
+    2-3 compare it in each step's count all-reduce (sharding/reducer.py): a scheduler stepped
+    on a per-rank metric would otherwise train each rank's shard at its own learning rate."""
+    groups = [{str(k): describe(v) for k, v in g.items() if k != "params"}
+              for g in param_groups]
+    blob = json.dumps(groups, sort_keys=True, separators=(",", ":"))
+    fingerprint = int.from_bytes(hashlib.sha256(blob.encode()).digest()[:8], "little") >> 2
+    words = "; ".join(f"group {i}: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in g.items())
+                      for i, g in enumerate(groups))
+    return fingerprint, words if len(words) <= 600 else words[:600] + " ..."
+
+
 def _digest(items: List[list]) -> bytes:
     blob = json.dumps(items, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).digest()

@@ -92,16 +92,20 @@ class _Count:
     _GATHERED count announces, in words."""
 
     def __init__(self, executor, kind: int, step: int, passes: int,
-                 problem: Optional[str] = None, what: Optional[str] = None):
+                 problem: Optional[str] = None, what: Optional[str] = None,
+                 hyper: Optional[Tuple[int, str]] = None):
         # hybrid sharding: every replica's ranks (a replica out of step would pair its
         # replicate all-reduces with other ones)
         executor = getattr(executor, "world", executor)
         self.kind, self.step, self.passes = kind, step, passes
         self.problem, self.what = problem, what
+        # a step's hyperparameters: (their fingerprint, this rank's values in words)
+        self.hyper = hyper
         ws = executor.world_size
-        self.rows = torch.zeros(ws, 4, dtype=torch.int64, device=executor.device)
-        self.rows[executor.rank] = torch.tensor([kind, step, passes, problem is not None],
-                                                dtype=torch.int64)
+        self.rows = torch.zeros(ws, 5, dtype=torch.int64, device=executor.device)
+        self.rows[executor.rank] = torch.tensor(
+            [kind, step, passes, problem is not None, hyper[0] if hyper else 0],
+            dtype=torch.int64)
         if kind == _GATHERED:
             name = (f"the all-reduce that starts {what} (which gathers collectively here: "
                     "every rank of the group must call it)")
@@ -136,7 +140,19 @@ class _Count:
                 "was changed there after zero_py.initialize (a parameter cast, moved or "
                 "replaced); see the error on that rank. Cast and move the model before "
                 "zero_py.initialize")
-        if all(r == rows[0] for r in rows):
+        if all(r[:4] == rows[0][:4] for r in rows) and self.hyper is not None:
+            differ = [q for q, r in enumerate(rows) if r[4] != rows[self.rank][4]]
+            if differ:
+                raise RuntimeError(
+                    "zero_py: the optimizer's hyperparameters differ between ranks at this "
+                    f"step (this is rank {self.rank}; rank{'s' if len(differ) > 1 else ''} "
+                    f"{', '.join(map(str, differ))} hold{'' if len(differ) > 1 else 's'} "
+                    "other values): each rank updates its own shard of the model, so its "
+                    "parts would train with different settings. "
+                    f"This rank's param_groups: {self.hyper[1]}. A scheduler must see the "
+                    "same input on every rank: e.g. step ReduceLROnPlateau on a metric "
+                    "all-reduced across ranks, and change param_groups alike on every rank")
+        if all(r[:4] == rows[0][:4] for r in rows):
             return
         said = "; ".join(
             f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
@@ -144,7 +160,7 @@ class _Count:
             f"rank {q}: {self.what if q == self.rank and self.what else _KIND_NAMES[k]} in "
             f"step {st}" if k == _GATHERED else
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
-            f" in step {st}" for q, (k, st, p, _) in enumerate(rows))
+            f" in step {st}" for q, (k, st, p, _, _) in enumerate(rows))
         if any(r[0] == _GATHERED for r in rows):
             other = (" (the same kind of access, of different modules: a submodule's "
                      "state_dict() or gathered() must name the same module on every rank)"
@@ -212,6 +228,8 @@ class GradReducer:
         # the pass and step counts are compared across ranks (_Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
+        # the optimizer's param_groups as (fingerprint, words), compared in the step's count
+        self.hyperparameters: Callable[[], Optional[Tuple[int, str]]] = lambda: None
         self.check_at_once = False
         self._count: Optional[_Count] = None
         self._updating = False  # finish() ran: the optimizer may be writing the shards
@@ -568,7 +586,7 @@ class GradReducer:
         if self.check_counts:
             self._check_count()
             self._count = _Count(self.executor, _STEP_STRAY if stray else _STEP, self.steps,
-                                 self.passes_since_step)
+                                 self.passes_since_step, hyper=self.hyperparameters())
             self._check_count()
         if stray:
             more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
