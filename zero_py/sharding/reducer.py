@@ -93,13 +93,13 @@ class _Count:
 
     def __init__(self, executor, kind: int, step: int, passes: int,
                  problem: Optional[str] = None, what: Optional[str] = None,
-                 hyper: Optional[Tuple[int, str]] = None):
+                 hyper: Optional[Tuple[int, Callable[[], str]]] = None):
         # hybrid sharding: every replica's ranks (a replica out of step would pair its
         # replicate all-reduces with other ones)
         executor = getattr(executor, "world", executor)
         self.kind, self.step, self.passes = kind, step, passes
         self.problem, self.what = problem, what
-        # a step's hyperparameters: (their fingerprint, this rank's values in words)
+        # a step's hyperparameters: (their fingerprint, a callable: this rank's in words)
         self.hyper = hyper
         ws = executor.world_size
         self.rows = torch.zeros(ws, 5, dtype=torch.int64, device=executor.device)
@@ -149,7 +149,7 @@ class _Count:
                     f"{', '.join(map(str, differ))} hold{'' if len(differ) > 1 else 's'} "
                     "other values): each rank updates its own shard of the model, so its "
                     "parts would train with different settings. "
-                    f"This rank's param_groups: {self.hyper[1]}. A scheduler must see the "
+                    f"This rank's param_groups: {self.hyper[1]()}. A scheduler must see the "
                     "same input on every rank: e.g. step ReduceLROnPlateau on a metric "
                     "all-reduced across ranks, and change param_groups alike on every rank")
         if all(r[:4] == rows[0][:4] for r in rows):
@@ -229,7 +229,8 @@ class GradReducer:
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
         # the optimizer's param_groups as (fingerprint, words), compared in the step's count
-        self.hyperparameters: Callable[[], Optional[Tuple[int, str]]] = lambda: None
+        self.hyperparameters: Callable[[], Optional[Tuple[int, Callable[[], str]]]] = (
+            lambda: None)
         self.check_at_once = False
         self._count: Optional[_Count] = None
         self._updating = False  # finish() ran: the optimizer may be writing the shards
