@@ -31,7 +31,8 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install pytest
 	@# pytest-xdist (make test's two workers) needs execnet and pytest only: torch is left alone
-	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install "pytest-xdist>=3.0"
+	@$(PYTHON) -c "import xdist" 2>/dev/null || $(PYTHON) -m pip install "pytest-xdist>=3.0" || \
+	  echo "pytest-xdist did not install: make test runs pytest in one process (slower)"
 	@# setuptools >= 77: pyproject.toml's SPDX license; it also builds wheels without `wheel`
 	@$(PYTHON) -c "import sys, setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" \
 	  2>/dev/null || $(PYTHON) -m pip install "setuptools>=77"
@@ -145,7 +146,10 @@ lint: deps
 PYTEST_WORKERS ?= 2
 SERIAL_TESTS = tests/test_fault_injection.py
 pytest: build
-	$(PYTHON) -m pytest -q -p no:benchmark -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" \
+	@if [ "$(PYTEST_WORKERS)" != 0 ] && $(PYTHON) -c "import xdist" 2>/dev/null; then \
+	  workers="-n $(PYTEST_WORKERS) --dist loadfile"; \
+	else echo "pytest: one process (PYTEST_WORKERS=0, or pytest-xdist is missing)"; workers=; fi; \
+	set -x; $(PYTHON) -m pytest -q -p no:benchmark $$workers -m "not slow" \
 	  $(addprefix --ignore=,$(SERIAL_TESTS)) tests
 	$(PYTHON) -m pytest -q -p no:benchmark -m "not slow" $(SERIAL_TESTS)
 
