@@ -392,8 +392,10 @@ def failed_batches(rank, stage):
     units, reduced already) then zero_grad(); one midway through forward (stage 3: units
     gathered, prefetches in flight), then model.state_dict(); one midway through backward
     without zero_grad() (stages 2-3: the next backward is refused, until zero_grad()); one
-    in step()'s closure after its backward. DDP itself cannot go on after an error in its
-    backward ("Expected to have finished reduction in the prior iteration")."""
+    in step()'s closure after its backward; a KeyboardInterrupt midway through forward (for
+    which torch runs no always_call hook), then model.state_dict(). DDP itself cannot go on
+    after an error in its backward ("Expected to have finished reduction in the prior
+    iteration")."""
     torch.manual_seed(0)
     ref = models.TiedGPT()
     zm = copy.deepcopy(ref)
@@ -406,6 +408,9 @@ def failed_batches(rank, stage):
         if armed == [where]:
             armed.clear()
             raise _Injected(f"injected in the {where}")
+        if armed == ["interrupt"] and where == "forward":
+            armed.clear()
+            raise KeyboardInterrupt
 
     def midway(module, args, out):
         boom("forward")
@@ -420,9 +425,9 @@ def failed_batches(rank, stage):
         return loss
 
     gen = torch.Generator().manual_seed(100 + rank)
-    plan = {1: "backward", 2: "forward", 3: "backward", 5: "closure"}
+    plan = {1: "backward", 2: "forward", 3: "backward", 5: "closure", 6: "interrupt"}
     worst, refused = 0.0, []
-    for step in range(7):
+    for step in range(8):
         batch = _gpt_batch(gen)
         if step not in plan:
             ropt.zero_grad()
@@ -441,10 +446,10 @@ def failed_batches(rank, stage):
                 zm(*batch).backward()
                 zopt.step()
             zopt.zero_grad()
-        except _Injected:
+        except (_Injected, KeyboardInterrupt):
             if step != 3 or stage == 1:  # stage 1: its partial param.grad, as torch's
                 zopt.zero_grad()
-        if step == 2:  # the forward raised: the model's values are readable at once
+        if step in (2, 6):  # the forward raised: the model's values are readable at once
             sd = zm.state_dict()
             worst = max(worst, max(models.max_rel_diff(sd[k], v)
                                    for k, v in ref.state_dict().items()))

@@ -39,6 +39,7 @@ rank. docs/stage3.md, "Control flow that differs between ranks".
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -64,6 +65,9 @@ def _in_backward() -> bool:
     that activation checkpointing recomputes)."""
     return torch._C._current_graph_task_id() != -1
 
+
+# the frame of a module's call (nn.Module._call_impl): _forward_running looks for the model's
+_MODULE_CALL = nn.Module._call_impl.__code__
 
 # the engine's phase between the backward's last gathers and the end of its pass (the C
 # schedule's phase is closed already)
@@ -620,8 +624,23 @@ class Stage3Engine:
             key = (key * 1000003 + u + 1) % (2 ** 61 - 1)
         self.reducer.announce_gathered(what, key)
 
+    def _forward_running(self) -> bool:
+        """Whether the model's forward is running on this thread: its module call is on the
+        stack. A forward phase open without it was ended by a KeyboardInterrupt or another
+        BaseException, for which torch runs no always_call hook (_forward_ended)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is self.model:
+                return True
+            frame = frame.f_back
+        return False
+
     def refuse_inside_pass(self, what: str) -> None:
         self.reducer.settle_failed_backward()  # a backward that raised is over
+        if (self._phase in (_C.PF_FORWARD, _C.PF_FORWARD_EVAL) and not self._held
+                and not self._forward_running()):
+            with torch.no_grad():
+                self._close_phase()  # an interrupted forward: over
         if self._phase is not None:
             raise RuntimeError(f"{what} cannot be used inside the model's forward or backward; "
                                "use it between steps")
