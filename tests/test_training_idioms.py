@@ -19,7 +19,9 @@
   gradient accumulation with loss / accum_steps under stage 3 without no_sync;
 - nn.Embedding with padding_idx, a weight_norm parametrization, nn.MultiheadAttention (under
   stage 3 with a size policy that would make out_proj a unit of its own, which MHA's forward
-  never calls), dropout seeded per rank and step, train()/eval() toggles.
+  never calls), dropout seeded per rank and step, train()/eval() toggles;
+- batches whose forward, backward or step closure raises on every rank, caught and skipped
+  (failed_batches), against DDP skipping the same batches.
 
 Every scenario runs in one set of 2 processes. Tolerance 1e-5 relative (fp32). The
 MultiheadAttention has no biases: its key bias gets an exactly-zero gradient of rounding noise,
@@ -380,6 +382,81 @@ def layers(rank, stage):
     return {"rel": worst, "units": units}
 
 
+class _Injected(RuntimeError):
+    """What a script's bad batch raises on every rank (a failed check, an out-of-memory)."""
+
+
+def failed_batches(rank, stage):
+    """Batches whose forward or backward raises on every rank, caught and skipped, against DDP
+    skipping the same batches: an error midway through backward (some buckets, or stage 3's
+    units, reduced already) then zero_grad(); one midway through forward (stage 3: units
+    gathered, prefetches in flight), then model.state_dict(); one midway through backward
+    without zero_grad() (stages 2-3: the next backward is refused, until zero_grad()); one
+    in step()'s closure after its backward; a KeyboardInterrupt midway through forward (for
+    which torch runs no always_call hook), then model.state_dict(). DDP itself cannot go on
+    after an error in its backward ("Expected to have finished reduction in the prior
+    iteration")."""
+    torch.manual_seed(0)
+    ref = models.TiedGPT()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    zm, zopt = _zero(zm, stage, wrap={Block})
+    armed = []  # where the next pass raises
+
+    def boom(where):
+        if armed == [where]:
+            armed.clear()
+            raise _Injected(f"injected in the {where}")
+        if armed == ["interrupt"] and where == "forward":
+            armed.clear()
+            raise KeyboardInterrupt
+
+    def midway(module, args, out):
+        boom("forward")
+        if out.requires_grad:
+            out.register_hook(lambda g: boom("backward"))
+    zm.blocks[1].register_forward_hook(midway)
+
+    def closure(batch):
+        loss = zm(*batch)
+        loss.backward()
+        boom("closure")  # e.g. a NaN check
+        return loss
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    plan = {1: "backward", 2: "forward", 3: "backward", 5: "closure", 6: "interrupt"}
+    worst, refused = 0.0, []
+    for step in range(8):
+        batch = _gpt_batch(gen)
+        if step not in plan:
+            ropt.zero_grad()
+            ddp(*batch).backward()
+            ropt.step()
+        armed[:] = [plan[step]] if step in plan else []
+        try:
+            if step == 5:
+                zopt.step(lambda b=batch: closure(b))
+            else:
+                if step == 4 and stage > 1:  # after step 3's error without zero_grad()
+                    with pytest.raises(RuntimeError, match="call optimizer.zero_grad") as exc:
+                        zm(*batch).backward()
+                    refused.append(str(exc.value))
+                    zopt.zero_grad()
+                zm(*batch).backward()
+                zopt.step()
+            zopt.zero_grad()
+        except (_Injected, KeyboardInterrupt):
+            if step != 3 or stage == 1:  # stage 1: its partial param.grad, as torch's
+                zopt.zero_grad()
+        if step in (2, 6):  # the forward raised: the model's values are readable at once
+            sd = zm.state_dict()
+            worst = max(worst, max(models.max_rel_diff(sd[k], v)
+                                   for k, v in ref.state_dict().items()))
+        worst = max(worst, _rel(zm, ref))
+    return {"rel": worst, "refused": refused}
+
+
 def _all(rank, world_size):
     out = {}
     for stage in (1, 2, 3):
@@ -391,6 +468,7 @@ def _all(rank, world_size):
         out["gan_frozen_d", stage] = gan(rank, stage, 0.0, freeze=True)
         out["split_ema", stage] = split_and_ema(rank, stage)
         out["layers", stage] = layers(rank, stage)
+        out["failed_batches", stage] = failed_batches(rank, stage)
     # the idioms of backward meet the gradient hooks of stages 2-3 (stage 1 reduces
     # param.grad in step(), whatever made it)
     for stage in (2, 3):
@@ -460,6 +538,16 @@ def test_stage3_refuses_double_backward_on_every_rank(results):
         assert "create_graph=True" in (r["refused"] or ""), f"{where}: {r['refused']}"
         assert "stage 1 or 2" in r["refused"]
         assert r["unchanged"], where
+
+
+def test_failed_batches_are_skipped_as_ddp_skips_them(results):
+    cases = list(_cases(results, "failed_batches"))
+    assert len(cases) == 6
+    for where, stage, r in cases:
+        assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        assert len(r["refused"]) == (stage > 1), f"{where}: {r['refused']}"
+        for message in r["refused"]:
+            assert "a backward raised after it had reduce-scattered part" in message, message
 
 
 def test_multihead_attention_children_are_not_units(results):

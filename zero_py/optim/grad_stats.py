@@ -68,6 +68,7 @@ class GradStatistics:
         reduced again, and the shard made what torch's would hold, the clipped gradients of
         before plus the new ones: S_new - (1 - coef) S_clipped."""
         reducer = self._reducer
+        reducer.check_complete()
         if not reducer.grads_changed():
             return reducer.finish()
         coef, self._clip_coef, self._nonfinite = self._clip_coef, None, None

@@ -494,7 +494,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's, at any point between steps: reductions still in flight are
         finished first. With set_to_none=False the parameters that had a gradient keep a zero
-        one, which the next step() applies, as torch.optim does with a zeroed param.grad."""
+        one, which the next step() applies, as torch.optim does with a zeroed param.grad.
+        After a backward that raised it ends what that backward left open, and drops the
+        gradients it had reduced (GradReducer.settle_failed_backward)."""
+        self._reducer.settle_failed_backward()
         if self.stage >= 2:
             if set_to_none:
                 self._had_grad = [0] * len(self._had_grad)

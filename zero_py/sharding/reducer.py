@@ -34,10 +34,16 @@ also announces each training forward (announce_forward), whose gathers are colle
 Stage 3 tells the reducer, as a backward starts, which parameters get no gradient on this rank
 (mark_unused: the units its forward did not run); their buckets are reduced from zeros at once
 instead of at the end of backward, which a peer that ran those units would wait for.
+
+A backward that raises never runs its end-of-backward callback: the next backward, forward
+(stage 3), zero_grad() or step() finds it (settle_failed_backward), waits for the reductions it
+started and ends its pass; where it had reduced some buckets, the next backward or step()
+refuses until zero_grad() drops those partial gradients.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -179,6 +185,26 @@ class _Count:
             "(e.g. model(x[:0]).sum() * 0)")
 
 
+class _EndOfBackward:
+    """The end-of-backward callback queued on a backward's graph task. Only the autograd
+    engine holds it: a backward that raises drops it uncalled, so a dead weak reference to it
+    (with no end seen) says that the backward ended by an exception (settle_failed_backward)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+_INCOMPLETE = (
+    "zero_py: a backward raised after it had reduce-scattered part of its gradients (stages "
+    "2-3 reduce them bucket by bucket during backward), so the gradients held since the last "
+    "zero_grad() are incomplete: call optimizer.zero_grad() before the next backward or "
+    "step(), as a loop that skips a failed batch does (`except RuntimeError: "
+    "optimizer.zero_grad(); continue`)")
+
+
 class GradReducer:
     def __init__(self, flat: FlatLayout, executor, stage: int,
                  reduce_dtype: Optional[torch.dtype] = None,
@@ -216,6 +242,10 @@ class GradReducer:
         self._copied = bytearray(len(flat.params))  # gradient copied in during this pass
         self._pass_open = False
         self._callback_queued = False  # the end-of-backward callback is queued
+        self._end_callback: Callable[[], Optional[_EndOfBackward]] = lambda: None  # weak
+        self._launched = False  # a reduction was started in the open pass
+        self.incomplete = False  # a backward raised after reducing some buckets (_INCOMPLETE)
+        self._on_failed: List[Callable[[], None]] = []  # run by settle_failed_backward
         self._finished = False  # finish() ran since the last pass: its result stands
         # stage 1: the param.grad tensors (and their versions) its last reduction read; a
         # backward since (after a clip_grad_norm_, before step) changed one of them
@@ -303,13 +333,57 @@ class GradReducer:
         """Called from inside backward: opens this backward's pass (once) and queues its end on
         the autograd engine. Returns whether gradients are reduced in this backward (False
         under no_sync())."""
-        if self._callback_queued:
-            return self._pass_open
+        if self._callback_queued and self._end_callback() is not None:
+            return self._pass_open  # this backward's (or an enclosing one's: reentrant)
+        self.settle_failed_backward()
+        if self.sync_enabled:
+            self.check_complete()
         self._callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._queue_end()
         if self.sync_enabled:
             self._begin_pass()
         return self._pass_open
+
+    def _queue_end(self) -> None:
+        # no frame that may end in an exception (whose traceback keeps its locals) holds it
+        end = _EndOfBackward(self._backward_done)
+        self._end_callback = weakref.ref(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def check_complete(self) -> None:
+        """Raises where a backward that raised left part of its gradients in the shard (see
+        settle_failed_backward): before a backward or a step uses them."""
+        self.settle_failed_backward()
+        if self.incomplete:
+            raise RuntimeError(_INCOMPLETE)
+
+    def on_failed_backward(self, fn: Callable[[], None]) -> None:
+        """Runs fn when settle_failed_backward() finds a backward that raised (stage 3 ends its
+        backward phase there: the units it gathered are freed)."""
+        self._on_failed.append(fn)
+
+    def settle_failed_backward(self) -> bool:
+        """Whether a backward raised since the last call: its end-of-backward callback never
+        ran (the engine dropped it). Ends what it left open, as every rank that raised at the
+        same point does alike: the reductions it started (collectives its peers started too)
+        are waited for, its bucket buffers go back to the pool, and stage 3's listeners end
+        the backward phase. Where it had started a reduction, the gradient shard holds part
+        of its gradients: the next backward or step() refuses (incomplete) until zero_grad().
+        Called as a backward, forward (stage 3), zero_grad() or step() starts."""
+        if not self._callback_queued or self._end_callback() is not None:
+            return False
+        self._callback_queued = False
+        if self._pass_open:
+            self._pass_open = False
+            self.incomplete = self.incomplete or self._launched
+            for buf in self._open.values():
+                self._pool.give(buf)
+            self._open = {}
+            self._check_count()
+            self._retire(block_over=0)
+        for fn in self._on_failed:
+            fn()
+        return True
 
     def _backward_done(self) -> None:
         self._callback_queued = False
@@ -348,6 +422,7 @@ class GradReducer:
             if self.check_at_once:
                 self._check_count()
         self._pass_open = True
+        self._launched = False
         self._finished = False
         self.schedule.reset()
         self._copied = bytearray(len(self.flat.params))
@@ -494,6 +569,7 @@ class GradReducer:
         self._retire(block_over=self.max_in_flight)
 
     def _launch_from(self, b: int, buf: torch.Tensor, pooled: bool) -> None:
+        self._launched = True
         piece = self.grads.piece(b)
         describe = getattr(self.flat, "describe_bucket", None)
         what = (f"reduce-scatter of the gradients of "
@@ -662,6 +738,8 @@ class GradReducer:
         self._reduced_from = []
 
     def zero_grad(self, set_to_none: bool) -> None:
+        self.settle_failed_backward()
+        self.incomplete = False
         self._end_update()  # finish() without a step (clip_grad_norm_ alone): nothing changed
         self._finished = False
         self._reduced_from = []

@@ -39,6 +39,7 @@ rank. docs/stage3.md, "Control flow that differs between ranks".
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -64,6 +65,9 @@ def _in_backward() -> bool:
     that activation checkpointing recomputes)."""
     return torch._C._current_graph_task_id() != -1
 
+
+# the frame of a module's call (nn.Module._call_impl): _forward_running looks for the model's
+_MODULE_CALL = nn.Module._call_impl.__code__
 
 # the engine's phase between the backward's last gathers and the end of its pass (the C
 # schedule's phase is closed already)
@@ -172,11 +176,17 @@ class Stage3Engine:
                 p._zero_py_describe = f"{names.get(id(p), '?')!r} ({where})"
         reducer.before_backward_end(self._drain_backward)
         reducer.on_backward_end(self._end_backward)
+        reducer.on_failed_backward(self._failed_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
                 self._make_pre_forward(u), with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(u)))
+        # after the root's own post-forward hook, and also when its forward raised: a forward
+        # that raised (on every rank alike: a bad batch, out of memory) ends its phase at once,
+        # freeing the units it gathered, instead of holding them until the next forward
+        self._hooks.append(units[0][1].register_forward_hook(
+            _not_traced(lambda module, args, output: self._forward_ended()), always_call=True))
 
     @property
     def persistent_unit(self) -> int:
@@ -309,6 +319,16 @@ class Stage3Engine:
             self._phase = None
         return None
 
+    def _forward_ended(self) -> None:
+        """After the root's forward, returned or raised: a forward phase still open here is
+        one that raised (a returning one closed it in _post_forward). Ended as the next
+        forward would end it (_close_phase: its scheduled gathers issued, every unit freed)."""
+        if _in_backward() or self._held:
+            return
+        if self._phase in (_C.PF_FORWARD, _C.PF_FORWARD_EVAL):
+            with torch.no_grad():
+                self._close_phase()
+
     def _make_pre_backward(self, u: int):
         def hook(grad):
             if torch.is_grad_enabled():
@@ -392,6 +412,7 @@ class Stage3Engine:
         self._phase = None
 
     def _begin_forward(self) -> None:
+        self.reducer.settle_failed_backward()
         self._close_phase()
         if self._order_pending is not None:
             work, rows = self._order_pending
@@ -435,6 +456,10 @@ class Stage3Engine:
         self._post_pending = [0] * len(self.units)
 
     def _begin_backward(self) -> None:
+        # a backward that raised before this one: its phase ends first (_failed_backward)
+        self.reducer.settle_failed_backward()
+        if self.reducer.sync_enabled:
+            self.reducer.check_complete()
         self._close_phase()
         self._phase = _C.PF_BACKWARD
         self._open_phase(_C.PF_BACKWARD)
@@ -463,6 +488,15 @@ class Stage3Engine:
             else:
                 self._to_free.append(u)
         self._phase = _BACKWARD_ENDING
+
+    def _failed_backward(self) -> None:
+        """A backward that raised (GradReducer.settle_failed_backward, every rank at the same
+        point): its phase ends as the backward would have, the gathers left in its schedule
+        issued (every rank issues them) and every unit it holds freed."""
+        with torch.no_grad():
+            self._close_phase()
+        self._to_free = []
+        self._post_pending = [0] * len(self.units)
 
     def _end_backward(self) -> None:
         """After the reducer ended this backward's pass (or skipped it under no_sync())."""
@@ -590,7 +624,23 @@ class Stage3Engine:
             key = (key * 1000003 + u + 1) % (2 ** 61 - 1)
         self.reducer.announce_gathered(what, key)
 
+    def _forward_running(self) -> bool:
+        """Whether the model's forward is running on this thread: its module call is on the
+        stack. A forward phase open without it was ended by a KeyboardInterrupt or another
+        BaseException, for which torch runs no always_call hook (_forward_ended)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is self.model:
+                return True
+            frame = frame.f_back
+        return False
+
     def refuse_inside_pass(self, what: str) -> None:
+        self.reducer.settle_failed_backward()  # a backward that raised is over
+        if (self._phase in (_C.PF_FORWARD, _C.PF_FORWARD_EVAL) and not self._held
+                and not self._forward_running()):
+            with torch.no_grad():
+                self._close_phase()  # an interrupted forward: over
         if self._phase is not None:
             raise RuntimeError(f"{what} cannot be used inside the model's forward or backward; "
                                "use it between steps")
@@ -615,7 +665,7 @@ class Stage3Engine:
             if alone:  # peers may not hold it: a step inside the block refreshes it alone
                 for s in self.storages:
                     s.held_alone.update(s.unit_buckets[u])
-        for u in opened:
+        for u in wanted:  # a unit gathered ahead by a forward that raised may be in flight
             self._wait(u)
         self._held.append(set(wanted))
         try:
