@@ -125,10 +125,11 @@ class HostShard:
         out = self.staging.piece(b)
         return out if out is not None else self.mirrors.piece(b)
 
-    def pull_params(self) -> None:
-        """fp32 buckets' mirrors from their device pieces (construction, a load of weights)."""
+    def pull_params(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """fp32 buckets' mirrors from their device pieces (construction, a load of weights;
+        `buckets`: those only, e.g. the ones holding a parameter written in place)."""
         with torch.no_grad():
-            for b in range(self.flat.n_buckets):
+            for b in range(self.flat.n_buckets) if buckets is None else buckets:
                 mirror = self.mirrors.piece(b)
                 if mirror is not None:
                     mirror.copy_(self.flat.bucket_piece(b))
