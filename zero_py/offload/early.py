@@ -101,6 +101,10 @@ class EarlyStep:
         self._cancel(b)
         self.host.writing(b)
 
+    def zeroed(self) -> None:
+        self.discard()
+        self.host.zeroed()
+
     # -- the step ------------------------------------------------------------------------------
 
     def settle(self, args: tuple, hyper_of: Callable[[int], object]) -> Set[int]:
