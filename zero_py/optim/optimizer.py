@@ -418,11 +418,17 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         s = self._flat.slice_of_param.get(k) if k is not None else None
         return (s.param_lo, s.param_hi) if s is not None else None
 
-    def _param_state(self, i: int) -> dict:
-        """state[p] of parameter i (index into all parameters): views, or {}."""
+    def _param_state(self, i: int, read: bool = True) -> dict:
+        """state[p] of parameter i (index into all parameters): views, or {}. read: the values
+        are read (not only whether there are any), so an early update of overlap_step that
+        holds the coming step's guess is put back first, as for a state dict."""
         k = self._managed_of.get(i)
         s = self._flat.slice_of_param.get(k) if k is not None else None
-        return (self._slice_state(s, copy=False) or {}) if s is not None else {}
+        if s is None:
+            return {}
+        if read:
+            self.discard_early_updates([s.bucket])
+        return self._slice_state(s, copy=False) or {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
