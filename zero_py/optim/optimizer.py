@@ -476,7 +476,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def sync_master_from_params(self) -> None:
         """Copies the parameters into their fp32 masters. Construction does it; call it again
         after loading weights into a bf16/fp16 model whose optimizer already exists (loading
-        the optimizer's state dict does it too, unless that dict carries the masters)."""
+        the optimizer's state dict does it too, unless that dict carries the masters). Early
+        updates of overlap_step (made from the masters before) are put back first."""
+        self.discard_early_updates()
         with torch.no_grad():
             if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
                 self._update.pull_masters()
