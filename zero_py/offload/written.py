@@ -38,11 +38,9 @@ class WrittenParams:
             for i in self._watched[b]:
                 self._seen[i] = self.flat.params[i]._version
 
-    def take(self, buckets: Optional[Iterable[int]] = None) -> List[int]:
-        """The buckets (of `buckets`, or all) holding a parameter written since the last mark,
-        marked as followed: the caller pulls their masters from the parameters."""
+    def written(self, buckets: Optional[Iterable[int]] = None) -> List[int]:
+        """The buckets (of `buckets`, or all) holding a parameter written since the last mark:
+        the caller pulls their masters from the parameters, then marks them."""
         params = self.flat.params
-        written = [b for b in (range(self.flat.n_buckets) if buckets is None else buckets)
-                   if any(params[i]._version != self._seen[i] for i in self._watched[b])]
-        self.mark(written)
-        return written
+        return [b for b in (range(self.flat.n_buckets) if buckets is None else buckets)
+                if any(params[i]._version != self._seen[i] for i in self._watched[b])]

@@ -497,7 +497,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         they last followed them (model.load_state_dict, DCP's set_state_dict, p.copy_(t)) are
         pulled from the parameters, of `buckets` only if given (offload/written.py). Early
         updates (overlap_step) made before such a write are put back first."""
-        written = self._written.take(buckets) if self._written is not None else []
+        written = self._written.written(buckets) if self._written is not None else []
         if not written:
             return
         if self._early is not None and buckets is None:
@@ -505,7 +505,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         if self._host is not None:
             self._host.pull_params(written)
         else:
-            self._update.pull_masters(written)
+            self._update.pull_masters(written)  # a failed write marks nothing: pulled again
+        self._written.mark(written)
 
     # -- training -------------------------------------------------------------------------------
 
