@@ -12,6 +12,7 @@ through the same pipeline a GPU uses (tests/gpu runs it on a GPU).
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import os
 
@@ -139,6 +140,7 @@ def run_all(rank, world, tmp):
     out = {"parity": run_parity(rank, world, os.path.join(tmp, "parity")),
            "nvme": run_nvme(rank, world, os.path.join(tmp, "nvme")),
            "nvme checkpoints": run_nvme_checkpoints(rank, world, os.path.join(tmp, "nvme")),
+           "written weights": written_weights(rank, world, os.path.join(tmp, "nvme")),
            "refusals": refusals(rank, world),
            "nvme refusals": nvme_refusals(rank, world, os.path.join(tmp, "refusals")),
            "full disk": full_disk(rank, world, os.path.join(tmp, "full"))}
@@ -199,6 +201,44 @@ def test_memory_report_puts_the_optimizer_on_the_host(parity):
             assert device == 0
             assert host == total > 0
             assert grads > 0
+
+
+def written_weights(rank, world, tmp):
+    """Weights written into fp32 parameters reach the next step under offload at stages 1-2, as
+    without offload, where an fp32 parameter is its own master (offload/written.py):
+    model.load_state_dict between steps and between backward and step(), and DCP's
+    set_state_dict restoring an earlier step (it loads the optimizer first, then the model)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = {}
+    for stage, offload, overlap in ((1, "nvme", 0.0), (2, "cpu", 1.0)):
+        runs = {}
+        for off in (None, offload):
+            kw = {"offload_dir": tmp} if off == "nvme" else {}
+            if off is not None and overlap:
+                kw["overlap_step"] = overlap
+            model, opt = build(stage, torch.float32, off, **kw)
+            train(model, opt, rank, 0, 2, clip=False)
+            saved_model, saved_opt = get_state_dict(model, opt)
+            saved = ({k: v.clone() for k, v in saved_model.items()}, copy.deepcopy(saved_opt))
+            model.load_state_dict({k: 0.9 * v for k, v in model.state_dict().items()})
+            train(model, opt, rank, 2, 3, clip=False)
+            (model(*models.gpt_batch(torch.Generator().manual_seed(rank), batch=3))
+             .float().backward())
+            model.load_state_dict({k: 1.1 * v for k, v in model.state_dict().items()})
+            opt.step()  # overlap_step: its early updates ran from the weights before the load
+            opt.zero_grad()
+            set_state_dict(model, opt, model_state_dict=saved[0], optim_state_dict=saved[1])
+            train(model, opt, rank, 2, STEPS, clip=False)
+            runs[off] = full(model)
+        out[(stage, offload, overlap)] = worst(runs[offload], runs[None])
+    return out
+
+
+def test_weights_written_into_fp32_parameters_reach_the_offloaded_step(runs):
+    for r in (x["written weights"] for x in runs):
+        for key, diff in r.items():
+            assert diff == 0.0, (key, diff)
 
 
 def test_bad_offload_value_is_refused():

@@ -6,7 +6,8 @@ guessed (no clipping, no overflow); step() keeps the guesses that hold and puts 
 (offload/early.py). The runs below make every way a guess can fail happen: clipping that
 scales the gradients, fp16 steps skipped for overflow, the learning rate changed between
 backward and step, zero_grad() between them, a second backward that reduces the same buckets
-again (accumulation without no_sync), a state dict taken between them; and the way it holds:
+again (accumulation without no_sync), a state dict taken or optimizer.state[p] read between
+them, the masters synced from loaded weights between them; and the way it holds:
 no clipping. Each is compared with the run without overlap, and the counts of early and kept
 buckets show which path ran.
 """
@@ -33,9 +34,9 @@ def build(stage, dtype, overlap, scaler=None):
 
 
 def train(model, opt, rank, clip=None, no_sync=True, lr_change=False, zero_between=False,
-          state_dict_between=False):
+          state_dict_between=False, state_read_between=False, load_between=False):
     """STEPS steps of two micro-batches each; returns per step (early buckets, kept buckets)
-    and the state dicts taken between backward and step."""
+    and the state dicts taken (or optimizer.state[p] read) between backward and step."""
     counts, shards = [], []
     for t in range(STEPS):
         gen = torch.Generator().manual_seed(100 + 7 * t + rank)
@@ -56,6 +57,13 @@ def train(model, opt, rank, clip=None, no_sync=True, lr_change=False, zero_betwe
                 g["lr"] *= 0.5
         if state_dict_between and t == 2:
             shards.append(opt.state_dict())
+        if load_between and t == 2:  # weights loaded into the bf16 model, as README says
+            model.load_state_dict({k: 0.9 * v for k, v in model.state_dict().items()})
+            opt.sync_master_from_params()
+        if state_read_between and t == 2:  # as a script logging exp_avg's norm would
+            shards.append({"state": {i: {k: v.clone() for k, v in opt.state[p].items()}
+                                     for i, p in enumerate(model.parameters())
+                                     if p in opt.state}})
         opt.step()
         early = opt._early
         counts.append((early.early_last_step, early.kept_last_step) if early else (0, 0))
@@ -82,6 +90,8 @@ SCENARIOS = {
     "lr changed": dict(lr_change=True),
     "zero_grad between": dict(zero_between=True),
     "state_dict between": dict(state_dict_between=True),
+    "state read between": dict(state_read_between=True),
+    "weights loaded between": dict(load_between=True),
 }
 CASES = [(stage, dtype) for stage in (2, 3) for dtype in (torch.float32, torch.bfloat16)]
 
@@ -207,6 +217,22 @@ def test_state_dict_between_backward_and_step_sees_no_guess(runs):
         # the state dict put back those before it; only the buckets reduced inside step() went
         # early after it
         assert 0 < counts[2][0] < counts[1][0], counts
+
+
+def test_optimizer_state_read_between_backward_and_step_sees_no_guess(runs):
+    for out in runs:
+        diff, counts, shard_diffs = out[(2, torch.bfloat16, "state read between")]
+        assert diff == 0.0 and shard_diffs == [0.0, 0.0]
+        assert 0 < counts[2][0] < counts[1][0], counts  # as for a state dict
+
+
+def test_masters_synced_between_backward_and_step_discard_them(runs):
+    # sync_master_from_params() after a load of weights (also what gathered(modifier_rank=)
+    # and a stage-3 model.load_state_dict call): the early updates ran from the old masters
+    for out in runs:
+        diff, counts, shard_diffs = out[(2, torch.bfloat16, "weights loaded between")]
+        assert diff == 0.0 and not any(shard_diffs)
+        assert 0 < counts[2][0] < counts[1][0], counts  # put back: only step()'s went early
 
 
 def test_fp16_skipped_steps_discard_the_early_updates(runs):

@@ -1,5 +1,6 @@
 """torch idioms against DDP + torch.optim at 2 ranks: calls in any order (zero_grad between
-backward and step, step twice, step before any backward, zero_grad(set_to_none=False)),
+backward and step, step twice, step before any backward, zero_grad(set_to_none=False); also with
+the optimizer offloaded, overlap_step included),
 add_param_group after construction (a fine-tuning script unfreezing a layer), optimizer.state
 as this rank's slices, the state-dict hooks, hyperparameters changed after construction (an
 SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay; the
@@ -43,11 +44,12 @@ def _zero(model, stage, cls=None, select=None, **kw):
     return zero_py.initialize(model, cls, stage=stage, bucket_bytes=1024, **kw)
 
 
-def _pair(rank, stage):
-    """An MLP under DDP + AdamW and its copy under zero_py at `stage`, and this rank's data."""
+def _pair(rank, stage, **kw):
+    """An MLP under DDP + AdamW and its copy under zero_py at `stage` (with `kw`, e.g.
+    offload_optimizer), and this rank's data."""
     torch.manual_seed(0)
     ref = models.MLP()
-    zmodel, zopt = _zero(copy.deepcopy(ref), stage)
+    zmodel, zopt = _zero(copy.deepcopy(ref), stage, **kw)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     return ref, zmodel, zopt, ddp, ref_opt, torch.Generator().manual_seed(rank)
@@ -65,8 +67,8 @@ def _step_both(pairs, batch) -> None:
 ORDERS = ["s", "bsz", "bzs", "s", "bssz", "bsk", "bks", "bsz", "bz", "bs"]
 
 
-def call_orders(rank, stage):
-    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
+def call_orders(rank, stage, **kw):
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage, **kw)
     worst, moved = 0.0, []
     for order in ORDERS:
         batch = models.mlp_batch(gen)
@@ -434,6 +436,11 @@ def _all(rank, world_size, tmp):
         out[("adagrad", stage)] = adagrad_group_accumulator(rank, stage)
     for stage in (1, 2, 3):
         out[("orders", stage)] = call_orders(rank, stage)
+    # offloaded: the host's copy of the gradient shard is what the step reads (zero_grad(False)
+    # between backward and step must zero it too)
+    for stage, overlap in ((2, 1.0), (3, 0.0)):
+        out[("orders", stage, "offload")] = call_orders(rank, stage, offload_optimizer="cpu",
+                                                        overlap_step=overlap)
         out[("buffers", stage, True)] = buffers(rank, stage, True)
     out[("buffers", 2, False)] = buffers(rank, 2, False)
     for stage in (1, 2):
@@ -452,10 +459,10 @@ def test_torch_idioms_match_ddp(tmp_path):
             where = f"{key} rank {rank}"
             if "rel" in r:
                 assert r["rel"] <= RTOL, f"{where}: differs from DDP by {r['rel']:.2e}"
-        for stage in (1, 2, 3):
+        for key in [k for k in res if k[0] == "orders"]:
             # the reference moved on exactly the steps torch.optim updates: not after a
             # zero_grad() that followed backward, nor on a step before any backward
-            assert res[("orders", stage)]["moved"] == [False, True, False, False, True, True,
+            assert res[key]["moved"] == [False, True, False, False, True, True,
                                                         True, True, False, True]
         for key in [k for k in res if k[0] == "clip_backward"]:
             for got in res[key]["norms"]:  # the norms returned are torch's: DDP's, then ours

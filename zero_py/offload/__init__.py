@@ -3,6 +3,8 @@
     copies.py  CopyQueue: device <-> host copies beside the caller (a CUDA stream, or a thread)
     host.py    HostShard: fp32 masters, the gradient copy and the staging of an offloaded
                optimizer, and its bucket-by-bucket step
+    written.py WrittenParams: which fp32 parameters (stages 1-2) were written in place since
+               their masters, copies under offload, last followed them
     nvme.py    NvmeStore: fp32 masters and states in a file under offload_dir, streamed
                through a ring of aligned buffers by the direct-I/O engine
     param_store.py  ParamStore: stage-3 parameter shards in a file under offload_dir

@@ -21,7 +21,8 @@ checks the guess when step() comes:
     discard()    anything not settled is put back: at the end of step() (end_step(); all
                  of it when the step is skipped), at zero_grad() without a step, before a state
                  dict or checkpoint taken between backward and step, and for a bucket reduced
-                 again by an accumulating backward (writing(b))
+                 again by an accumulating backward (writing(b)); and a bucket whose state
+                 optimizer.state[p] reads between backward and step()
 
 A kept bucket ran the same kernel on the same bytes as the step would have, so the result is
 the same to the bit as without overlap; the tests compare whole runs. The cost is host memory:
@@ -101,6 +102,10 @@ class EarlyStep:
         self._cancel(b)
         self.host.writing(b)
 
+    def zeroed(self) -> None:
+        self.discard()
+        self.host.zeroed()
+
     # -- the step ------------------------------------------------------------------------------
 
     def settle(self, args: tuple, hyper_of: Callable[[int], object]) -> Set[int]:
@@ -120,9 +125,9 @@ class EarlyStep:
         self.kept_last_step = len(kept)
         return kept
 
-    def discard(self) -> None:
-        """Puts back every early update not settled."""
-        for b in list(self._jobs):
+    def discard(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """Puts back every early update not settled (of `buckets` only, if given)."""
+        for b in list(self._jobs) if buckets is None else buckets:
             self._cancel(b)
 
     def end_step(self) -> None:

@@ -93,6 +93,14 @@ class HostShard:
         reading it must be done first."""
         self._grad_copy[b].order_device()
 
+    def zeroed(self) -> None:
+        """The reducer zeroed its gradient shard (zero_grad(set_to_none=False)): the host copy,
+        which the next step reads unless a backward reduces again, is zeroed too, once the
+        copies into it have landed (a late one would bring the old gradient back)."""
+        for b in range(self.flat.n_buckets):
+            self.grads_ready(b)
+        self.grads.zero_()
+
     def grads_ready(self, b: int) -> None:
         """Waits until bucket b's host gradient holds the device's."""
         self._grad_copy[b].wait()
@@ -125,10 +133,11 @@ class HostShard:
         out = self.staging.piece(b)
         return out if out is not None else self.mirrors.piece(b)
 
-    def pull_params(self) -> None:
-        """fp32 buckets' mirrors from their device pieces (construction, a load of weights)."""
+    def pull_params(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """fp32 buckets' mirrors from their device pieces (construction, a load of weights;
+        `buckets`: those only, e.g. the ones holding a parameter written in place)."""
         with torch.no_grad():
-            for b in range(self.flat.n_buckets):
+            for b in range(self.flat.n_buckets) if buckets is None else buckets:
                 mirror = self.mirrors.piece(b)
                 if mirror is not None:
                     mirror.copy_(self.flat.bucket_piece(b))

@@ -133,7 +133,7 @@ class StateView(Mapping):
 
     def __contains__(self, p) -> bool:
         try:
-            return bool(self._opt()._param_state(self._index(p)))
+            return bool(self._opt()._param_state(self._index(p), read=False))
         except KeyError:
             return False
 
@@ -141,7 +141,8 @@ class StateView(Mapping):
         opt = self._opt()
         if opt is None:
             return iter(())
-        return iter([p for i, p in enumerate(opt._all_params) if opt._param_state(i)])
+        return iter([p for i, p in enumerate(opt._all_params)
+                     if opt._param_state(i, read=False)])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

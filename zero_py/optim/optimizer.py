@@ -21,6 +21,7 @@ from zero_py.collectives import HybridExecutor, make_executor, make_hybrid_execu
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.offload.early import EarlyStep, check_overlap_step
+from zero_py.offload.written import WrittenParams
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
@@ -352,6 +353,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host)
+        # stages 1-2 offloaded: an fp32 parameter's master is a copy, which must follow writes
+        # into the parameter as the parameter itself (its master without offload) does
+        self._written = (WrittenParams(fp) if self.offload_optimizer and not fp.params_sharded
+                         else None)
 
     def _streamed_update(self, fp) -> StreamedUpdate:
         """The NVMe update, its offload file made on every rank or on none: a rank whose file
@@ -414,11 +419,17 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         s = self._flat.slice_of_param.get(k) if k is not None else None
         return (s.param_lo, s.param_hi) if s is not None else None
 
-    def _param_state(self, i: int) -> dict:
-        """state[p] of parameter i (index into all parameters): views, or {}."""
+    def _param_state(self, i: int, read: bool = True) -> dict:
+        """state[p] of parameter i (index into all parameters): views, or {}. read: the values
+        are read (not only whether there are any), so an early update of overlap_step that
+        holds the coming step's guess is put back first, as for a state dict."""
         k = self._managed_of.get(i)
         s = self._flat.slice_of_param.get(k) if k is not None else None
-        return (self._slice_state(s, copy=False) or {}) if s is not None else {}
+        if s is None:
+            return {}
+        if read:
+            self.discard_early_updates([s.bucket])
+        return self._slice_state(s, copy=False) or {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
@@ -466,17 +477,37 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def sync_master_from_params(self) -> None:
         """Copies the parameters into their fp32 masters. Construction does it; call it again
         after loading weights into a bf16/fp16 model whose optimizer already exists (loading
-        the optimizer's state dict does it too, unless that dict carries the masters)."""
+        the optimizer's state dict does it too, unless that dict carries the masters). Early
+        updates of overlap_step (made from the masters before) are put back first."""
+        self.discard_early_updates()
         with torch.no_grad():
             if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
                 self._update.pull_masters()
-                return
-            for b in range(self._flat.n_buckets):
-                master = self._masters.piece(b)
-                if master is not None:
-                    master.copy_(self._flat.bucket_piece(b))
-            if self._host is not None:
-                self._host.pull_params()
+            else:
+                for b in range(self._flat.n_buckets):
+                    master = self._masters.piece(b)
+                    if master is not None:
+                        master.copy_(self._flat.bucket_piece(b))
+                if self._host is not None:
+                    self._host.pull_params()
+        if self._written is not None:
+            self._written.mark()
+
+    def _follow_written_params(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """Offloaded stages 1-2: the masters of the fp32 parameters written in place since
+        they last followed them (model.load_state_dict, DCP's set_state_dict, p.copy_(t)) are
+        pulled from the parameters, of `buckets` only if given (offload/written.py). Early
+        updates (overlap_step) made before such a write are put back first."""
+        written = self._written.written(buckets) if self._written is not None else []
+        if not written:
+            return
+        if self._early is not None and buckets is None:
+            self._early.discard()
+        if self._host is not None:
+            self._host.pull_params(written)
+        else:
+            self._update.pull_masters(written)  # a failed write marks nothing: pulled again
+        self._written.mark(written)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -554,6 +585,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             if self.loss_scaler is not None and self._nonfinite is None:
                 self._nonfinite = self._grad_stats(2.0)[1]
             skip = bool(self._nonfinite) and self.loss_scaler is not None
+            self._follow_written_params()
             try:
                 if not skip:
                     self._apply_update(used)
@@ -655,6 +687,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         None before the first step (the step makes the states)."""
         if self._update.states is None:
             return None
+        self._follow_written_params([b])  # a write since the last step: the master follows
         params = self._flat.bucket_params[b]
         used = {i: 1 for i in params}
         counts = {i: self._step_count[i] + 1 for i in params}

@@ -107,11 +107,12 @@ class StateDicts:
         step are put back first: they are guesses."""
         return self._resident_both()
 
-    def discard_early_updates(self) -> None:
+    def discard_early_updates(self, buckets=None) -> None:
         """overlap_step's early updates not yet taken by a step put back (they are guesses):
-        what checkpoints and state dicts need before they read the optimizer."""
+        what checkpoints and state dicts need before they read the optimizer (optimizer.state[p]
+        those of p's bucket)."""
         if getattr(self, "_early", None) is not None:
-            self._early.discard()
+            self._early.discard(buckets)
 
     @contextlib.contextmanager
     def params_resident(self):

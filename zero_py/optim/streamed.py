@@ -272,11 +272,13 @@ class StreamedUpdate(FusedUpdate):
             self._restore_params(done)
             raise
 
-    def _master_pairs(self, k: int, buf: torch.Tensor):
-        """(master slice in the record `buf` of chunk k, the parameter piece it belongs to)."""
+    def _master_pairs(self, k: int, buf: torch.Tensor,
+                      buckets: Optional[Sequence[int]] = None):
+        """(master slice in the record `buf` of chunk k, the parameter piece it belongs to), of
+        `buckets` only if given."""
         master = self.store.arrays(buf)[0]
         c = self.store.chunk_range(k)
-        for b, lo, hi in self._parts(k):
+        for b, lo, hi in self._parts(k, buckets):
             off = self.flat.bucket_shard_offset[b]
             yield (master[lo - c.start:hi - c.start],
                    self.flat.bucket_piece(b)[lo - off:hi - off])
@@ -290,12 +292,16 @@ class StreamedUpdate(FusedUpdate):
         with torch.no_grad():
             self.store.read_chunks(list(chunks), put)
 
-    def pull_masters(self) -> None:
-        """The masters from the parameters (sync_master_from_params outside resident())."""
+    def pull_masters(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """The masters from the parameters (sync_master_from_params outside resident()), of
+        `buckets` only if given: only the chunks they span are rewritten."""
         def fill(k: int, buf: torch.Tensor) -> None:
-            for master, param in self._master_pairs(k, buf):
+            for master, param in self._master_pairs(k, buf, buckets):
                 master.copy_(self._host(param))
-        self.store.stream(list(range(self.store.n_chunks)), fill)
+        chunks = range(self.store.n_chunks)
+        if buckets is not None:
+            chunks = [k for k in chunks if next(self._parts(k, buckets), None) is not None]
+        self.store.stream(list(chunks), fill)
 
     def close(self) -> None:
         self.store.close()

@@ -229,7 +229,8 @@ class GradReducer:
         self._in_flight: List[Tuple[Work, Optional[torch.Tensor], int]] = []  # (reduction,
         # its buffer, its bucket)
         # an offloaded optimizer's host side (offload.HostShard): told when a reduction into a
-        # bucket's piece completes (it copies the piece out) and before the piece is written
+        # bucket's piece completes (it copies the piece out), before the piece is written and
+        # when the shard is zeroed (zeroed())
         self.mirror = None
         self._listeners: List[Callable[[], None]] = []  # run after each backward's pass
         self._before_end: List[Callable[[], None]] = []  # run before it ends
@@ -752,3 +753,5 @@ class GradReducer:
                 for b in range(self.flat.n_buckets):
                     self.mirror.writing(b)
             self.grads.zero_()
+            if self.mirror is not None:  # its copy of the shard is what an offloaded step reads
+                self.mirror.zeroed()
