@@ -239,6 +239,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
             else:
                 ZeroOptimizer._check_param(p, i)
+        quantized.check_dtypes(kwargs.get("quantized_weights"), kwargs.get("quantized_grads"),
+                               kwargs.get("grad_reduce_dtype"),
+                               {p.dtype for p in model.parameters()})
     except (TypeError, ValueError) as exc:
         problem = exc
     try:
