@@ -280,6 +280,12 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     reading the files for their checksums (sizes and headers are still checked). `strict=False`
     loads a parameter that was frozen when saved and is trained now (its optimizer state starts
     empty) or the other way round. Training then continues as the saved run would have."""
+    with optimizer_of(model, optimizer)._comm.outside():  # in no step's comm_stats
+        return _load_checkpoint(path, model, optimizer, verify=verify, strict=strict)
+
+
+def _load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool = True) -> Any:
+    """load_checkpoint's body."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
     wait_pending(opt)  # an asynchronous save of this optimizer finishes first
