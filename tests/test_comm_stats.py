@@ -129,8 +129,17 @@ def _stage_1_2(rank, world_size, stage, dtype, reduce_dtype=None, outside=False)
     before = opt.comm_stats()
     seen = _train(model, opt, rank, dtype, steps=3 if outside else 2, clip_at=1,
                   outside_at=2 if outside else None)
-    return {"before": before, "steps": seen, "buckets": _buckets(opt._flat, numel_of),
-            "psi": sum(numel_of.values())}
+    out = {"before": before, "steps": seen, "buckets": _buckets(opt._flat, numel_of),
+           "psi": sum(numel_of.values())}
+    if outside:  # steps without a backward of their own (docs/scale-out.md)
+        opt.step()
+        out["no backward"] = opt.comm_stats()
+        x = torch.randn(4, WIDTHS[0]).to(dtype)
+        torch.nn.functional.mse_loss(model(x).float(), torch.ones(4, WIDTHS[-1])).backward()
+        opt.step()
+        opt.step()  # again, without zero_grad: applies the gradients a second time
+        out["twice"] = opt.comm_stats()
+    return out
 
 
 def _stage_3(rank, world_size, dtype, persistence_threshold=0, outside=False):
@@ -443,6 +452,17 @@ def test_stages_1_and_2_move_two_psi(measured):
                 # all small, none of it payload
                 control_calls = (1 if key[0] == 1 else 3) + (1 if k == 1 else 0)
                 assert stats["shard"]["control"]["calls"] == control_calls, where
+            if "no backward" in case:
+                # a step() without a backward still reduce-scatters (a peer may have run one),
+                # and all-gathers only when it updates: not before any gradient, but a second
+                # step() applies the gradients again
+                rs = {"calls": buckets, "bytes_sent": psi * (n - 1) // n * grad_size,
+                      "bytes_received": psi * (n - 1) // n * grad_size}
+                assert _payload(case["no backward"]) == {"shard": {"reduce_scatter": rs}}, where
+                ag = {"calls": buckets, "bytes_sent": psi * (n - 1) // n * param_size,
+                      "bytes_received": psi * (n - 1) // n * param_size}
+                assert _payload(case["twice"]) == {"shard": {"reduce_scatter": rs,
+                                                             "all_gather": ag}}, where
 
 
 def _kept_units(unit_bytes, first_step):
