@@ -13,7 +13,10 @@ parameter counts and that rule, checked against the layout, and bounded against 
 stand-in for its communicator.
 """
 
+import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -83,10 +86,28 @@ def _buckets(storage, numel_of):
     return out
 
 
-def _train(model, opt, rank, dtype, steps, clip_at=None):
+def _outside_steps(model, opt):
+    """A checkpoint saved and loaded, the optimizer's and the model's full state dicts: their
+    collectives belong to no step (before, the next step's counts held them: broadcasts and
+    all-gathers of the object exchanges, 124 kB at 2 ranks for consolidate_state_dict)."""
+    path = [tempfile.mkdtemp(prefix="zp_comm_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    zero_py.save_checkpoint(os.path.join(path[0], "ck"), model, opt)
+    zero_py.load_checkpoint(os.path.join(path[0], "ck"), model, opt)
+    opt.consolidate_state_dict()
+    if hasattr(model, "_zero_py"):  # built by initialize
+        zero_py.full_state_dict(model)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
+
+
+def _train(model, opt, rank, dtype, steps, clip_at=None, outside_at=None):
     gen = torch.Generator().manual_seed(100 + rank)
     seen = []
     for step in range(steps):
+        if step == outside_at:
+            _outside_steps(model, opt)
         x = torch.randn(4, WIDTHS[0], generator=gen).to(dtype)
         y = torch.randn(4, WIDTHS[-1], generator=gen).to(dtype)
         torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
@@ -98,7 +119,7 @@ def _train(model, opt, rank, dtype, steps, clip_at=None):
     return seen
 
 
-def _stage_1_2(rank, world_size, stage, dtype, reduce_dtype=None):
+def _stage_1_2(rank, world_size, stage, dtype, reduce_dtype=None, outside=False):
     torch.manual_seed(0)
     model = _Stack().to(dtype)
     numel_of = {id(p): p.numel() for p in model.parameters()}
@@ -106,12 +127,22 @@ def _stage_1_2(rank, world_size, stage, dtype, reduce_dtype=None):
                                 bucket_bytes=1024, align_bytes=ALIGN_BYTES,
                                 grad_reduce_dtype=reduce_dtype)
     before = opt.comm_stats()
-    seen = _train(model, opt, rank, dtype, steps=2, clip_at=1)
-    return {"before": before, "steps": seen, "buckets": _buckets(opt._flat, numel_of),
-            "psi": sum(numel_of.values())}
+    seen = _train(model, opt, rank, dtype, steps=3 if outside else 2, clip_at=1,
+                  outside_at=2 if outside else None)
+    out = {"before": before, "steps": seen, "buckets": _buckets(opt._flat, numel_of),
+           "psi": sum(numel_of.values())}
+    if outside:  # steps without a backward of their own (docs/scale-out.md)
+        opt.step()
+        out["no backward"] = opt.comm_stats()
+        x = torch.randn(4, WIDTHS[0]).to(dtype)
+        torch.nn.functional.mse_loss(model(x).float(), torch.ones(4, WIDTHS[-1])).backward()
+        opt.step()
+        opt.step()  # again, without zero_grad: applies the gradients a second time
+        out["twice"] = opt.comm_stats()
+    return out
 
 
-def _stage_3(rank, world_size, dtype, persistence_threshold=0):
+def _stage_3(rank, world_size, dtype, persistence_threshold=0, outside=False):
     torch.manual_seed(0)
     model = _Stack().to(dtype)
     # the units as this test sees them: the root (its own parameter), each layer in forward
@@ -123,7 +154,8 @@ def _stage_3(rank, world_size, dtype, persistence_threshold=0):
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, wrap_policy={_Layer},
                                     lr=1e-3, align_bytes=ALIGN_BYTES,
                                     persistence_threshold=persistence_threshold)
-    seen = _train(model, opt, rank, dtype, steps=3)
+    seen = _train(model, opt, rank, dtype, steps=4 if outside else 3,
+                  outside_at=3 if outside else None)
     flat = opt._flat
     return {"steps": seen, "buckets": _buckets(flat, numel_of), "psi": sum(numel_of.values()),
             "bucket_unit": [unit_of[id(flat.params[flat.bucket_params[b][0]])]
@@ -203,9 +235,12 @@ def _p2p_counts(rank, world_size):
 def _everything(rank, world_size):
     out = {"p2p": _p2p_counts(rank, world_size)}
     for dtype in (torch.float32, torch.bfloat16):
+        # one case per stage path: checkpoints and state dicts between steps, counted in none
+        outside = dtype == torch.float32 and world_size == 2
         for stage in (1, 2):
-            out[(stage, dtype)] = _stage_1_2(rank, world_size, stage, dtype)
-        out[(3, dtype)] = _stage_3(rank, world_size, dtype)
+            out[(stage, dtype)] = _stage_1_2(rank, world_size, stage, dtype,
+                                             outside=outside and stage == 2)
+        out[(3, dtype)] = _stage_3(rank, world_size, dtype, outside=outside)
     out[(3, "persistent")] = _stage_3(rank, world_size, torch.float32, persistence_threshold=20)
     out[(2, "bf16 reduced in fp32")] = _stage_1_2(rank, world_size, 2, torch.bfloat16,
                                                   torch.float32)
@@ -417,6 +452,17 @@ def test_stages_1_and_2_move_two_psi(measured):
                 # all small, none of it payload
                 control_calls = (1 if key[0] == 1 else 3) + (1 if k == 1 else 0)
                 assert stats["shard"]["control"]["calls"] == control_calls, where
+            if "no backward" in case:
+                # a step() without a backward still reduce-scatters (a peer may have run one),
+                # and all-gathers only when it updates: not before any gradient, but a second
+                # step() applies the gradients again
+                rs = {"calls": buckets, "bytes_sent": psi * (n - 1) // n * grad_size,
+                      "bytes_received": psi * (n - 1) // n * grad_size}
+                assert _payload(case["no backward"]) == {"shard": {"reduce_scatter": rs}}, where
+                ag = {"calls": buckets, "bytes_sent": psi * (n - 1) // n * param_size,
+                      "bytes_received": psi * (n - 1) // n * param_size}
+                assert _payload(case["twice"]) == {"shard": {"reduce_scatter": rs,
+                                                             "all_gather": ag}}, where
 
 
 def _kept_units(unit_bytes, first_step):

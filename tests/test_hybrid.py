@@ -268,6 +268,9 @@ def _errors(rank, world_size):
     # (before the refusal their models drifted apart: 0.018 after 3 steps)
     out["quantized grads"] = refused(stage=2, process_group=shard, replicate_group=column,
                                      quantized_grads="int8")
+    # hybrid sharding asked for on replica 0's ranks only: gloo aborted the processes (the
+    # hybrid ranks' first exchange met the others' agreement digests)
+    out["hybrid on some ranks"] = refused(stage=2, **({"hybrid": "node"} if rank < 2 else {}))
     torch.manual_seed(0)
     other = nn.Linear(4, 5) if rank == 3 else nn.Linear(4, 4)  # one replica's model differs
     out["replica model"] = refused(stage=2, model=other, hybrid="node")
@@ -300,6 +303,10 @@ def test_bad_hybrid_input_is_the_same_error_on_every_rank():
         message = messages.pop()
         assert message is not None and fragment in message, (key, message)
     assert all(r["after"] is None for r in results)
+    for r in results:  # its prefix names each rank's own call
+        message = r["hybrid on some ranks"]
+        assert message is not None and "the ranks check different things" in message, message
+        assert "rank 3: arguments" in message and "rank 0: hybrid sharding" in message, message
     for rank, r in enumerate(results):
         message = r["out of step"]
         assert message is not None and "different numbers of forward or backward" in message, \

@@ -239,6 +239,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
             else:
                 ZeroOptimizer._check_param(p, i)
+        quantized.check_dtypes(kwargs.get("quantized_weights"), kwargs.get("quantized_grads"),
+                               kwargs.get("grad_reduce_dtype"),
+                               {p.dtype for p in model.parameters()})
     except (TypeError, ValueError) as exc:
         problem = exc
     try:
@@ -546,7 +549,8 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")
     engine = _engine(opt)
     if engine is not None:
-        return stage3_state_dict.full_state_dict(model, engine, rank)
+        with opt._comm.outside():  # its gathers are in no step's comm_stats
+            return stage3_state_dict.full_state_dict(model, engine, rank)
     if opt.executor.rank != rank:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

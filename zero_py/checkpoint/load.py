@@ -280,6 +280,12 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
     reading the files for their checksums (sizes and headers are still checked). `strict=False`
     loads a parameter that was frozen when saved and is trained now (its optimizer state starts
     empty) or the other way round. Training then continues as the saved run would have."""
+    with optimizer_of(model, optimizer)._comm.outside():  # in no step's comm_stats
+        return _load_checkpoint(path, model, optimizer, verify=verify, strict=strict)
+
+
+def _load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool = True) -> Any:
+    """load_checkpoint's body."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
     wait_pending(opt)  # an asynchronous save of this optimizer finishes first
@@ -339,4 +345,21 @@ def load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: bool
                 frozen.publish(ex, [])
     else:
         agree(ex, error, "load_checkpoint")
+        _publish_quantized(opt)
     return extra
+
+
+def _publish_quantized(opt) -> None:
+    """Stages 1-2 with quantized_weights: the other ranks' pieces, read exactly above, become
+    what the saved run's publishes left in them, each peer's piece quantized on the wire, so that
+    the run goes on as the uninterrupted one (whose copies of its peers' pieces were never
+    exact: int8 weights resumed 1.6e-4 off in the masters after two steps). Only the buckets a
+    step has published (a parameter's step count above 0): the others still hold
+    construction's exact values in the saved run too."""
+    if getattr(opt._wire, "weights", None) is None:
+        return
+    flat = opt._flat
+    published = [b for b in range(flat.n_buckets)
+                 if any(opt._step_count[i] for i in flat.bucket_params[b])]
+    with torch.no_grad():
+        flat.publish(opt._wire, published)

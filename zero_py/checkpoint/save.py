@@ -429,6 +429,14 @@ def save_checkpoint(path, model, optimizer, extra: Any = None, *,
     and change it), and the file is written and the checkpoint published on a thread; returns
     an AsyncSave (wait() gives the path or raises). The copy costs the rank's share of the
     checkpoint in host memory until the write ends."""
+    with optimizer_of(model, optimizer)._comm.outside():  # in no step's comm_stats
+        return _save_checkpoint(path, model, optimizer, extra, keep_last=keep_last,
+                                async_save=async_save)
+
+
+def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
+                     keep_last: Optional[int] = None, async_save: bool = False):
+    """save_checkpoint's body."""
     opt = optimizer_of(model, optimizer)
     ex = opt.executor
     world = getattr(ex, "world", ex)  # hybrid sharding: every replica (else the group)

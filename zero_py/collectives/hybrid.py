@@ -333,8 +333,16 @@ def make_hybrid_executor(process_group, replicate_group, device_mesh, hybrid,
         raise RuntimeError("hybrid sharding needs torch.distributed: call "
                            "torch.distributed.init_process_group() (e.g. under torchrun) first")
     from zero_py.collectives import make_executor  # the seam (collectives/__init__.py)
+    from zero_py.optim import agreement
 
     world = make_executor(None, device, "torch", label="world")
+    # first, in the form of the plain path's first exchange (a digest all-gather over the
+    # group, the world by default): a rank that asks for no hybrid sharding, or for it another
+    # way, is then a ValueError on every rank, not gloo aborting on messages of other sizes
+    agreement.check(world, [("hybrid sharding", {
+        "hybrid": hybrid, "device_mesh": device_mesh is not None,
+        "process_group with replicate_group": replicate_group is not None})],
+        "hybrid sharding (hybrid=, device_mesh=, replicate_group=)")
     if hybrid == "node":
         process_group, replicate_group = _node_groups(world)
     elif device_mesh is not None:

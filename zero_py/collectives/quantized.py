@@ -92,12 +92,16 @@ def spec(name: Optional[str], block: int, what: str,
         raise ValueError(f"{what} must be None or one of {', '.join(map(repr, allowed))}, got "
                          f"{name!r}")
     bits = _BITS[name]
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 2**24:
-        raise ValueError(f"quantize_block must be an int in [1, 2**24], got {block!r}")
+    check_block(block)
     if bits == 4 and block % 2:  # int4 packs two values a byte
         raise ValueError(f"quantize_block must be even with int4 (two values a byte), got "
                          f"{block}")
     return QuantSpec(bits, block)
+
+
+def check_block(block) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 2**24:
+        raise ValueError(f"quantize_block must be an int in [1, 2**24], got {block!r}")
 
 
 # the most a layout's alignment is raised for param-aligned blocks (quantize_block <= 16384)
@@ -354,7 +358,9 @@ class QuantizedExecutor:
 def check_options(weights: Optional[str], grads: Optional[str], block: int, error_feedback,
                   rounding) -> None:
     """The ZeroOptimizer options of the wire (quantized_weights, quantized_grads,
-    quantize_block, grad_error_feedback, quantized_grads_rounding), checked."""
+    quantize_block, grad_error_feedback, quantized_grads_rounding), checked: a bad value is
+    refused even where it would go unused (quantize_block without a quantized wire)."""
+    check_block(block)
     spec(weights, block, "quantized_weights", ("bf16", "int8"))
     spec(grads, block, "quantized_grads")
     if not isinstance(error_feedback, bool):
@@ -363,6 +369,28 @@ def check_options(weights: Optional[str], grads: Optional[str], block: int, erro
         raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
                          "it carries the gradients' quantization error to the next step")
     check_rounding(rounding)
+
+
+def check_dtypes(weights: Optional[str], grads: Optional[str], grad_reduce_dtype,
+                 param_dtypes) -> None:
+    """The wire options against the parameters' dtypes: the quantized collectives take fp32 and
+    bf16 buffers, and pass any other dtype through unchanged, so float16 parameters (or float16
+    gradients) would travel unquantized, the option silently doing nothing."""
+    def names(dtypes) -> str:
+        return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+    odd = {d for d in param_dtypes if d not in _QUANTIZABLE}
+    if weights is not None and odd:
+        raise ValueError(f"quantized_weights={weights!r} quantizes float32 and bfloat16 "
+                         f"parameters, and this model has {names(odd)} ones, whose all-gathers "
+                         "would travel unquantized: cast the model to bfloat16 (or float32), or "
+                         "drop quantized_weights")
+    wire_dtypes = {grad_reduce_dtype} if grad_reduce_dtype is not None else set(param_dtypes)
+    odd = {d for d in wire_dtypes if d not in _QUANTIZABLE}
+    if grads is not None and odd:
+        raise ValueError(f"quantized_grads={grads!r} quantizes float32 and bfloat16 gradients, "
+                         f"and these would be reduced in {names(odd)}, unquantized: pass "
+                         "grad_reduce_dtype=torch.float32 (or torch.bfloat16), or drop "
+                         "quantized_grads")
 
 
 def wire(executor, align_bytes: int, weights: Optional[str], grads: Optional[str], block: int,

@@ -129,6 +129,18 @@ def totals(executors: Iterable) -> Counts:
     return out
 
 
+def add(a: Counts, b: Counts) -> Counts:
+    """a + b."""
+    out: Counts = {label: {kind: dict(c) for kind, c in kinds.items()}
+                   for label, kinds in a.items()}
+    for label, kinds in b.items():
+        for kind, c in kinds.items():
+            mine = out.setdefault(label, {}).setdefault(kind, dict.fromkeys(FIELDS, 0))
+            for f in FIELDS:
+                mine[f] += c[f]
+    return out
+
+
 def difference(after: Counts, before: Counts) -> Counts:
     """after - before, leaving out the kinds (and labels) with no call in between."""
     out: Counts = {}
@@ -150,6 +162,21 @@ class StepWindow:
         self._executors = executors
         self._mark = totals(executors())
         self.last: Counts = {}
+        self._outside = 0  # depth of outside() blocks
+
+    @contextlib.contextmanager
+    def outside(self):
+        """What is issued inside the block (a checkpoint's, a state dict's collectives) belongs
+        to no step: the window's start moves past it, as past construction's broadcasts. The
+        outermost block counts it, once."""
+        self._outside += 1
+        before = totals(self._executors()) if self._outside == 1 else None
+        try:
+            yield
+        finally:
+            self._outside -= 1
+            if before is not None:
+                self._mark = add(self._mark, difference(totals(self._executors()), before))
 
     def mark(self) -> None:
         """Starts the window now (what came before belongs to no step)."""

@@ -156,7 +156,17 @@ def mismatch_message(per_rank: List[List[list]], what: str) -> str:
         here = [tuple(items[k]) if k < len(items) else None for items in per_rank]
         if all(h == here[0] for h in here):
             continue
-        key = next(h[0] for h in here if h is not None)
+        keys = sorted({h[0] for h in here if h is not None})
+        if k == 0 and len(keys) > 1:  # different first entries: the ranks took other paths
+            lines = [f"{what}: the ranks check different things ({', '.join(keys)}): some "
+                     "asked for what the others did not (e.g. hybrid sharding on some ranks "
+                     "only)"]
+            lines += [f"  rank {r}: " + (f"{h[0]} = {_show(h[1])}" if h is not None else "-")
+                      for r, h in enumerate(here)]
+            lines.append("every rank must pass the same settings; nothing was changed or "
+                         "communicated beyond this check")
+            return "\n".join(lines)
+        key = keys[0]
         values = [h[1] if h is not None and h[0] == key else _ABSENT for h in here]
         lines = [f"{what}: the ranks disagree on {key}:"]
         lines += [f"  rank {r}: {_show(v)}" for r, v in enumerate(values)]

@@ -176,6 +176,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
+            quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype,
+                                   {p.dtype for g in self.param_groups for p in g["params"]})
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:

@@ -188,6 +188,10 @@ class StateDicts:
 
     def _full_state_dict(self, to: Optional[int]) -> Optional[dict]:
         """consolidate_state_dict(to), or on every rank where `to` is None."""
+        with self._comm.outside():  # in no step's comm_stats
+            return self._gather_state_dict(to)
+
+    def _gather_state_dict(self, to: Optional[int]) -> Optional[dict]:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.resident():
