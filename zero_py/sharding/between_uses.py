@@ -23,6 +23,11 @@ gradient hook raises an error naming the parameter and saying what to do, so
 - a torch call that fails on the slice (e.g. a parameter used inside another unit's forward,
   which no wrap policy can see) says that the parameter was its shard slice there.
 
+An in-place write into such a parameter (`p.mul_(0.9)`, `p[0] = 1`, `nn.init.normal_(p)`,
+`out=p`) is refused, naming the parameter: it would reach this rank's slice only, not the
+optimizer's master, and be lost at the next step. Writes go through zero_py.gathered(model,
+modifier_rank=0) or load_state_dict (whose hooks let their own copies through: writes_allowed).
+
 full_numel(): inside the block, numel() of such a parameter is its full count (the model's
 num_parameters() under stage 3; see zero_py.api). Nothing else changes what torch returns.
 """
@@ -37,6 +42,7 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
 _full_numel = [False]  # inside full_numel()
+_writes_allowed = [0]  # inside writes_allowed(): zero_py's own writes (a state-dict load)
 
 
 class BetweenUses(nn.Parameter):
@@ -47,6 +53,9 @@ class BetweenUses(nn.Parameter):
         if not all(issubclass(cls, t) for t in types):
             return NotImplemented  # another subclass's own override decides (as torch's)
         kwargs = kwargs or {}
+        written = None if _writes_allowed[0] else _written(func, args, kwargs)
+        if written is not None:
+            raise RuntimeError(_write_refusal(written, func))
         with DisableTorchFunctionSubclass():
             if func is torch.Tensor.numel and _full_numel[0] and len(args) == 1:
                 shape = getattr(args[0], "_zero_py_shape", None)
@@ -90,6 +99,18 @@ def full_numel():
         _full_numel[0] = before
 
 
+@contextlib.contextmanager
+def writes_allowed():
+    """Inside the block, in-place writes into parameters between uses are let through: a
+    stage-3 load_state_dict, whose pre-hook gives torch each rank's slice to copy in and
+    whose post-hook then syncs the optimizer's masters."""
+    _writes_allowed[0] += 1
+    try:
+        yield
+    finally:
+        _writes_allowed[0] -= 1
+
+
 def describe(p: torch.Tensor) -> str:
     """A parameter in words, for errors: its name and unit (set by zero_py.initialize)."""
     return getattr(p, "_zero_py_describe", None) or "(unnamed)"
@@ -112,6 +133,42 @@ def _params_in(args, kwargs) -> List[torch.Tensor]:
         elif isinstance(a, BetweenUses):
             found.append(a)
     return found
+
+
+# in-place methods that write no values (a flag, the memory it lives in)
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad", "pin_memory"}
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                    "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
+                    "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def _written(func, args, kwargs):
+    """The parameter between uses that this call writes into, if any: the first argument of
+    an in-place call (`p.mul_(0.9)`, `p[0] = 1`, `p += x`, `nn.init.normal_(p)`,
+    `torch._foreach_mul_([p, ...], 2)`), or its `out=`."""
+    out = kwargs.get("out")
+    if isinstance(out, BetweenUses):
+        return out
+    name = getattr(func, "__name__", "")
+    if name in _NOT_WRITES or not (name in _INPLACE_DUNDERS
+                                   or (name.endswith("_") and not name.startswith("__"))):
+        return None
+    # torch.nn.init's functions pass their tensor by keyword
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, (list, tuple)):
+        return next((t for t in first if isinstance(t, BetweenUses)), None)
+    return first if isinstance(first, BetweenUses) else None
+
+
+def _write_refusal(p: torch.Tensor, func) -> str:
+    return (
+        f"zero_py stage 3: {getattr(func, '__name__', func)} would write into parameter "
+        f"{describe(p)} between the uses of its unit, where it is {_slice_words(p)}: the "
+        "write would reach this rank's piece only and be lost at the next gather (or undone "
+        "by the next step). Write full values inside `with zero_py.gathered(model, "
+        "modifier_rank=0):` (rank 0's edit is broadcast and reaches the optimizer's masters), "
+        "load them with model.load_state_dict(sd) on every rank, or initialize the weights "
+        "before zero_py.initialize.")
 
 
 def _has_history(out) -> bool:

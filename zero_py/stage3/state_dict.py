@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
+from zero_py.sharding import between_uses
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.engine import Stage3Engine
 
@@ -187,6 +188,7 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
         if loading[0] is not None:
             loading[0].close()
         loading[0] = contextlib.ExitStack()
+        loading[0].enter_context(between_uses.writes_allowed())  # torch's copies of the slices
         for s in engine.storages:
             loading[0].enter_context(s.resident())
             # one-sided readers on other ranks (a state dict or no_grad forward right after
