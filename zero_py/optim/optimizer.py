@@ -26,7 +26,7 @@ from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
                                      DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
-                                     fingerprint, first_tensor)
+                                     check_no_shared_storage, fingerprint, first_tensor)
 from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
@@ -175,6 +175,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
+            check_no_shared_storage([p for g in self.param_groups for p in g["params"]],
+                                    self._name)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:
