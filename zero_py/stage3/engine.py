@@ -60,6 +60,21 @@ def _not_traced(fn):
     return dynamo.disable(fn) if dynamo is not None and hasattr(dynamo, "disable") else fn
 
 
+def _guard_module_hooks() -> None:
+    """Makes torch.compile guard on module hooks, once per process. By default dynamo does
+    not (torch._dynamo.config.skip_nnmodule_hook_guards): code it compiled for a module class
+    before the engine hooked modules of it (a model compiled before initialize, another
+    stage-3 model with another wrap policy) ran again without the hooks whenever the
+    parameters had the shapes it was compiled for, so a unit ran without being announced and
+    its backward failed (`... its unit did not run in this rank's forward`). The code compiled
+    until then carries no such guard: it is dropped (torch._dynamo.reset(); what is compiled
+    again guards on hooks)."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (e.g. the forward
     that activation checkpointing recomputes)."""
@@ -184,6 +199,7 @@ class Stage3Engine:
         reducer.on_backward_end(self._end_backward)
         reducer.on_failed_backward(self._failed_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
+        _guard_module_hooks()
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
                 self._make_pre_forward(u), with_kwargs=True))
