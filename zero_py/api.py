@@ -236,13 +236,13 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         _refuse_in_place_forward_writes(model)
         names = {id(p): n for n, p in model.named_parameters()}
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
-        for i, p in enumerate(model.parameters()):
+        for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:
                 continue
             if p.is_meta:
-                ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
+                ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
-                ZeroOptimizer._check_param(p, i)
+                ZeroOptimizer._check_param(p, i, name)
     except (TypeError, ValueError) as exc:
         problem = exc
     try:

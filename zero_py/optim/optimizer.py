@@ -236,7 +236,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if (p.requires_grad and p.numel() > 0) if owned is None else id(p) in owned:
-                    self._check_param(p, index)
+                    self._check_param(p, index, self._names.get(id(p)))
                     managed.append(p)
                     groups_of.append(gi)
                     self._managed_index.append(index)
@@ -447,12 +447,14 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         regroup.add_param_group(self, param_group)
 
     @staticmethod
-    def _check_param(p: torch.Tensor, i: int) -> None:
+    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None) -> None:
+        """`name`: the parameter's name, where known, for the message (else its index i)."""
+        what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
         if p.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"parameter {i} is on {p.device}: zero_py trains CPU and CUDA "
+            raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
         if p.dtype not in PARAM_DTYPES:
-            raise ValueError(f"parameter {i} has dtype {p.dtype}: zero_py trains float32, "
+            raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
                              "bfloat16 and float16 parameters; cast the model to one of them")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
