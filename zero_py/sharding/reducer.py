@@ -309,7 +309,9 @@ class GradReducer:
         def hook(param: torch.Tensor) -> None:
             # checked before any state changes, and on every rank alike: nothing to undo
             self._check_grad(i, param.grad)
-            if not self._callback_queued:  # this backward's first gradient: before any copy
+            # this backward's first gradient (none queued its end, or that of a backward that
+            # raised, which the engine dropped): before anything is copied
+            if not self._callback_queued or self._end_callback() is None:
                 late = self.late_hook()
                 if late is not None:
                     raise RuntimeError(late)
