@@ -85,6 +85,10 @@ def test_a_bad_gradient_names_its_parameter(single_rank_group, stage):
 def test_bad_parameters(single_rank_group):
     with pytest.raises(ValueError, match="dtype torch.float64"):
         zero_py.ZeroOptimizer(nn.Linear(4, 4).double().parameters())
+    for stage in (1, 3):  # initialize knows the names: the message gives them
+        with pytest.raises(ValueError, match=r"parameter '1.weight' \(index 0\) has dtype "
+                                             "torch.float64"):
+            zero_py.initialize(nn.Sequential(nn.Tanh(), nn.Linear(4, 4)).double(), stage=stage)
     frozen = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         zero_py.ZeroOptimizer(frozen.parameters())

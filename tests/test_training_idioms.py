@@ -21,7 +21,12 @@
   stage 3 with a size policy that would make out_proj a unit of its own, which MHA's forward
   never calls), dropout seeded per rank and step, train()/eval() toggles;
 - batches whose forward, backward or step closure raises on every rank, caught and skipped
-  (failed_batches), against DDP skipping the same batches.
+  (failed_batches), against DDP skipping the same batches;
+- user gradient hooks (a post-accumulate-grad hook and a per-rank Tensor.register_hook
+  registered before the optimizer match DDP's; a post-accumulate-grad hook registered after
+  it is refused under stages 2-3), parameters sharing memory (refused), an
+  nn.Embedding(max_norm=...) (stages 1-2 as DDP; refused under stage 3), a submodule with
+  parameters replaced after stage 3's initialize (refused at the next forward).
 
 Every scenario runs in one set of 2 processes. Tolerance 1e-5 relative (fp32). The
 MultiheadAttention has no biases: its key bias gets an exactly-zero gradient of rounding noise,
@@ -457,6 +462,152 @@ def failed_batches(rank, stage):
     return {"rel": worst, "refused": refused}
 
 
+# -- model changes: hooks, aliasing, in-place forward writes, submodules after initialize ----
+
+def _sgd_pair(rank, stage, make, fresh=False):
+    """make() under DDP + SGD(momentum) and under zero_py at `stage` (SGD: a gradient scaled
+    by a hook moves the weights by as much; AdamW would normalize it away). fresh: the
+    zero_py side is built by make() again, from the same seed (a deepcopy would break the
+    aliasing a model may set up)."""
+    torch.manual_seed(0)
+    ref = make()
+    if fresh:
+        torch.manual_seed(0)
+    zm = make() if fresh else copy.deepcopy(ref)
+    return ref, zm, torch.Generator().manual_seed(rank)
+
+
+SGD = dict(lr=0.05, momentum=0.9)
+
+
+def _scale_grad(p):
+    if p.grad is not None:
+        p.grad.mul_(3.0)
+
+
+def grad_hooks(rank, stage):
+    """A post-accumulate-grad hook that scales fc2.weight's gradient in place and a
+    Tensor.register_hook scaling fc1.weight's by 1 + rank, both registered before the
+    optimizer: DDP runs both before its reduction, and so does zero_py. One more
+    post-accumulate-grad hook registered after it ran after zero_py's under stages 2-3, on a
+    param.grad already taken and set to None (its scaling silently lost: 5% off DDP after 4
+    SGD steps): refused there on every rank at the next backward, before any reduction; with
+    the hook removed training goes on as DDP's (which skipped that step). Stage 1 reduces in
+    step(): the late hook is DDP's."""
+    ref, zm, gen = _sgd_pair(rank, stage, models.MLP)
+    for m in (ref, zm):
+        m.fc2.weight.register_post_accumulate_grad_hook(_scale_grad)
+        m.fc1.weight.register_hook(lambda g: g * (1.0 + rank))
+    ddp = DDP(ref)
+    ropt = torch.optim.SGD(ref.parameters(), **SGD)
+    zm, zopt = _zero(zm, stage, cls=torch.optim.SGD, **SGD)
+    worst, refused = 0.0, []
+    for step in range(5):
+        batch = models.mlp_batch(gen)
+        late = ([m.head.weight.register_post_accumulate_grad_hook(_scale_grad)
+                 for m in (ref, zm)] if step == 2 else [])
+        try:
+            models.mlp_loss(zm, batch).backward()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+            zopt.zero_grad()
+        else:
+            zopt.step()
+            zopt.zero_grad()
+            models.mlp_loss(ddp, batch).backward()
+            ropt.step()
+            ropt.zero_grad()
+        for h in late:
+            h.remove()
+        worst = max(worst, _rel(zm, ref))
+    return {"rel": worst, "refused": refused}
+
+
+class _Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.a = nn.Parameter(torch.randn(32, 32) * 0.1)
+        self.b = nn.Parameter(self.a.data[:8])  # a view of a: training one moves the other
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return torch.tanh(h @ self.a.t())[:, :8] + h @ self.b.t()
+
+
+def shared_storage(rank, stage):
+    """Two parameters sharing memory (one a view of the other) used to be laid out apart,
+    training apart from DDP's (2% off after 4 steps): refused at construction on every rank,
+    the model unchanged."""
+    _, zm, _ = _sgd_pair(rank, stage, _Aliased, fresh=True)
+    try:
+        _zero(zm, stage, cls=torch.optim.SGD, **SGD)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"refused": refused, "still_shared": zm.b.data_ptr() == zm.a.data_ptr()}
+
+
+class _MaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16, max_norm=1.0)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.emb(idx))).mean(1)
+
+
+def max_norm_embedding(rank, stage):
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up in place in its forward.
+    Stages 1-2 keep the renormalized rows as DDP does (the same batch on every rank: DDP's
+    replicas would drift apart otherwise). Under stage 3 that write went into the gathered
+    copy freed after the forward (3.7x off DDP after 4 steps): refused at initialize on every
+    rank."""
+    ref, zm, _ = _sgd_pair(rank, stage, _MaxNorm)
+    try:
+        zm, zopt = _zero(zm, stage, wrap=100)
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    gen = torch.Generator().manual_seed(7)  # the same batches on every rank
+    worst = 0.0
+    for _ in range(STEPS):
+        idx, y = torch.randint(0, 20, (4, 6), generator=gen), torch.randn(4, 8, generator=gen)
+        for model, opt in ((ddp, ropt), (zm, zopt)):
+            F.mse_loss(model(idx), y).backward()
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, _rel(zm, ref))
+    return {"rel": worst, "refused": None}
+
+
+def replaced_submodule(rank):
+    """Stage 3: a submodule with parameters replaced after initialize (a new head) was
+    silently trained per rank, its parameters neither gathered nor reduced, the old ones no
+    longer trained: refused at the next forward on every rank, naming it; a module without
+    parameters replaced (a Dropout by an Identity) is fine; with the original put back,
+    training goes on as DDP's."""
+    ref, ddp, ropt, zm, zopt, gen = _mlp_pair(rank, 3)
+    refused = []
+    for step in range(4):
+        batch = models.mlp_batch(gen)
+        if step == 1:
+            head, zm.head = zm.head, nn.Linear(32, 8)
+            try:
+                models.mlp_loss(zm, batch).backward()
+            except RuntimeError as exc:
+                refused.append(str(exc))
+            zm.head = head
+            zm.act = nn.Identity()  # no parameters: accepted
+        for model, opt in ((ddp, ropt), (zm, zopt)):
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"rel": _rel(zm, ref), "refused": refused}
+
+
 def _all(rank, world_size):
     out = {}
     for stage in (1, 2, 3):
@@ -469,6 +620,10 @@ def _all(rank, world_size):
         out["split_ema", stage] = split_and_ema(rank, stage)
         out["layers", stage] = layers(rank, stage)
         out["failed_batches", stage] = failed_batches(rank, stage)
+        out["grad_hooks", stage] = grad_hooks(rank, stage)
+        out["shared_storage", stage] = shared_storage(rank, stage)
+        out["max_norm", stage] = max_norm_embedding(rank, stage)
+    out["replaced_submodule", 3] = replaced_submodule(rank)
     # the idioms of backward meet the gradient hooks of stages 2-3 (stage 1 reduces
     # param.grad in step(), whatever made it)
     for stage in (2, 3):
@@ -555,6 +710,40 @@ def test_multihead_attention_children_are_not_units(results):
         if stage == 3:
             assert "mha.out_proj" not in r["units"], f"{where}: {r['units']}"
             assert "fc" in r["units"], r["units"]
+
+
+def test_user_gradient_hooks_match_ddp_or_a_late_one_is_refused(results):
+    for where, stage, r in _cases(results, "grad_hooks"):
+        assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        if stage == 1:
+            assert r["refused"] == [], where
+        else:
+            assert len(r["refused"]) == 1, (where, r["refused"])
+            assert "'head.weight' has a post-accumulate-grad hook registered after" in \
+                r["refused"][0], r["refused"][0]
+
+
+def test_parameters_sharing_memory_are_refused(results):
+    for where, _, r in _cases(results, "shared_storage"):
+        assert r["refused"] is not None, where
+        assert "parameters 'a' and 'b' share memory" in r["refused"], r["refused"]
+        assert r["still_shared"], where
+
+
+def test_embedding_max_norm_matches_ddp_or_is_refused_under_stage3(results):
+    for where, stage, r in _cases(results, "max_norm"):
+        if stage < 3:
+            assert r["refused"] is None, where
+            assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        else:
+            assert "Embedding 'emb' has max_norm=1.0" in (r["refused"] or ""), r["refused"]
+
+
+def test_stage3_replaced_submodule_is_refused(results):
+    for where, _, r in _cases(results, "replaced_submodule"):
+        assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        assert len(r["refused"]) == 1, (where, r["refused"])
+        assert "submodule 'head' was replaced by a Linear" in r["refused"][0], r["refused"][0]
 
 
 def test_assign_units_never_wraps_inside_attention():

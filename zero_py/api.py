@@ -23,7 +23,8 @@ import torch.nn as nn
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
-from zero_py.optim.arguments import DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, fingerprint
+from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK,
+                                     check_no_shared_storage, fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.between_uses import full_numel
@@ -232,13 +233,16 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
             raise ValueError("zero_py.initialize got no trainable parameter: every parameter "
                              "has requires_grad=False or no elements")
-        for i, p in enumerate(model.parameters()):
+        _refuse_in_place_forward_writes(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
+        for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:
                 continue
             if p.is_meta:
-                ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i)
+                ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
-                ZeroOptimizer._check_param(p, i)
+                ZeroOptimizer._check_param(p, i, name)
         quantized.check_dtypes(kwargs.get("quantized_weights"), kwargs.get("quantized_grads"),
                                kwargs.get("grad_reduce_dtype"),
                                {p.dtype for p in model.parameters()})
@@ -332,6 +336,20 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     model._zero_py = opt
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
+
+
+def _refuse_in_place_forward_writes(model: nn.Module) -> None:
+    """Stage 3: an nn.Embedding / nn.EmbeddingBag with max_norm renormalizes the rows it looks
+    up in place during its forward. Under stage 3 its weight there is the gathered full view,
+    freed after the forward, so the renormalization would be lost (the model then drifts from
+    DDP's, where it persists)."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            raise ValueError(
+                f"{type(m).__name__} {name or '(root)'!r} has max_norm={m.max_norm}: its "
+                "forward renormalizes the weight's rows in place, which under stage 3 writes "
+                "into the gathered copy freed after the forward (the renormalization would be "
+                "lost); use stage 1 or 2 for it, or max_norm=None")
 
 
 def _check_params_on_nvme(kwargs: dict) -> None:

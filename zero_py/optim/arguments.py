@@ -113,3 +113,33 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # The optimizer class validates its own keyword arguments and supplies the defaults.
     probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
     return dict(probe.defaults)
+
+
+def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
+    """Refuses two distinct parameters whose elements overlap in memory (one a view of the
+    other, or both views of one tensor): zero_py gives each parameter a place of its own in
+    its flat buffers (stage 3: its shards), which would silently make them independent,
+    where torch.optim under DDP updates the shared elements through both. The same
+    Parameter object given twice (tied weights) is one parameter and fine. `name_of(p)`
+    names a parameter in the message."""
+    spans: Dict[Tuple[torch.device, int], List[Tuple[int, int, torch.Tensor]]] = {}
+    seen = set()
+    for p in params:
+        if id(p) in seen or p.is_meta or p.numel() == 0:
+            continue
+        seen.add(id(p))
+        size = p.element_size()
+        lo = p.storage_offset() * size
+        hi = lo + size * (1 + sum((n - 1) * abs(s) for n, s in zip(p.shape, p.stride())))
+        spans.setdefault((p.device, p.untyped_storage().data_ptr()), []).append((lo, hi, p))
+    for found in spans.values():
+        found.sort(key=lambda span: span[0])
+        for (_, a_hi, a), (b_lo, _, b) in zip(found, found[1:]):
+            if b_lo < a_hi:
+                raise ValueError(
+                    f"parameters {name_of(a)} and {name_of(b)} share memory (one is a view of "
+                    "the other, or both of one tensor); zero_py gives each parameter a place "
+                    "of its own in its flat buffers, so they would silently train apart. Tie "
+                    "them as one Parameter (module.b = module.a), or make the second a "
+                    "function of the first in the forward (a view taken there, e.g. "
+                    "self.a[:16]), instead of a Parameter of its own")

@@ -27,7 +27,7 @@ from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
                                      DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
-                                     fingerprint, first_tensor)
+                                     check_no_shared_storage, fingerprint, first_tensor)
 from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
@@ -178,6 +178,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._constructing = False
             quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype,
                                    {p.dtype for g in self.param_groups for p in g["params"]})
+            check_no_shared_storage([p for g in self.param_groups for p in g["params"]],
+                                    self._name)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:
@@ -237,7 +239,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if (p.requires_grad and p.numel() > 0) if owned is None else id(p) in owned:
-                    self._check_param(p, index)
+                    self._check_param(p, index, self._names.get(id(p)))
                     managed.append(p)
                     groups_of.append(gi)
                     self._managed_index.append(index)
@@ -458,12 +460,14 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         regroup.add_param_group(self, param_group)
 
     @staticmethod
-    def _check_param(p: torch.Tensor, i: int) -> None:
+    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None) -> None:
+        """`name`: the parameter's name, where known, for the message (else its index i)."""
+        what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
         if p.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"parameter {i} is on {p.device}: zero_py trains CPU and CUDA "
+            raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
         if p.dtype not in PARAM_DTYPES:
-            raise ValueError(f"parameter {i} has dtype {p.dtype}: zero_py trains float32, "
+            raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
                              "bfloat16 and float16 parameters; cast the model to one of them")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:

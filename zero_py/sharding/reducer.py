@@ -278,16 +278,44 @@ class GradReducer:
         self.noise_seed: Callable[[], int] = lambda: 0
         # how messages name parameter i (its storage index): the optimizer sets its names
         self.name_of: Callable[[int], str] = str
+        self._hooks: List[Callable] = []  # the gradient hook of each parameter (stages 2-3)
         if stage == 2:
             for i, p in enumerate(flat.params):
-                p.register_post_accumulate_grad_hook(self._make_hook(i))
+                self._hooks.append(self._make_hook(i))
+                p.register_post_accumulate_grad_hook(self._hooks[-1])
 
     # -- events ---------------------------------------------------------------------------------
+
+    def late_hook(self) -> Optional[str]:
+        """None, or why a post-accumulate-grad hook registered after the reducer's is refused:
+        torch runs them in order of registration, so it would find param.grad taken into the
+        shard and set to None, its change of the gradient lost (under DDP such a hook runs
+        before the reduction, whenever it was registered). Checked as a backward's first
+        gradient arrives (stage 2) and at each forward (stage 3, whose backward opens its
+        pass before the first gradient), before anything is reduced."""
+        for i, p in enumerate(self.flat.params):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks and next(reversed(hooks.values())) is not self._hooks[i]:
+                return (
+                    f"zero_py: parameter {self.name_of(i)} has a post-accumulate-grad hook "
+                    "registered after the optimizer was built; zero_py's own takes the gradient "
+                    "into its shard and sets param.grad to None, so that hook would run on "
+                    "None and its change of the gradient would be lost. Register it before "
+                    "zero_py.initialize / ZeroOptimizer (it then runs first, before the "
+                    "reduction, as under DDP), or use param.register_hook, which runs before "
+                    "the gradient is accumulated")
+        return None
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             # checked before any state changes, and on every rank alike: nothing to undo
             self._check_grad(i, param.grad)
+            # this backward's first gradient (none queued its end, or that of a backward that
+            # raised, which the engine dropped): before anything is copied
+            if not self._callback_queued or self._end_callback() is None:
+                late = self.late_hook()
+                if late is not None:
+                    raise RuntimeError(late)
             if not self.flat.is_gathered(self.flat.param_bucket[i]):
                 raise RuntimeError(
                     f"zero_py: parameter {self.name_of(i)} got a gradient while its unit is not "

@@ -60,6 +60,21 @@ def _not_traced(fn):
     return dynamo.disable(fn) if dynamo is not None and hasattr(dynamo, "disable") else fn
 
 
+def _guard_module_hooks() -> None:
+    """Makes torch.compile guard on module hooks, once per process. By default dynamo does
+    not (torch._dynamo.config.skip_nnmodule_hook_guards): code it compiled for a module class
+    before the engine hooked modules of it (a model compiled before initialize, another
+    stage-3 model with another wrap policy) ran again without the hooks whenever the
+    parameters had the shapes it was compiled for, so a unit ran without being announced and
+    its backward failed (`... its unit did not run in this rank's forward`). The code compiled
+    until then carries no such guard: it is dropped (torch._dynamo.reset(); what is compiled
+    again guards on hooks)."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (e.g. the forward
     that activation checkpointing recomputes)."""
@@ -164,6 +179,12 @@ class Stage3Engine:
         self._registered = [(m, f"{mn}.{n}" if mn else n, n, p)
                             for mn, m in model.named_modules() for n, p in m._parameters.items()
                             if p is not None and id(p) in managed]
+        # each module's children as initialize saw them, and whether each holds parameters:
+        # check_model() finds a submodule with parameters replaced, added or deleted since
+        self._children = [(mn, m, dict(m._modules),
+                           {k: c is not None and next(c.parameters(), None) is not None
+                            for k, c in m._modules.items()})
+                          for mn, m in model.named_modules()]
         # how errors name each parameter (between_uses.describe): its first name, its unit
         names: Dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -178,6 +199,7 @@ class Stage3Engine:
         reducer.on_backward_end(self._end_backward)
         reducer.on_failed_backward(self._failed_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
+        _guard_module_hooks()
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
                 self._make_pre_forward(u), with_kwargs=True))
@@ -211,9 +233,33 @@ class Stage3Engine:
         """None, or what was changed in the model since zero_py.initialize that stage 3 would
         silently undo: a parameter cast or moved (model.half(), model.to(torch.bfloat16),
         model.double(), model.to(device): only its shard slice changed, and the next gather
-        puts back the dtype and device it was sharded with), its .data replaced, or the
-        Parameter itself replaced in its module (which the engine no longer gathers).
-        Under a microsecond a parameter: run at each forward and step."""
+        puts back the dtype and device it was sharded with), its .data replaced, the
+        Parameter itself replaced in its module (which the engine no longer gathers), or a
+        submodule holding parameters replaced, added or deleted.
+        Under a microsecond a parameter or module: run at each forward and step."""
+        for mn, m, was, held in self._children:
+            now = m._modules
+            if len(now) == len(was) and all(now.get(k) is c for k, c in was.items()):
+                continue
+            for k in {**was, **now}:
+                old, new = was.get(k), now.get(k)
+                new_held = new is not None and next(new.parameters(), None) is not None
+                if old is new or not (held.get(k) or new_held):
+                    continue  # a module without parameters (e.g. a Dropout) stays harmless
+                where = f"{mn}.{k}" if mn else k
+                what = ("deleted" if new is None else "added" if k not in was else
+                        f"replaced by a {type(new).__name__}")
+                return (
+                    f"zero_py stage 3: the model was changed after zero_py.initialize: "
+                    f"submodule {where!r} was {what}. Stage 3 gathers, reduces and trains the "
+                    "parameters it sharded at initialize; a new module's parameters would be "
+                    "neither gathered nor reduced (each rank would train its own copy) and the "
+                    "old ones would no longer be trained. Change the model (adapters, "
+                    "resized embeddings, replaced heads) before zero_py.initialize, or build "
+                    "a new model and optimizer with zero_py.initialize after the change.")
+        late = self.reducer.late_hook()
+        if late is not None:
+            return late
         found = []
         for m, name, n, p in self._registered:
             now = m._parameters.get(n)
