@@ -114,6 +114,32 @@ def touch(rank, world_size):
     # inside gathered() the parameters are full and loading still works
     with zero_py.gathered(model):
         out["gathered_shape"] = tuple(model.ln_f.weight.shape) == tuple(full["ln_f.weight"].shape)
+    # an in-place write between uses would reach this rank's slice only (and be undone by the
+    # next step): refused, naming the parameter; nothing changes. Reading into an EMA is fine.
+    before = model.state_dict()
+    writes = {"mul_": lambda: w.mul_(0.9), "setitem": lambda: w.__setitem__(0, 1.0),
+              "iadd": lambda: w.__iadd__(1.0), "init": lambda: torch.nn.init.normal_(w),
+              "out": lambda: torch.mul(w, 2, out=w),
+              "foreach": lambda: torch._foreach_mul_(list(model.blocks[0].parameters()), 0.5)}
+    out["writes"] = {}
+    for name, write in writes.items():
+        try:
+            with torch.no_grad():
+                write()
+            out["writes"][name] = "no error"
+        except RuntimeError as exc:
+            out["writes"][name] = str(exc)
+    out["writes_changed_nothing"] = all(torch.equal(v, before[k])
+                                        for k, v in model.state_dict().items())
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            ema[n].mul_(0.5).add_(p, alpha=0.5)
+    # the way to write: rank 0's edit inside gathered(modifier_rank=0) reaches every rank
+    name_w = next(n for n, p in model.named_parameters() if p is w)
+    with zero_py.gathered(model, modifier_rank=0), torch.no_grad():
+        w.mul_(0.5 if rank == 0 else 3.0)
+    out["gathered_write"] = torch.equal(model.state_dict()[name_w], before[name_w] * 0.5)
     return out
 
 
@@ -636,6 +662,11 @@ def test_parameters_are_safe_to_read_between_uses(results):
         assert t["norm_finite"] and t["repr"] and t["clone"] and t["ema"]
         assert t["slices"], "a parameter between uses is its slice of the full value"
         assert t["gathered_shape"]
+        for name, error in t["writes"].items():
+            assert "would write into parameter 'blocks.0." in error, (name, error)
+            assert "zero_py.gathered(model, modifier_rank=0)" in error, (name, error)
+        assert t["writes_changed_nothing"]
+        assert t["gathered_write"]
 
 
 def test_model_state_dict_is_full_and_loads_into_a_plain_model(results):
