@@ -283,6 +283,11 @@ def check_loadable(opt, state_dict: dict):
                               opt._managed_of[index]]] is not None,
                           optional=[BUFFER] if opt._kind == kernels.OPT_SGD else ())
         saved_state[index] = st
+    steps = state_dict.get("rounding_steps")
+    if not shard and steps is not None and not (isinstance(steps, int)
+                                                and not isinstance(steps, bool) and steps >= 0):
+        raise ValueError(f"zero_py: the state dict's 'rounding_steps' (updates applied before "
+                         f"consolidate_state_dict) must be an int >= 0, got {steps!r}")
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
         scaler = LossScaler.check_state(state_dict["loss_scaler"])
