@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py import kernels
-from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import BUFFER
 
 FORMAT_VERSION = 1
@@ -290,5 +289,6 @@ def check_loadable(opt, state_dict: dict):
                          f"consolidate_state_dict) must be an int >= 0, got {steps!r}")
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
-        scaler = LossScaler.check_state(state_dict["loss_scaler"])
+        # the scaler's own check: a subclass's state (HysteresisLossScaler's) is kept whole
+        scaler = opt.loss_scaler.check_state(state_dict["loss_scaler"])
     return groups, shard, saved_state, scaler
