@@ -868,6 +868,38 @@ def test_a_model_with_batchnorm_and_mixed_dtypes_resumes_exactly(single_rank_gro
         assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
 
 
+
+def test_a_checkpoint_loads_into_a_model_of_another_dtype(single_rank_group, tmp_path):
+    """A bf16 run's checkpoint loaded into an fp32 model gives it the fp32 masters (not the
+    bf16 values); an fp32 run's checkpoint loaded into a bf16 model rounds the parameters to
+    nearest even and keeps their fp32 values as the masters. Either way the next step is the
+    one the fp32 values give (README: Checkpoints)."""
+    def trained(dtype):
+        torch.manual_seed(0)
+        model = models.MLP().to(dtype)
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        x, y = models.mlp_batch(torch.Generator().manual_seed(0))
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+    for saved, loaded in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        model, opt = trained(saved)
+        zero_py.save_checkpoint(tmp_path / str(saved), model, opt)
+        fp32 = ([opt.consolidate_state_dict()["state"][i]["master_param"]
+                 for i in range(len(opt.param_groups[0]["params"]))]
+                if saved == torch.bfloat16 else [p.detach().clone() for p in model.parameters()])
+        torch.manual_seed(1)
+        other = models.MLP().to(loaded)
+        oopt = zero_py.ZeroOptimizer(other.parameters(), torch.optim.AdamW, lr=1e-2)
+        zero_py.load_checkpoint(tmp_path / str(saved), other, oopt)
+        for p, want in zip(other.parameters(), fp32):
+            assert p.dtype == loaded and torch.equal(p.detach(), want.to(loaded)), saved
+        if loaded == torch.bfloat16:
+            masters = oopt.consolidate_state_dict()["state"]
+            assert all(torch.equal(masters[i]["master_param"], w) for i, w in enumerate(fp32))
+
+
 # -- what a save refuses before writing anything, in one process ------------------------------
 
 
