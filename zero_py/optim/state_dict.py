@@ -287,6 +287,11 @@ def check_loadable(opt, state_dict: dict):
                                                 and not isinstance(steps, bool) and steps >= 0):
         raise ValueError(f"zero_py: the state dict's 'rounding_steps' (updates applied before "
                          f"consolidate_state_dict) must be an int >= 0, got {steps!r}")
+    if state_dict.get("loss_scaler") and opt.loss_scaler is None:
+        raise ValueError("zero_py: this state dict was saved with a loss scaler, this optimizer "
+                         "has none (its scale and growth state would be dropped): build the "
+                         "optimizer with loss_scaler=zero_py.LossScaler() to resume it, or drop "
+                         "the dict's 'loss_scaler' entry to train without one")
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
         # the scaler's own check: a subclass's state (HysteresisLossScaler's) is kept whole
