@@ -252,7 +252,8 @@ def check_loadable(opt, state_dict: dict):
                 f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
                 f"another layout than rank {opt.executor.rank} of "
                 f"{opt.executor.world_size} here; save with consolidate_state_dict() and "
-                "load the full dict to change world size or bucket settings")
+                "load the full dict to change world size, bucket settings or parameter "
+                "dtypes (a bf16 model and an fp32 one have other layouts)")
     else:
         check_optimizer_class(state_dict["param_groups"], opt.defaults, name)
     groups = opt._check_hyperparameters(state_dict["param_groups"])
