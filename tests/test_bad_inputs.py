@@ -170,6 +170,20 @@ def test_bad_state_dict_is_refused_and_changes_nothing(single_rank_group, case, 
     opt.step()
 
 
+def test_a_dict_with_a_loss_scaler_is_refused_by_an_optimizer_without_one(single_rank_group):
+    """An fp16 run's dict (shard or full) loaded into an optimizer built without loss_scaler
+    used to load with the scale and growth state dropped silently (load_checkpoint refused
+    it): refused, naming what to do, and nothing changes."""
+    _, scaled = _trained(loss_scaler=zero_py.LossScaler(init_scale=2.0**8))
+    model, opt = _trained()
+    before = _snapshot(model, opt)
+    for sd in (scaled.state_dict(), scaled.consolidate_state_dict()):
+        with pytest.raises(ValueError, match="saved with a loss scaler.*loss_scaler=zero_py"):
+            opt.load_state_dict(sd)
+        _assert_unchanged(before, model, opt)
+    opt.load_state_dict({k: v for k, v in scaled.state_dict().items() if k != "loss_scaler"})
+
+
 @pytest.mark.parametrize("state,match", [
     ({"scale": float("inf")}, "'scale' must be a positive finite number"),
     ({"scale": 0.0}, "'scale' must be a positive finite number"),

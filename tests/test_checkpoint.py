@@ -816,6 +816,90 @@ def test_a_bf16_run_saved_before_its_first_step_resumes(single_rank_group, tmp_p
             assert torch.equal(a, b), offload
 
 
+
+class _BF16WithFP32Norms(torch.nn.Module):
+    """A bf16 model whose BatchNorm (running stats, a 0-d num_batches_tracked) and LayerNorm
+    stay fp32: parameters of two dtypes and buffers of two shapes' ranks in one checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32).bfloat16()
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 8).bfloat16()
+
+    def forward(self, x):
+        h = self.ln(self.bn(self.fc1(x.bfloat16()).float()))
+        return self.head(h.bfloat16()).float()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_with_batchnorm_and_mixed_dtypes_resumes_exactly(single_rank_group, tmp_path,
+                                                                 stage):
+    """BatchNorm's num_batches_tracked is a 0-d buffer: every checkpoint of a model with a
+    BatchNorm used to be refused at load as damaged ("tensor buffer/bn.num_batches_tracked has
+    shape [], where ... places 1 elements"). A bf16 model with fp32 norms, saved mid-run and
+    loaded into a fresh one, goes on bitwise as the run that never stopped (buffers included)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _BF16WithFP32Norms()
+        if stage == 3:
+            return zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2,
+                                      weight_decay=0.1)
+        return model, zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                            lr=1e-2, weight_decay=0.1, bucket_bytes=1024)
+
+    def run(resume):
+        model, opt = build(0)
+        gen = torch.Generator().manual_seed(0)
+        for k in range(6):
+            if k == 3 and resume:
+                zero_py.save_checkpoint(tmp_path / "ck", model, opt)
+                model, opt = build(1)
+                zero_py.load_checkpoint(tmp_path / "ck", model, opt)
+            x, y = models.mlp_batch(gen)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref, got = run(False), run(True)
+    assert got["bn.num_batches_tracked"] == 6 and ref.keys() == got.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+
+
+
+def test_a_checkpoint_loads_into_a_model_of_another_dtype(single_rank_group, tmp_path):
+    """A bf16 run's checkpoint loaded into an fp32 model gives it the fp32 masters (not the
+    bf16 values); an fp32 run's checkpoint loaded into a bf16 model rounds the parameters to
+    nearest even and keeps their fp32 values as the masters. Either way the next step is the
+    one the fp32 values give (README: Checkpoints)."""
+    def trained(dtype):
+        torch.manual_seed(0)
+        model = models.MLP().to(dtype)
+        opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        x, y = models.mlp_batch(torch.Generator().manual_seed(0))
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+    for saved, loaded in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        model, opt = trained(saved)
+        zero_py.save_checkpoint(tmp_path / str(saved), model, opt)
+        fp32 = ([opt.consolidate_state_dict()["state"][i]["master_param"]
+                 for i in range(len(opt.param_groups[0]["params"]))]
+                if saved == torch.bfloat16 else [p.detach().clone() for p in model.parameters()])
+        torch.manual_seed(1)
+        other = models.MLP().to(loaded)
+        oopt = zero_py.ZeroOptimizer(other.parameters(), torch.optim.AdamW, lr=1e-2)
+        zero_py.load_checkpoint(tmp_path / str(saved), other, oopt)
+        for p, want in zip(other.parameters(), fp32):
+            assert p.dtype == loaded and torch.equal(p.detach(), want.to(loaded)), saved
+        if loaded == torch.bfloat16:
+            masters = oopt.consolidate_state_dict()["state"]
+            assert all(torch.equal(masters[i]["master_param"], w) for i, w in enumerate(fp32))
+
+
 # -- what a save refuses before writing anything, in one process ------------------------------
 
 

@@ -10,6 +10,7 @@ keywords conflicting with the config are errors, and that the schedules and the 
 policy follow DeepSpeed's definitions (re-derived here from its documentation).
 """
 
+import copy
 import json
 import math
 import warnings
@@ -396,6 +397,55 @@ def test_loss_scaler_follows_deepspeeds_policy(hysteresis, consecutive):
     again = HysteresisLossScaler()
     again.load_state_dict(scaler.state_dict())
     assert again.state_dict() == scaler.state_dict()
+
+
+def test_hysteresis_survives_the_optimizers_state_dict(single_rank_group):
+    """An fp16 run under DeepSpeed's policy, resumed through optimizer.state_dict() and
+    through consolidate_state_dict(): an overflow before the save spends one unit of
+    hysteresis, so the overflow right after the load backs the scale off, as in the run that
+    never stopped. load_state_dict used to keep only the base LossScaler's keys: the hysteresis
+    came back full, that overflow left the scale at 1024 where the run halved it to 512, and
+    every later step differed. A bad hysteresis entry is refused and changes nothing."""
+    def build():
+        torch.manual_seed(0)
+        model = models.MLP().half()
+        return model, zero_py.ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=1e-2,
+            loss_scaler=HysteresisLossScaler(2.0**10, scale_window=3, hysteresis=2))
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.mlp_batch(gen) for _ in range(6)]
+    for k in (1, 3):  # overflows before the save (1) and at the first step after it (3)
+        batches[k][0][0, 0] = float("inf")
+
+    def train(model, opt, bs):
+        for x, y in bs:
+            opt.scale_loss(torch.nn.functional.mse_loss(model(x.half()).float(), y)).backward()
+            opt.step()
+            opt.zero_grad()
+            scales.append((opt.loss_scale, opt.last_step_skipped))
+    scales = []
+    ref, ref_opt = build()
+    train(ref, ref_opt, batches)
+    want = scales
+    assert want[3] == (512.0, True)
+    for full in (False, True):
+        scales = []
+        model, opt = build()
+        train(model, opt, batches[:3])
+        saved = copy.deepcopy((model.state_dict(), opt.consolidate_state_dict() if full
+                               else opt.state_dict()))
+        model, opt = build()
+        model.load_state_dict(saved[0])
+        bad = copy.deepcopy(saved[1])
+        bad["loss_scaler"]["hysteresis_left"] = -1
+        with pytest.raises(ValueError, match="'hysteresis_left' must be an int >= 1"):
+            opt.load_state_dict(bad)
+        assert opt.loss_scaler.state_dict() == HysteresisLossScaler(
+            2.0**10, scale_window=3, hysteresis=2).state_dict()
+        opt.load_state_dict(saved[1])
+        train(model, opt, batches[3:])
+        assert scales == want, full
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
 # -- training parity: initialize(config=...) against the explicit call ----------------------

@@ -105,6 +105,14 @@ def test_bad_precision_options(single_rank_group, kwargs, exc, match):
         zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_stochastic_rounding_without_bf16_parameters_is_refused(single_rank_group, dtype):
+    """It used to be taken and do nothing: an fp16 model trained bitwise as with round to
+    nearest even."""
+    with pytest.raises(ValueError, match="rounds bf16 parameters.*has none"):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).to(dtype).parameters(), stochastic_rounding=True)
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(init_scale=0.0), "init_scale"),
                                           (dict(growth_factor=1.0), "growth_factor"),
                                           (dict(backoff_factor=1.5), "backoff_factor"),

@@ -27,7 +27,6 @@ from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
-from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import without_buffer
 
 
@@ -114,7 +113,7 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
                               "with loss_scaler=zero_py.LossScaler() to resume it")
     if man["loss_scaler"] is not None:  # checked here: the commit must not fail halfway
         try:
-            LossScaler.check_state(plain.decode(man["loss_scaler"]))
+            opt.loss_scaler.check_state(plain.decode(man["loss_scaler"]))
         except ValueError as exc:
             raise CheckpointError(f"{ck.path}: {MANIFEST}'s loss_scaler: {exc}") from None
     return new_groups, keys

@@ -14,14 +14,14 @@ one line naming the file and the field.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import ST_DTYPES
 
-# (element count, safetensors dtype it must have or None for any, the manifest field that
-# places it)
-_Expected = Tuple[int, Optional[str], str]
+# (shape it must have (a piece: [element count]; -1: any), safetensors dtype it must have or
+# None for any, the manifest field that places it)
+_Expected = Tuple[Union[List[int], int], Optional[str], str]
 _ST_NAME = {v: k for k, v in ST_DTYPES.items()}
 _LAYOUT_PREFIXES = ("param/", "master/", "state/", "buffer/")
 
@@ -153,8 +153,8 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
                 and _known_dtype(entry.get("dtype"))):
             bad(field, f"is {entry!r}, not {{'shape': [sizes], 'dtype': name}}")
         elif files:
-            expected[files[0]][f"buffer/{name}"] = (
-                _numel(entry["shape"]), _ST_NAME[plain.dtype_of(entry["dtype"])], field)
+            expected[files[0]][f"buffer/{name}"] = (  # a buffer keeps its shape (0-d too)
+                list(entry["shape"]), _ST_NAME[plain.dtype_of(entry["dtype"])], field)
 
     aliases = manifest.get("aliases", {})
     if not isinstance(aliases, dict):
@@ -214,9 +214,11 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
                 problems.append(f"{fpath} lacks tensor {key}, which {mpath}'s {field} places "
                                 "there")
             elif _tensor_problem(entry, data) is None:
-                if n >= 0 and entry["shape"] != [n]:
+                shape = n if isinstance(n, list) else [n]
+                if n != -1 and entry["shape"] != shape:
+                    placed = f"shape {shape}" if isinstance(n, list) else f"{n} elements"
                     problems.append(f"{fpath}: tensor {key} has shape {entry['shape']}, where "
-                                    f"{mpath}'s {field} places {n} elements")
+                                    f"{mpath}'s {field} places {placed}")
                 elif st_dtype is not None and entry["dtype"] != st_dtype:
                     said = plain.dtype_name(ST_DTYPES[st_dtype])
                     problems.append(f"{fpath}: tensor {key} is {entry['dtype']}, where "

@@ -52,6 +52,25 @@ class HysteresisLossScaler(LossScaler):
                 "consecutive_hysteresis": self.consecutive_hysteresis,
                 "hysteresis_left": self.hysteresis_left, "clean_steps": self.clean_steps}
 
+    @staticmethod
+    def check_state(state) -> dict:
+        """LossScaler.check_state, with the hysteresis entries where `state` has them (a plain
+        LossScaler's state has none: they start afresh). Changes nothing."""
+        out = LossScaler.check_state(state)
+        for key in ("hysteresis", "hysteresis_left", "clean_steps"):
+            if key in state:
+                value, least = state[key], 0 if key == "clean_steps" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"the LossScaler state's {key!r} must be an int >= {least}, "
+                                     f"got {value!r}")
+                out[key] = value
+        if "consecutive_hysteresis" in state:
+            if not isinstance(state["consecutive_hysteresis"], bool):
+                raise ValueError("the LossScaler state's 'consecutive_hysteresis' must be a "
+                                 f"bool, got {state['consecutive_hysteresis']!r}")
+            out["consecutive_hysteresis"] = state["consecutive_hysteresis"]
+        return out
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.hysteresis = int(state.get("hysteresis", self.hysteresis))

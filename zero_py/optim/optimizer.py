@@ -185,6 +185,13 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             if kind is None and stochastic_rounding:
                 raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
                                  f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+            dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+            if stochastic_rounding and torch.bfloat16 not in dtypes:
+                # it would change nothing: fp16 parameters round to nearest even
+                raise ValueError("stochastic_rounding rounds bf16 parameters from their fp32 "
+                                 "masters, and this optimizer has none (its parameters are "
+                                 f"{sorted(str(d) for d in dtypes)}): cast the model to "
+                                 "torch.bfloat16, or drop stochastic_rounding")
             if kind is None and offload_optimizer == "nvme":
                 raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
                                  "Adam, SGD, Adagrad, zero_py.Lion), not "

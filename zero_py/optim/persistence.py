@@ -205,6 +205,9 @@ class StateDicts:
         full = sd_util.merge_shards(gathered, shapes)
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
         full["loss_scaler"] = self._scaler_state()
+        # where the stochastic-rounding stream stands (the shard dicts carry it as their seed):
+        # a run loaded from this dict rounds its next update as the uninterrupted run would
+        full["rounding_steps"] = self._sr_seed - self._rounding_seed_base()
         return self._run_post_hooks(full)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -249,6 +252,8 @@ class StateDicts:
         self._set_hyperparameters(groups)
         if shard:
             self._sr_seed = int(state_dict["zero_py"].get("rounding_seed", self._sr_seed))
+        elif state_dict.get("rounding_steps") is not None:
+            self._sr_seed = self._rounding_seed_base() + int(state_dict["rounding_steps"])
         if scaler is not None:
             self.loss_scaler.load_state_dict(scaler)
         self._step_count = [0] * len(self._step_count)
@@ -281,6 +286,9 @@ class StateDicts:
             seed = meta.get("rounding_seed")
             entries.append(("updates applied before the save",
                             None if seed is None else int(seed) - base))
+        else:
+            entries.append(("updates applied before the save",
+                            state_dict.get("rounding_steps")))
         return entries
 
     def _check_hyperparameters(self, saved_groups: List[dict]) -> List[dict]:

@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py import kernels
-from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import BUFFER
 
 FORMAT_VERSION = 1
@@ -253,7 +252,8 @@ def check_loadable(opt, state_dict: dict):
                 f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
                 f"another layout than rank {opt.executor.rank} of "
                 f"{opt.executor.world_size} here; save with consolidate_state_dict() and "
-                "load the full dict to change world size or bucket settings")
+                "load the full dict to change world size, bucket settings or parameter "
+                "dtypes (a bf16 model and an fp32 one have other layouts)")
     else:
         check_optimizer_class(state_dict["param_groups"], opt.defaults, name)
     groups = opt._check_hyperparameters(state_dict["param_groups"])
@@ -283,7 +283,18 @@ def check_loadable(opt, state_dict: dict):
                               opt._managed_of[index]]] is not None,
                           optional=[BUFFER] if opt._kind == kernels.OPT_SGD else ())
         saved_state[index] = st
+    steps = state_dict.get("rounding_steps")
+    if not shard and steps is not None and not (isinstance(steps, int)
+                                                and not isinstance(steps, bool) and steps >= 0):
+        raise ValueError(f"zero_py: the state dict's 'rounding_steps' (updates applied before "
+                         f"consolidate_state_dict) must be an int >= 0, got {steps!r}")
+    if state_dict.get("loss_scaler") and opt.loss_scaler is None:
+        raise ValueError("zero_py: this state dict was saved with a loss scaler, this optimizer "
+                         "has none (its scale and growth state would be dropped): build the "
+                         "optimizer with loss_scaler=zero_py.LossScaler() to resume it, or drop "
+                         "the dict's 'loss_scaler' entry to train without one")
     scaler = None
     if opt.loss_scaler is not None and state_dict.get("loss_scaler"):
-        scaler = LossScaler.check_state(state_dict["loss_scaler"])
+        # the scaler's own check: a subclass's state (HysteresisLossScaler's) is kept whole
+        scaler = opt.loss_scaler.check_state(state_dict["loss_scaler"])
     return groups, shard, saved_state, scaler
