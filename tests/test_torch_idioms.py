@@ -6,7 +6,9 @@ as this rank's slices, the state-dict hooks, hyperparameters changed after const
 SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay; the
 record that a parameter has no momentum buffer yet kept through add_param_group, checkpoints
 and state dicts), and module buffers (BatchNorm running statistics) broadcast at construction
-and, with broadcast_buffers=True, before forwards as DDP does.
+and, with broadcast_buffers=True, before forwards as DDP does; torch.optim.swa_utils
+(AveragedModel as SWA and EMA, SWALR, update_bn, the averaged copy run by one rank alone), the
+step hooks, and deepcopy/pickle of the optimizer refused.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
 import distributed
 import models
@@ -491,6 +493,47 @@ def averaged_model_and_step_hooks(rank, stage):
     return out
 
 
+def averaged_batchnorm(rank, stage):
+    """AveragedModel of a BatchNorm model under broadcast_buffers=True, swa_utils.update_bn on
+    the copy, and the copy run by rank 0 alone, with gradients (evaluating or fine-tuning the
+    averaged model on one rank): the copy keeps the model's hooks (stage 3's gathers, the
+    buffer broadcast), which must leave it alone; training goes on as DDP's after."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    ref = make()
+    zmodel, zopt = _zero(make(), stage, broadcast_buffers=True)
+    ddp = DDP(ref, broadcast_buffers=True)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    inside = zero_py.gathered if stage == 3 else (lambda m: contextlib.nullcontext())
+    gen = torch.Generator().manual_seed(rank)
+    ref_avg = AveragedModel(ref)
+    with inside(zmodel):
+        z_avg = AveragedModel(zmodel)
+    worst = 0.0
+    for k in range(3):
+        _step_both(((ddp, ref_opt), (zmodel, zopt)), models.mlp_batch(gen))
+        ref_avg.update_parameters(ref)
+        with inside(zmodel):
+            z_avg.update_parameters(zmodel)
+        if k == 1:
+            loader = [models.mlp_batch(torch.Generator().manual_seed(9 + i))[0]
+                      for i in range(2)]
+            update_bn(loader, ref_avg)
+            update_bn(loader, z_avg)
+            worst = max(worst, models.max_rel_diff(z_avg.module[1].running_var,
+                                                   ref_avg.module[1].running_var))
+            if rank == 0:
+                for avg in (ref_avg, z_avg):
+                    avg(loader[0]).square().mean().backward()
+                worst = max(worst, _rel(z_avg.module, ref_avg.module),
+                            *(models.max_rel_diff(a.grad, b.grad) for a, b in
+                              zip(z_avg.parameters(), ref_avg.parameters())))
+    with inside(zmodel):
+        worst = max(worst, _rel(zmodel, ref), _rel(z_avg.module, ref_avg.module))
+    return {"rel": worst}
+
+
 def _all(rank, world_size, tmp):
     out = {}
     for how, stage, mixed in MOMENTUM_RECORD:
@@ -515,6 +558,7 @@ def _all(rank, world_size, tmp):
         out[("add_group", stage)] = add_param_group(rank, stage)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
+        out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
         out[("state", stage)] = state_view_and_hooks(rank, stage)
         for case in CHANGES:
             out[("changed", stage, case)] = changed_hyperparameters(rank, stage, case)

@@ -493,12 +493,17 @@ class _BufferSync:
         model.register_forward_pre_hook(self._pre_forward, prepend=True)
         model.register_forward_hook(self._post_forward)
 
+    def __deepcopy__(self, memo):
+        # a copy of the model keeps these hooks, bound to this object: they skip the copy
+        return self
+
     def _pre_forward(self, module, args) -> None:
-        if self.pending:
+        if self.pending and module is self.model:
             _broadcast_buffers(self.model, self.opt.executor)
 
     def _post_forward(self, module, args, output) -> None:
-        self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
+        if module is self.model:
+            self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
 
 
 def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
