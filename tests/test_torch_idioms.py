@@ -495,9 +495,10 @@ def averaged_model_and_step_hooks(rank, stage):
 
 def averaged_batchnorm(rank, stage):
     """AveragedModel of a BatchNorm model under broadcast_buffers=True, swa_utils.update_bn on
-    the copy, and the copy run by rank 0 alone, with gradients (evaluating or fine-tuning the
-    averaged model on one rank): the copy keeps the model's hooks (stage 3's gathers, the
-    buffer broadcast), which must leave it alone; training goes on as DDP's after."""
+    the copy, and the copy run, saved and loaded by rank 0 alone, with gradients (evaluating or
+    fine-tuning the averaged model on one rank): the copy keeps the model's hooks (stage 3's
+    gathers and state-dict hooks, the buffer broadcast), which must leave it alone; training
+    goes on as DDP's after."""
     def make():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
@@ -529,6 +530,11 @@ def averaged_batchnorm(rank, stage):
                 worst = max(worst, _rel(z_avg.module, ref_avg.module),
                             *(models.max_rel_diff(a.grad, b.grad) for a, b in
                               zip(z_avg.parameters(), ref_avg.parameters())))
+                # its state dict, saved and loaded by this rank alone, is its own
+                z_avg.module.load_state_dict(ref_avg.module.state_dict())
+                saved = z_avg.module.state_dict()
+                worst = max(worst, *(models.max_rel_diff(saved[k].float(), v.float())
+                                     for k, v in ref_avg.module.state_dict().items()))
     with inside(zmodel):
         worst = max(worst, _rel(zmodel, ref), _rel(z_avg.module, ref_avg.module))
     return {"rel": worst}
