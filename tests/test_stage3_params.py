@@ -79,8 +79,8 @@ def touch(rank, world_size):
     # a parameter between uses is exactly its slice of the full value
     ok = True
     for n, p in model.named_parameters():
-        s = model._zero_py._engine.flat.slice_of_param.get(
-            model._zero_py._engine.flat.index_of(p))
+        s = model._zero_py.optimizer._engine.flat.slice_of_param.get(
+            model._zero_py.optimizer._engine.flat.index_of(p))
         want = full[n].reshape(-1)[s.param_lo:s.param_hi] if s is not None else full[n][:0]
         ok = ok and torch.equal(p.detach().reshape(-1), want.reshape(-1))
         ok = ok and tuple(zero_py.full_shape(p)) == tuple(full[n].shape)

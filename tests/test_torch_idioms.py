@@ -6,7 +6,9 @@ as this rank's slices, the state-dict hooks, hyperparameters changed after const
 SGD's momentum switched on, by OneCycleLR or by hand; Adam's decoupled_weight_decay; the
 record that a parameter has no momentum buffer yet kept through add_param_group, checkpoints
 and state dicts), and module buffers (BatchNorm running statistics) broadcast at construction
-and, with broadcast_buffers=True, before forwards as DDP does.
+and, with broadcast_buffers=True, before forwards as DDP does; torch.optim.swa_utils
+(AveragedModel as SWA and EMA, SWALR, update_bn, the averaged copy run by one rank alone), the
+step hooks, and deepcopy/pickle of the optimizer refused.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -16,10 +18,13 @@ import contextlib
 import copy
 import inspect
 import os
+import pickle
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
 import distributed
 import models
@@ -423,6 +428,118 @@ def clip_then_backward(rank, stage, clip_again, via_torch=False):
     return {"rel": worst, "norms": norms}
 
 
+def averaged_model_and_step_hooks(rank, stage):
+    """torch.optim.swa_utils over a zero_py model (AveragedModel as SWA and as an EMA of
+    parameters and buffers, SWALR on the ZeroOptimizer; under stage 3 copied and updated inside
+    zero_py.gathered) and the optimizer's step hooks (a pre-hook that sets lr takes effect in
+    that step), against the same on DDP + AdamW. A copy of the model is a plain model (a new
+    optimizer may take it); the optimizer itself is refused by deepcopy and pickle."""
+    out = {}
+    for kind, kw in (("swa", {}), ("ema", {"multi_avg_fn": get_ema_multi_avg_fn(0.8),
+                                          "use_buffers": True})):
+        ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
+        if stage == 3:  # a plain copy would be of this rank's slices: refused on every rank
+            try:
+                AveragedModel(zmodel, **kw)
+                out["plain_copy"] = "no error"
+            except RuntimeError as exc:
+                out["plain_copy"] = str(exc)
+        inside = zero_py.gathered if stage == 3 else (lambda m: contextlib.nullcontext())
+        ref_avg = AveragedModel(ref, **kw)
+        with inside(zmodel):
+            z_avg = AveragedModel(zmodel, **kw)
+        sched = [SWALR(o, swa_lr=0.05, anneal_epochs=2) for o in (ref_opt, zopt)]
+        for _ in range(3):
+            _step_both(((ddp, ref_opt), (zmodel, zopt)), models.mlp_batch(gen))
+            ref_avg.update_parameters(ref)
+            with inside(zmodel):
+                z_avg.update_parameters(zmodel)
+            for s in sched:
+                s.step()
+        with inside(zmodel):
+            out[kind] = max(_rel(z_avg.module, ref_avg.module), _rel(zmodel, ref))
+    out["lr"] = zopt.param_groups[0]["lr"]
+    if stage < 3:  # the copy is a plain model that a new optimizer may take
+        zero_py.initialize(copy.deepcopy(zmodel), torch.optim.SGD, stage=stage, lr=0.1)
+    out["copy_refused"] = []
+    for copier in (copy.deepcopy, pickle.dumps):
+        try:
+            copier(zopt)
+            out["copy_refused"].append("no error")
+        except TypeError as exc:
+            out["copy_refused"].append(str(exc))
+
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
+    calls = []
+
+    def pre(opt, args, kwargs):
+        calls.append(("pre", type(opt).__name__, len(args), opt.param_groups[0]["lr"]))
+        for g in opt.param_groups:
+            g["lr"] = 0.05
+
+    for o in (ref_opt, zopt):
+        o.register_step_pre_hook(pre)
+        o.register_step_post_hook(lambda opt, args, kwargs: calls.append(
+            ("post", type(opt).__name__, len(args))))
+    hooks = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append(
+        ("global", type(opt).__name__)))]
+    for _ in range(2):
+        _step_both(((ddp, ref_opt), (zmodel, zopt)), models.mlp_batch(gen))
+    hooks[0].remove()
+    out["calls"] = [c for c in calls if c[1] != "AdamW"]
+    out["ref_calls"] = [c for c in calls if c[1] == "AdamW"]
+    with inside(zmodel):
+        out["rel"] = max(_rel(zmodel, ref), out["swa"], out["ema"])
+    return out
+
+
+def averaged_batchnorm(rank, stage):
+    """AveragedModel of a BatchNorm model under broadcast_buffers=True, swa_utils.update_bn on
+    the copy, and the copy run, saved and loaded by rank 0 alone, with gradients (evaluating or
+    fine-tuning the averaged model on one rank): the copy keeps the model's hooks (stage 3's
+    gathers and state-dict hooks, the buffer broadcast), which must leave it alone; training
+    goes on as DDP's after."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    ref = make()
+    zmodel, zopt = _zero(make(), stage, broadcast_buffers=True)
+    ddp = DDP(ref, broadcast_buffers=True)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    inside = zero_py.gathered if stage == 3 else (lambda m: contextlib.nullcontext())
+    gen = torch.Generator().manual_seed(rank)
+    ref_avg = AveragedModel(ref)
+    with inside(zmodel):
+        z_avg = AveragedModel(zmodel)
+    worst = 0.0
+    for k in range(3):
+        _step_both(((ddp, ref_opt), (zmodel, zopt)), models.mlp_batch(gen))
+        ref_avg.update_parameters(ref)
+        with inside(zmodel):
+            z_avg.update_parameters(zmodel)
+        if k == 1:
+            loader = [models.mlp_batch(torch.Generator().manual_seed(9 + i))[0]
+                      for i in range(2)]
+            update_bn(loader, ref_avg)
+            update_bn(loader, z_avg)
+            worst = max(worst, models.max_rel_diff(z_avg.module[1].running_var,
+                                                   ref_avg.module[1].running_var))
+            if rank == 0:
+                for avg in (ref_avg, z_avg):
+                    avg(loader[0]).square().mean().backward()
+                worst = max(worst, _rel(z_avg.module, ref_avg.module),
+                            *(models.max_rel_diff(a.grad, b.grad) for a, b in
+                              zip(z_avg.parameters(), ref_avg.parameters())))
+                # its state dict, saved and loaded by this rank alone, is its own
+                z_avg.module.load_state_dict(ref_avg.module.state_dict())
+                saved = z_avg.module.state_dict()
+                worst = max(worst, *(models.max_rel_diff(saved[k].float(), v.float())
+                                     for k, v in ref_avg.module.state_dict().items()))
+    with inside(zmodel):
+        worst = max(worst, _rel(zmodel, ref), _rel(z_avg.module, ref_avg.module))
+    return {"rel": worst}
+
+
 def _all(rank, world_size, tmp):
     out = {}
     for how, stage, mixed in MOMENTUM_RECORD:
@@ -446,6 +563,8 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2):
         out[("add_group", stage)] = add_param_group(rank, stage)
     for stage in (1, 2, 3):
+        out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
+        out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
         out[("state", stage)] = state_view_and_hooks(rank, stage)
         for case in CHANGES:
             out[("changed", stage, case)] = changed_hyperparameters(rank, stage, case)
@@ -480,6 +599,19 @@ def test_torch_idioms_match_ddp(tmp_path):
             assert st["note"] == "post"
             assert st["full_note"] == ("post" if rank == 0 else None)
             assert st["calls"] == ["pre", ("load-pre", "post"), "load-post", "pre"]
+            av = res[("averaged", stage)]
+            assert av["lr"] == 0.05  # SWALR annealed to swa_lr
+            for error in av["copy_refused"]:
+                assert "ZeroOptimizer cannot be copied or pickled" in error, error
+            # each step hook once per step, the pre-hook's lr used in that step (rel above)
+            assert av["calls"] == [("global", "ZeroOptimizer"), ("pre", "ZeroOptimizer", 1, 1e-2),
+                                   ("post", "ZeroOptimizer", 1),
+                                   ("global", "ZeroOptimizer"), ("pre", "ZeroOptimizer", 1, 0.05),
+                                   ("post", "ZeroOptimizer", 1)]
+            assert [c[0] for c in av["ref_calls"]] == [c[0] for c in av["calls"]]
+            if stage == 3:
+                assert "copy.deepcopy would copy parameter 'fc1.weight'" in av["plain_copy"]
+                assert "with zero_py.gathered(model):" in av["plain_copy"]
     # every rank holds its own slices, and together the ranks hold every element once
     for stage in (1, 2, 3):
         total = sum(p.numel() for p in models.MLP().parameters())

@@ -129,7 +129,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     the config sets otherwise is an error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize takes an nn.Module, got {type(model).__name__}")
-    if getattr(model, "_zero_py", None) is not None:
+    if compat.manager_of(model) is not None:
         raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
                          "once per model and keep the (model, optimizer) it returned")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -161,7 +161,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                             hybrid=hybrid, _param_names=names,
                             _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
-        model._zero_py = opt
+        model._zero_py = compat.ModelManager(opt)
         opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
         return model, opt
     if stage != 3:
@@ -333,7 +333,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     # counts the full parameters instead (its own code, numel() being the full count inside)
     if callable(getattr(type(model), "num_parameters", None)):
         model.num_parameters = _FullNumParameters(model)
-    model._zero_py = opt
+    model._zero_py = compat.ModelManager(opt)
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
 
@@ -493,12 +493,17 @@ class _BufferSync:
         model.register_forward_pre_hook(self._pre_forward, prepend=True)
         model.register_forward_hook(self._post_forward)
 
+    def __deepcopy__(self, memo):
+        # a copy of the model keeps these hooks, bound to this object: they skip the copy
+        return self
+
     def _pre_forward(self, module, args) -> None:
-        if self.pending:
+        if self.pending and module is self.model:
             _broadcast_buffers(self.model, self.opt.executor)
 
     def _post_forward(self, module, args, output) -> None:
-        self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
+        if module is self.model:
+            self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
 
 
 def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
@@ -512,7 +517,7 @@ def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) ->
 
 def _managed_by(model_or_params) -> Tuple[Optional[ZeroOptimizer], Optional[Set[int]]]:
     if isinstance(model_or_params, nn.Module):
-        opt = getattr(model_or_params, "_zero_py", None)
+        opt = compat.manager_of(model_or_params)
         return opt, {id(p) for p in model_or_params.parameters()}
     return None, {id(p) for p in model_or_params}
 
@@ -562,7 +567,7 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
     calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
     call it alone; see zero_py/stage3/state_dict.py)."""
-    opt = getattr(model, "_zero_py", None)
+    opt = compat.manager_of(model)
     if opt is None:
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")
     engine = _engine(opt)

@@ -63,6 +63,31 @@ def owner_of(p: torch.Tensor):
     return entry[1]()
 
 
+class ModelManager:
+    """model._zero_py, set by zero_py.initialize: the optimizer that manages the model. A copy
+    of the model (copy.deepcopy: torch.optim.swa_utils.AveragedModel, an EMA teacher) or a
+    pickle of it (torch.save(model)) is an ordinary model whose parameters no optimizer
+    manages, so the reference follows neither: the copy's _zero_py is None (a deep copy of
+    the optimizer itself was a broken half, and made initialize(copy) say "already
+    managed")."""
+
+    __slots__ = ("optimizer",)
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+def manager_of(model):
+    """The ZeroOptimizer that zero_py.initialize gave `model`, or None."""
+    return getattr(getattr(model, "_zero_py", None), "optimizer", None)
+
+
 def check_unowned(params, name_of, mine=None) -> None:
     """Raises ValueError if a live ZeroOptimizer (other than `mine`) already manages one of
     `params`; changes nothing."""

@@ -423,6 +423,19 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                                  "load state with load_state_dict()")
         # torch.optim.Optimizer.__init__ assigns its own dict: the view replaces it
 
+    def __getstate__(self):
+        # copy.deepcopy and pickle both come here. torch.optim's own __getstate__ keeps only
+        # defaults, state and param_groups: the copy had no shard, buffers, reducer or group
+        # and failed at its first step() with "no attribute '_flat'" (pickle: a raw weakref
+        # error).
+        raise TypeError(
+            "a ZeroOptimizer cannot be copied or pickled (copy.deepcopy, pickle, "
+            "torch.save(optimizer)): it holds this rank's shard, flat buffers that the "
+            "model's parameters view, and its process group. Save its state with "
+            "optimizer.state_dict() (this rank's shard), consolidate_state_dict(to=0) (the "
+            "full torch.optim dict) or zero_py.save_checkpoint; for a second optimizer, build "
+            "a new ZeroOptimizer over the copy's parameters and load_state_dict() into it.")
+
     def owned_range(self, p: torch.Tensor) -> Optional[Tuple[int, int]]:
         """The elements [lo, hi) of flattened parameter p whose state this rank keeps (what
         state[p] holds), or None where it keeps none."""

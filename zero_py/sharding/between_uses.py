@@ -28,6 +28,9 @@ An in-place write into such a parameter (`p.mul_(0.9)`, `p[0] = 1`, `nn.init.nor
 optimizer's master, and be lost at the next step. Writes go through zero_py.gathered(model,
 modifier_rank=0) or load_state_dict (whose hooks let their own copies through: writes_allowed).
 
+copy.deepcopy of such a parameter (of the model: AveragedModel, an EMA teacher) is refused,
+naming it: the copy would be a model of slices. Copy inside zero_py.gathered(model).
+
 full_numel(): inside the block, numel() of such a parameter is its full count (the model's
 num_parameters() under stage 3; see zero_py.api). Nothing else changes what torch returns.
 """
@@ -79,14 +82,10 @@ class BetweenUses(nn.Parameter):
         return out
 
     def __deepcopy__(self, memo):
-        # a copy is an ordinary parameter (of this rank's slice), not managed by zero_py
-        if id(self) in memo:
-            return memo[id(self)]
-        with DisableTorchFunctionSubclass():
-            result = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
-                                  self.requires_grad)
-        memo[id(self)] = result
-        return result
+        # A copy of the slice would be a model of 1-D pieces (empty on some ranks) that no
+        # forward takes and whose state_dict is this rank's piece: AveragedModel(model), an EMA
+        # teacher or a snapshot would average or save slices without a word.
+        raise RuntimeError(_copy_refusal(self))
 
 
 @contextlib.contextmanager
@@ -169,6 +168,17 @@ def _write_refusal(p: torch.Tensor, func) -> str:
         "modifier_rank=0):` (rank 0's edit is broadcast and reaches the optimizer's masters), "
         "load them with model.load_state_dict(sd) on every rank, or initialize the weights "
         "before zero_py.initialize.")
+
+
+def _copy_refusal(p: torch.Tensor) -> str:
+    return (
+        f"zero_py stage 3: copy.deepcopy would copy parameter {describe(p)} between the uses "
+        f"of its unit, where it is {_slice_words(p)}: the copy would hold this rank's piece, "
+        "not the model (no forward takes it, and its state_dict is a slice). Copy the model "
+        "inside `with zero_py.gathered(model):` (e.g. `swa_model = "
+        "torch.optim.swa_utils.AveragedModel(model)` or an EMA teacher), and read it there "
+        "too (`with zero_py.gathered(model): swa_model.update_parameters(model)`); for the "
+        "values alone, model.state_dict() is full.")
 
 
 def _has_history(out) -> bool:

@@ -208,7 +208,8 @@ class Stage3Engine:
         # that raised (on every rank alike: a bad batch, out of memory) ends its phase at once,
         # freeing the units it gathered, instead of holding them until the next forward
         self._hooks.append(units[0][1].register_forward_hook(
-            _not_traced(lambda module, args, output: self._forward_ended()), always_call=True))
+            _not_traced(lambda module, args, output: self._forward_ended()
+                        if module is units[0][1] else None), always_call=True))
 
     @property
     def persistent_unit(self) -> int:
@@ -297,14 +298,21 @@ class Stage3Engine:
     # The hooks swap each parameter between its 1-D shard slice and its full view: dynamo must
     # not trace them (its graphs do not guard against the swap, and torch.compile(model) then
     # fails in inductor's size asserts), so they run eagerly between the compiled parts.
+    # A deep copy of the model (made inside gathered(): AveragedModel, an EMA teacher) keeps
+    # these hooks, the same functions: on the copy, whose parameters are plain, they do nothing
+    # (they would gather this model's unit, collectively where a rank may run the copy alone).
     def _make_pre_forward(self, u: int):
+        unit = self.units[u][1]
+
         def hook(module, args, kwargs):
-            return self._pre_forward(u, args, kwargs)
+            return self._pre_forward(u, args, kwargs) if module is unit else None
         return _not_traced(hook)
 
     def _make_post_forward(self, u: int):
+        unit = self.units[u][1]
+
         def hook(module, args, output):
-            return self._post_forward(u, output)
+            return self._post_forward(u, output) if module is unit else None
         return _not_traced(hook)
 
     def _pre_forward(self, u: int, args, kwargs):

@@ -153,16 +153,22 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
         names.setdefault(id(m), "model.state_dict()" if m is model else
                          f"model.{name}.state_dict()")
 
+    # a deep copy of the model (inside gathered(): AveragedModel, an EMA teacher) keeps these
+    # hooks: on the copy, a plain model, they do nothing (a load there announced a collective
+    # load of this model, and one rank loading its copy alone aborted gloo)
+    hooked = set()
+
     def before_save(module, prefix, keep_vars):
-        saves.enter(module, prefix)
+        if id(module) in hooked:
+            saves.enter(module, prefix)
 
     def on_save(module, sd, prefix, local_metadata):
-        if saves.leave(module, prefix) and not engine.raw:
+        if id(module) in hooked and saves.leave(module, prefix) and not engine.raw:
             what = names.get(id(module), "a submodule's state_dict()")
             _collect(module, engine, sd, prefix, None, to_cpu=False, what=what)
 
     def before_load(module, sd, prefix, local_metadata, strict, missing, unexpected, errors):
-        if not loads.enter(module, prefix):
+        if id(module) not in hooked or not loads.enter(module, prefix):
             return  # inside the load of a module above, which did this module's part
         try:
             _before_load(module, sd, prefix)
@@ -239,6 +245,7 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
     for module in model.modules():
         if not any(id(p) in managed for p in module.parameters()):
             continue  # nothing sharded below: torch's own state dict is right
+        hooked.add(id(module))
         module.register_state_dict_pre_hook(before_save)
         module._register_state_dict_hook(on_save)
         module._register_load_state_dict_pre_hook(before_load, with_module=True)

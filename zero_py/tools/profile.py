@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from zero_py.optim.compat import manager_of
+
 __all__ = ["LABELS", "Profile", "profile"]
 
 # label -> what it covers
@@ -77,7 +79,7 @@ class Profile:
 def _optimizers(targets) -> List[object]:
     out = []
     for t in targets:
-        opt = getattr(t, "_zero_py", None) if isinstance(t, torch.nn.Module) else t
+        opt = manager_of(t) if isinstance(t, torch.nn.Module) else t
         if opt is None or not hasattr(opt, "_reducer"):
             raise TypeError(f"zero_py.profile takes models given to zero_py.initialize or "
                             f"ZeroOptimizers, got {type(t).__name__}")
