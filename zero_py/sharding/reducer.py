@@ -25,11 +25,12 @@ gradient under DDP.
 Ranks must run the same number of reduced backward passes per step (stages 2 and 3: each pass
 is a sequence of collectives, and an extra one on one rank would pair with other collectives on
 the others). Every pass and every step therefore begins with a small all-reduce of each rank's
-(what, step, pass) (_Count): the first collective of a pass or step, so it always meets its
-peers' own, and a mismatch raises on every rank naming each rank's count, before the
-mismatched collectives are waited for. Stage 3 waits for it at once (its backward gathers are
-collective: a rank must not start them alone); stage 2 at its first blocking wait. Stage 3
-also announces each training forward (announce_forward), whose gathers are collective too.
+(what, step, pass) (Count, sharding/counts.py): the first collective of a pass or step, so it
+always meets its peers' own, and a mismatch raises on every rank naming each rank's count,
+before the mismatched collectives are waited for. Stage 3 waits for it at once (its backward
+gathers are collective: a rank must not start them alone); stage 2 at its first blocking wait.
+Stage 3 also announces each training forward (announce_forward), whose gathers are collective
+too.
 
 Stage 3 tells the reducer, as a backward starts, which parameters get no gradient on this rank
 (mark_unused: the units its forward did not run); their buckets are reduced from zeros at once
@@ -52,7 +53,9 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.stats import control
-from zero_py.collectives.work import CollectiveError, Work, issue
+from zero_py.collectives.work import Work, issue
+from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, GATHERED, PASS,
+                                     PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY, Count)
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.storage import PieceStore
 
@@ -69,120 +72,6 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
 MAX_BUCKETS_IN_FLIGHT = 2
-
-# what a rank announces at the start of a pass or a step (_Count)
-_PASS, _STEP, _PASS_WITHOUT_BACKWARD, _FORWARD, _EVAL_FORWARD, _STEP_STRAY, _GATHERED = (
-    1, 2, 3, 4, 5, 6, 7)
-_KIND_NAMES = {_PASS: "backward pass", _STEP: "step()",
-               _PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
-               _STEP_STRAY: "step() with a param.grad set after the last reduced backward",
-               _FORWARD: "forward", _EVAL_FORWARD: "no_grad forward",
-               _GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()"}
-
-# what every rank is told when one called a collective gathered access alone
-_CALL_ON_EVERY_RANK = (
-    "Under stage 3, model.state_dict(), zero_py.full_state_dict() and zero_py.gathered() "
-    "gather the parameters collectively where the ranks do not share one host's memory "
-    "(several hosts, CUDA, or ZP_SHM=0), so every rank of the group must call them, at the "
-    "same point: e.g. `sd = model.state_dict()` on every rank, then `if rank == 0: "
-    "torch.save(sd, path)`; or `sd = zero_py.full_state_dict(model)` on every rank (the "
-    "values on rank 0, None elsewhere); a Hugging Face model's save_pretrained(path) called "
-    "on every rank writes the files on rank 0 only. On one host with shared memory (the "
-    "default for CPU ranks) a read-only access gathers alone and one rank may call it.")
-
-
-class _Count:
-    """Every rank's (what, step, pass, refused) in one SUM all-reduce (each rank fills its own
-    row). `problem`: why this rank refuses to go on (e.g. its model was cast after
-    zero_py.initialize), raised on every rank by check(). `what`: the gathered access a
-    _GATHERED count announces, in words."""
-
-    def __init__(self, executor, kind: int, step: int, passes: int,
-                 problem: Optional[str] = None, what: Optional[str] = None,
-                 hyper: Optional[Tuple[int, Callable[[], str]]] = None):
-        # hybrid sharding: every replica's ranks (a replica out of step would pair its
-        # replicate all-reduces with other ones)
-        executor = getattr(executor, "world", executor)
-        self.kind, self.step, self.passes = kind, step, passes
-        self.problem, self.what = problem, what
-        # a step's hyperparameters: (their fingerprint, a callable: this rank's in words)
-        self.hyper = hyper
-        ws = executor.world_size
-        self.rows = torch.zeros(ws, 5, dtype=torch.int64, device=executor.device)
-        self.rows[executor.rank] = torch.tensor(
-            [kind, step, passes, problem is not None, hyper[0] if hyper else 0],
-            dtype=torch.int64)
-        if kind == _GATHERED:
-            name = (f"the all-reduce that starts {what} (which gathers collectively here: "
-                    "every rank of the group must call it)")
-        else:
-            name = f"all-reduce of the ranks' pass counts at the start of a {_KIND_NAMES[kind]}"
-        with control():
-            self.work = issue(name, executor.all_reduce, self.rows)
-        self.rank = executor.rank
-
-    def check(self) -> None:
-        try:
-            self.work.wait()
-        except CollectiveError as exc:
-            if self.kind != _GATHERED:
-                raise
-            # a rank that called it alone: the peers ran no collective of this group
-            err = CollectiveError(f"the all-reduce that starts {self.what}", exc.reason)
-            err.args = (
-                f"zero_py: {self.what} was called on this rank (rank {self.rank}) but not on "
-                "every rank of the group: the all-reduce that starts it did not complete "
-                f"within the process group's timeout ({exc.reason}). {_CALL_ON_EVERY_RANK}",)
-            raise err from exc
-        rows = self.rows.tolist()
-        refused = [q for q, r in enumerate(rows) if r[3]]
-        if refused:
-            if self.problem is not None:
-                raise RuntimeError(self.problem)
-            ranks = ", ".join(map(str, refused))
-            raise RuntimeError(
-                f"zero_py: rank{'s' if len(refused) > 1 else ''} {ranks} refused this "
-                f"{_KIND_NAMES.get(self.kind, self.kind)} (this is rank {self.rank}): the model "
-                "was changed there after zero_py.initialize (a parameter cast, moved or "
-                "replaced); see the error on that rank. Cast and move the model before "
-                "zero_py.initialize")
-        if all(r[:4] == rows[0][:4] for r in rows) and self.hyper is not None:
-            differ = [q for q, r in enumerate(rows) if r[4] != rows[self.rank][4]]
-            if differ:
-                raise RuntimeError(
-                    "zero_py: the optimizer's hyperparameters differ between ranks at this "
-                    f"step (this is rank {self.rank}; rank{'s' if len(differ) > 1 else ''} "
-                    f"{', '.join(map(str, differ))} hold{'' if len(differ) > 1 else 's'} "
-                    "other values): each rank updates its own shard of the model, so its "
-                    "parts would train with different settings. "
-                    f"This rank's param_groups: {self.hyper[1]()}. A scheduler must see the "
-                    "same input on every rank: e.g. step ReduceLROnPlateau on a metric "
-                    "all-reduced across ranks, and change param_groups alike on every rank")
-        if all(r[:4] == rows[0][:4] for r in rows):
-            return
-        said = "; ".join(
-            f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
-            if k in (_FORWARD, _EVAL_FORWARD, _PASS) else
-            f"rank {q}: {self.what if q == self.rank and self.what else _KIND_NAMES[k]} in "
-            f"step {st}" if k == _GATHERED else
-            f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
-            f" in step {st}" for q, (k, st, p, _, _) in enumerate(rows))
-        if any(r[0] == _GATHERED for r in rows):
-            other = (" (the same kind of access, of different modules: a submodule's "
-                     "state_dict() or gathered() must name the same module on every rank)"
-                     if all(r[0] == _GATHERED and r[1] == rows[0][1] for r in rows) else "")
-            raise RuntimeError(
-                "zero_py: the ranks did not all start the same gathered access (this is rank "
-                f"{self.rank}){other}: {said}. {_CALL_ON_EVERY_RANK}")
-        raise RuntimeError(
-            "zero_py: the ranks ran different numbers of forward or backward passes per step "
-            f"(this is rank {self.rank}): {said}. Every rank must run the same number of "
-            "backward passes per step (outside no_sync()) and, under stage 3, the same "
-            "forwards (a no_grad forward of one rank alone needs every rank on one host, and "
-            "not between clip_grad_norm_() and step(), where peers may be writing their "
-            "shards); a "
-            "rank with no data can run forward and backward on an empty batch or a zero loss "
-            "(e.g. model(x[:0]).sum() * 0)")
 
 
 class _EndOfBackward:
@@ -256,14 +145,14 @@ class GradReducer:
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
-        # the pass and step counts are compared across ranks (_Count); stage 3 waits for the
+        # the pass and step counts are compared across ranks (Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
         # the optimizer's param_groups as (fingerprint, words), compared in the step's count
         self.hyperparameters: Callable[[], Optional[Tuple[int, Callable[[], str]]]] = (
             lambda: None)
         self.check_at_once = False
-        self._count: Optional[_Count] = None
+        self._count: Optional[Count] = None
         self._updating = False  # finish() ran: the optimizer may be writing the shards
         self._unused = bytearray(len(flat.params))  # marked unused in this pass
         self._zero_input: Dict[torch.dtype, torch.Tensor] = {}
@@ -440,14 +329,14 @@ class GradReducer:
         self._end_update()
         self._finished = False
 
-    def _begin_pass(self, kind: int = _PASS) -> None:
+    def _begin_pass(self, kind: int = PASS) -> None:
         if self.stage >= 2:
             for fn in self._on_accumulate:
                 fn()
         self._unused = bytearray(len(self.flat.params))
         if self.check_counts:
             self._check_count()  # the previous pass's, if not checked yet
-            self._count = _Count(self.executor, kind, self.steps, self.passes_since_step + 1)
+            self._count = Count(self.executor, kind, self.steps, self.passes_since_step + 1)
             if self.check_at_once:
                 self._check_count()
         self._pass_open = True
@@ -486,7 +375,7 @@ class GradReducer:
             self._reduced_from = [(p.grad, p.grad._version if p.grad is not None else 0)
                                   for p in self.flat.params]
         # stage 3: its peers' backward gathered units with it; no backward here cannot match
-        self._begin_pass(_PASS_WITHOUT_BACKWARD if self.check_at_once else _PASS)
+        self._begin_pass(PASS_WITHOUT_BACKWARD if self.check_at_once else PASS)
         self._end_pass()
 
     @property
@@ -691,7 +580,7 @@ class GradReducer:
                      if check_stray and p.grad is not None]
         if self.check_counts:
             self._check_count()
-            self._count = _Count(self.executor, _STEP_STRAY if stray else _STEP, self.steps,
+            self._count = Count(self.executor, STEP_STRAY if stray else STEP, self.steps,
                                  self.passes_since_step, hyper=self.hyperparameters())
             self._check_count()
         if stray:
@@ -726,7 +615,7 @@ class GradReducer:
             return
         self._check_count()
         n = self.forwards_since_step + (not eval_forward)
-        self._count = _Count(self.executor, _EVAL_FORWARD if eval_forward else _FORWARD,
+        self._count = Count(self.executor, EVAL_FORWARD if eval_forward else FORWARD,
                              self.steps, n, problem)
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
@@ -738,7 +627,7 @@ class GradReducer:
         backward or step, or start one with another key, raises with them, naming each rank's
         call; a rank whose peers run no collective of the group raises after its timeout."""
         self._check_count()
-        self._count = _Count(self.executor, _GATHERED, self.steps, key, what=what)
+        self._count = Count(self.executor, GATHERED, self.steps, key, what=what)
         self._check_count()
 
     @property
