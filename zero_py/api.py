@@ -234,7 +234,6 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
             raise ValueError("zero_py.initialize got no trainable parameter: every parameter "
                              "has requires_grad=False or no elements")
         _refuse_in_place_forward_writes(model)
-        names = {id(p): n for n, p in model.named_parameters()}
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
         for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:

@@ -176,16 +176,15 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
-            quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype,
-                                   {p.dtype for g in self.param_groups for p in g["params"]})
-            check_no_shared_storage([p for g in self.param_groups for p in g["params"]],
-                                    self._name)
+            given = [p for g in self.param_groups for p in g["params"]]
+            dtypes = {p.dtype for p in given}
+            quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype, dtypes)
+            check_no_shared_storage(given, self._name)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:
                 raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
                                  f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-            dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
             if stochastic_rounding and torch.bfloat16 not in dtypes:
                 # it would change nothing: fp16 parameters round to nearest even
                 raise ValueError("stochastic_rounding rounds bf16 parameters from their fp32 "
