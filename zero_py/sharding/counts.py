@@ -8,6 +8,7 @@ each of them with a Count: every rank fills its own row (what it is starting, it
 pass, whether it refuses to go on, and at a step the fingerprint of its param groups' settings)
 and one SUM all-reduce gives every rank all rows. Rows that differ raise the same error on
 every rank, naming each rank's count, before any mismatched collective is waited for.
+Stage 1 counts no passes; its step still compares the param groups' settings in a Count.
 """
 
 from __future__ import annotations

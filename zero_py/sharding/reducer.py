@@ -573,6 +573,13 @@ class GradReducer:
         if self._finished:
             return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
+            if self.stage == 1:
+                # stage 1 counts no passes, but each rank updates its own shard: the ranks'
+                # param groups' settings are compared before anything is reduced (one small
+                # all-reduce per step), so a refused step changes nothing
+                self._count = Count(self.executor, STEP, self.steps, 0,
+                                    hyper=self.hyperparameters())
+                self._check_count()
             self.reduce_now()
             stray = []
         else:
