@@ -130,6 +130,25 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _entry_points(model: nn.Module) -> List[nn.Module]:
+    """Submodules that a model hands out to be called on their own, outside its forward: a
+    Hugging Face model's get_encoder() and get_decoder() (generate() runs an encoder-decoder's
+    encoder by itself, and scripts call `model.model(...)` for hidden states). Their own
+    parameters (an embedding, a final norm) are in the root unit, which only a forward of
+    the model gathers."""
+    found: List[nn.Module] = []
+    inside = {id(m) for m in model.modules()}
+    for getter in ("get_encoder", "get_decoder"):
+        fn = getattr(model, getter, None)
+        try:
+            m = fn() if callable(fn) else None
+        except Exception:  # noqa: BLE001 - a model without one raises its own way
+            m = None
+        if isinstance(m, nn.Module) and m is not model and id(m) in inside and m not in found:
+            found.append(m)
+    return found
+
+
 class Stage3Engine:
     """Hooks and prefetch for one stage-3 model (see the module docstring).
 
@@ -155,6 +174,9 @@ class Stage3Engine:
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
         self._to_free: List[int] = []  # freed once the backward's pass ended
         self._backward_needs: Set[int] = set()  # units this backward will need
+        # units run by the training forwards since the last backward began: a backward may
+        # reach several forwards' graphs (an encoder run alone, then the model on its output)
+        self._ran: Set[int] = set()
         self._lazy: List[int] = []  # skipped units to free once their gathers completed
         self.raw = False  # True: model.state_dict() gives torch's own entries (the slices)
         n = len(units)
@@ -210,6 +232,14 @@ class Stage3Engine:
         self._hooks.append(units[0][1].register_forward_hook(
             _not_traced(lambda module, args, output: self._forward_ended()
                         if module is units[0][1] else None), always_call=True))
+        self._entries: List[nn.Module] = []  # entry points whose call opened the phase
+        for entry in _entry_points(model):
+            self._hooks.append(entry.register_forward_pre_hook(
+                self._make_entry_pre(entry), with_kwargs=True, prepend=True))
+            self._hooks.append(entry.register_forward_hook(self._make_entry_post(entry)))
+            self._hooks.append(entry.register_forward_hook(
+                _not_traced(lambda module, args, output, entry=entry: self._entry_ended(entry)
+                            if module is entry else None), always_call=True))
 
     @property
     def persistent_unit(self) -> int:
@@ -315,6 +345,32 @@ class Stage3Engine:
             return self._post_forward(u, output) if module is unit else None
         return _not_traced(hook)
 
+    # An entry point (_entry_points) called on its own, outside the model's forward, runs as a
+    # forward of the model: its call opens the phase as the root's does (the root unit, which
+    # holds the entry's own parameters, gathered until its end), and its units run in it.
+    def _make_entry_pre(self, entry: nn.Module):
+        def hook(module, args, kwargs):
+            if module is not entry or self._phase is not None or self._held or _in_backward():
+                return None  # inside the model's forward (its usual use), gathered(), a recompute
+            self._entries.append(entry)
+            return self._pre_forward(0, args, kwargs)
+        return _not_traced(hook)
+
+    def _make_entry_post(self, entry: nn.Module):
+        def hook(module, args, output):
+            if self._entries and self._entries[-1] is entry and module is entry:
+                self._entries.pop()
+                return self._post_forward(0, output)
+            return None
+        return _not_traced(hook)
+
+    def _entry_ended(self, entry: nn.Module) -> None:
+        """After an entry point's forward, returned or raised: one that raised ends its phase
+        (as _forward_ended does for the root's)."""
+        if self._entries and self._entries[-1] is entry:
+            self._entries.pop()
+            self._forward_ended()
+
     def _pre_forward(self, u: int, args, kwargs):
         if _in_backward():
             # recomputation under activation checkpointing: the unit is needed again now
@@ -369,7 +425,10 @@ class Stage3Engine:
             return None  # inside gathered()
         self._run(self.prefetch.done(u))
         if u == 0:
+            training = self._phase == _C.PF_FORWARD
             self._run(self.prefetch.end())
+            if training:
+                self._ran.update(self.prefetch.seen())
             self._phase = None
         return None
 
@@ -520,12 +579,13 @@ class Stage3Engine:
         if self.reducer.begin_pass():  # queues the end of backward, which calls _end_backward
             # the units this rank's forward did not run give no gradient: their buckets go
             # now, as DDP's find_unused_parameters, not at the end (peers that ran them wait)
-            ran = set(self.prefetch.seen()) | {self.persistent_unit}
+            ran = set(self.prefetch.seen()) | self._ran | {self.persistent_unit}
             self.reducer.mark_unused(i for i, u in enumerate(self.flat.param_unit)
                                      if u not in ran)
-        # and backward needs no unit that its forward did not run (recomputation included):
+        # and backward needs no unit that its forwards did not run (recomputation included):
         # those are gathered and freed as the schedule reaches them (_skip_ahead)
-        self._backward_needs = set(self.prefetch.seen()) | {0}
+        self._backward_needs = set(self.prefetch.seen()) | self._ran | {0}
+        self._ran = set()
         self._skip_ahead()
 
     def _drain_backward(self) -> None:
@@ -684,7 +744,8 @@ class Stage3Engine:
         BaseException, for which torch runs no always_call hook (_forward_ended)."""
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is self.model:
+            if frame.f_code is _MODULE_CALL and (frame.f_locals.get("self") is self.model or
+                                                 frame.f_locals.get("self") in self._entries):
                 return True
             frame = frame.f_back
         return False
