@@ -291,6 +291,17 @@ def _torch_clip_value(_):
     return model, first, lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
 
 
+def _wrapped_in_ddp(where, stage):
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if where == "root":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            model[1] = nn.parallel.DistributedDataParallel(model[1])
+        return model, None, lambda: zero_py.initialize(model, stage=stage)
+    return build
+
+
 def _grad_scaler(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer(model.parameters())
@@ -407,6 +418,10 @@ CALL_CASES = [
      "every parameter the optimizer trains"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
+    ("initialize a DDP model stage 2", _wrapped_in_ddp("root", 2), ValueError,
+     r"the model is wrapped in DistributedDataParallel.*drop the DDP\(\.\.\.\)"),
+    ("initialize a DDP submodule stage 3", _wrapped_in_ddp("child", 3), ValueError,
+     "submodule '1' is wrapped in DistributedDataParallel"),
     ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),
     ("stage 3: bad lr", _stage3({"lr": -1.0}), ValueError, "Invalid learning rate"),
     ("stage 3: bad bucket_bytes", _stage3({"bucket_bytes": 0}), ValueError, "bucket_bytes"),
@@ -455,6 +470,18 @@ def test_bad_call_is_refused_and_changes_nothing(single_rank_group, case, setup,
         first.step()
         assert not all(torch.equal(a, p) for a, p in zip(values, model.parameters()))
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_ddp_model_under_the_optimizer_is_named(single_rank_group):
+    """ZeroOptimizer over a DDP-wrapped model's parameters (a DDP script with only its
+    optimizer changed): DDP writes its averaged gradient back after zero_py took it. The
+    step's refusal says so (it used to point at `p.grad = g` after backward only)."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=2, lr=1e-2)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="wrapped in DistributedDataParallel"):
+        opt.step()
 
 
 def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):

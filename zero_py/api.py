@@ -13,6 +13,7 @@ NCCL executor for CUDA models as stages 1-2 do.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
 
@@ -132,6 +133,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if compat.manager_of(model) is not None:
         raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
                          "once per model and keep the (model, optimizer) it returned")
+    _refuse_data_parallel_wrappers(model)
     names = {id(p): n for n, p in model.named_parameters()}
     compat.check_unowned(model.parameters(), lambda p: repr(names.get(id(p), "?")))
     if not isinstance(broadcast_buffers, bool):
@@ -335,6 +337,27 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     model._zero_py = compat.ModelManager(opt)
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
+
+
+def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
+    """A model (or a submodule) wrapped in DDP, DataParallel or FSDP: its wrapper reduces or
+    shards the gradients too (under stages 2-3 DDP writes its averaged gradient back after
+    zero_py took it; under stage 1 every gradient crosses the wire twice)."""
+    kinds = [nn.DataParallel, nn.parallel.DistributedDataParallel]
+    for path, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                       ("torch.distributed.fsdp", "FSDPModule")):
+        try:
+            kinds.append(getattr(importlib.import_module(path), name))
+        except (ImportError, AttributeError):
+            pass  # an older torch without it
+    for name, m in model.named_modules():
+        if isinstance(m, tuple(kinds)):
+            raise ValueError(
+                f"{'the model' if not name else f'submodule {name!r}'} is wrapped in "
+                f"{type(m).__name__}: zero_py reduces (and shards) the gradients itself, so "
+                "the wrapper would reduce them a second time. Give zero_py.initialize the "
+                "bare model (drop the DDP(...) / FSDP wrapper; `model.module` is the one "
+                "inside)")
 
 
 def _refuse_in_place_forward_writes(model: nn.Module) -> None:
