@@ -52,6 +52,7 @@ from zero_py.collectives.work import issue
 from zero_py.sharding.between_uses import describe
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
+from zero_py.stage3.entries import entry_points
 
 
 def _not_traced(fn):
@@ -128,25 +129,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.engine._post_backward(ctx.unit)
         return (None, None) + grads
-
-
-def _entry_points(model: nn.Module) -> List[nn.Module]:
-    """Submodules that a model hands out to be called on their own, outside its forward: a
-    Hugging Face model's get_encoder() and get_decoder() (generate() runs an encoder-decoder's
-    encoder by itself, and scripts call `model.model(...)` for hidden states). Their own
-    parameters (an embedding, a final norm) are in the root unit, which only a forward of
-    the model gathers."""
-    found: List[nn.Module] = []
-    inside = {id(m) for m in model.modules()}
-    for getter in ("get_encoder", "get_decoder"):
-        fn = getattr(model, getter, None)
-        try:
-            m = fn() if callable(fn) else None
-        except Exception:  # noqa: BLE001 - a model without one raises its own way
-            m = None
-        if isinstance(m, nn.Module) and m is not model and id(m) in inside and m not in found:
-            found.append(m)
-    return found
 
 
 class Stage3Engine:
@@ -233,7 +215,7 @@ class Stage3Engine:
             _not_traced(lambda module, args, output: self._forward_ended()
                         if module is units[0][1] else None), always_call=True))
         self._entries: List[nn.Module] = []  # entry points whose call opened the phase
-        for entry in _entry_points(model):
+        for entry in entry_points(model, units):
             self._hooks.append(entry.register_forward_pre_hook(
                 self._make_entry_pre(entry), with_kwargs=True, prepend=True))
             self._hooks.append(entry.register_forward_hook(self._make_entry_post(entry)))
@@ -345,7 +327,7 @@ class Stage3Engine:
             return self._post_forward(u, output) if module is unit else None
         return _not_traced(hook)
 
-    # An entry point (_entry_points) called on its own, outside the model's forward, runs as a
+    # An entry point (entries.py) called on its own, outside the model's forward, runs as a
     # forward of the model: its call opens the phase as the root's does (the root unit, which
     # holds the entry's own parameters, gathered until its end), and its units run in it.
     def _make_entry_pre(self, entry: nn.Module):
