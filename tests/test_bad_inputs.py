@@ -484,6 +484,17 @@ def test_a_ddp_model_under_the_optimizer_is_named(single_rank_group):
         opt.step()
 
 
+def test_join_for_uneven_inputs_is_refused(single_rank_group):
+    """torch.distributed.algorithms.Join([optimizer]) failed with "no attribute 'join_hook'"."""
+    from torch.distributed.algorithms import Join
+
+    model = nn.Linear(4, 4)
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=2)
+    with pytest.raises(NotImplementedError, match="same number of batches"):
+        with Join([opt]):
+            pass
+
+
 def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):
     managed, plain = nn.Linear(4, 4), nn.Linear(4, 4)
     zero_py.ZeroOptimizer(managed.parameters())

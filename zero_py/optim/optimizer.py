@@ -435,6 +435,17 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             "full torch.optim dict) or zero_py.save_checkpoint; for a second optimizer, build "
             "a new ZeroOptimizer over the copy's parameters and load_state_dict() into it.")
 
+    def join_hook(self, **kwargs):
+        # torch.distributed.algorithms.Join (uneven inputs) asks each joinable for this hook;
+        # a joined rank would have to shadow every collective of its peers' steps (reductions,
+        # gathers, counts, the clipping norm and the overflow check as the script calls them)
+        raise NotImplementedError(
+            "zero_py does not support torch.distributed.algorithms.Join (uneven inputs): give "
+            "every rank the same number of batches per epoch, e.g. DistributedSampler("
+            "drop_last=True), or stop every rank at the first rank's end (all-reduce a flag "
+            "each step); a rank whose peers stopped waits in its next collective until the "
+            "process group's timeout, then raises")
+
     def owned_range(self, p: torch.Tensor) -> Optional[Tuple[int, int]]:
         """The elements [lo, hi) of flattened parameter p whose state this rank keeps (what
         state[p] holds), or None where it keeps none."""
