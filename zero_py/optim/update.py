@@ -86,6 +86,20 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
 
 
 BUFFER = "momentum_buffer"  # SGD's: torch.optim makes it at a parameter's first step with momentum
+# Adam's: torch.optim makes it at a parameter's first step only where its group has amsgrad
+MAX_SQ = "max_exp_avg_sq"
+
+
+def optional_state(kind: Optional[int], group: dict) -> List[str]:
+    """The state keys that a torch.optim state dict may lack for a parameter of `group` (and
+    that a load then starts as torch.optim would): SGD's momentum buffer (none before a step
+    with momentum), and Adam's max_exp_avg_sq in a group without amsgrad (zero_py keeps it for
+    every parameter once any group has amsgrad; torch.optim only for those groups')."""
+    if kind == kernels.OPT_SGD:
+        return [BUFFER]
+    if kind in _ADAM_KINDS and not group.get("amsgrad"):
+        return [MAX_SQ]
+    return []
 
 
 def without_buffer(kind: Optional[int], keys: Sequence[str], saved: Sequence[str]) -> bool:
@@ -327,14 +341,19 @@ class FusedUpdate(_Update):
         its next step with momentum is a first one (no_momentum_yet)."""
         absent = (self.kind == kernels.OPT_SGD and BUFFER in self.keys
                   and state.get(BUFFER) is None)
-        missing = [k for k in self.keys if k not in state and not (absent and k == BUFFER)]
+        # a parameter of a group without amsgrad, saved by torch.optim: no max yet (zeros)
+        no_max = (MAX_SQ in self.keys and state.get(MAX_SQ) is None
+                  and MAX_SQ in optional_state(self.kind, self.param_groups[
+                      self.flat.bucket_group[s.bucket]]))
+        missing = [k for k in self.keys if k not in state
+                   and not (absent and k == BUFFER) and not (no_max and k == MAX_SQ)]
         if missing:
             raise ValueError(f"the loaded state of a parameter lacks {missing}; was it saved by "
                              "another optimizer class or with other options (e.g. amsgrad)?")
         states = self._ensure_states()
         lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
         for k, t in zip(self.keys, states):
-            if absent and k == BUFFER:
+            if (absent and k == BUFFER) or (no_max and k == MAX_SQ):
                 t[lo:lo + s.numel].zero_()
             else:
                 t[lo:lo + s.numel].copy_(state[k].reshape(-1))
