@@ -180,6 +180,16 @@ def _sgd_groups(model):
              "momentum": 0.0, "dampening": 0.3}]
 
 
+def _nesterov_groups(model):
+    """SGD(momentum=0.9, nesterov=True) whose param groups torch.optim takes (its constructor
+    checks nesterov against the defaults only): the weights' dampened, the biases' without
+    momentum (nesterov is then not read)."""
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "dampening": 0.2},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+             "momentum": 0.0}]
+
+
 # hyperparameters changed after construction, as schedulers and scripts change them:
 # (optimizer class, options, param groups or None, change(step, optimizer), use OneCycleLR)
 CHANGES = {
@@ -191,6 +201,10 @@ CHANGES = {
     "sgd_group_momentum_later": (torch.optim.SGD, dict(lr=1e-2), _sgd_groups,
                                  lambda k, g: g.update(momentum=0.8)
                                  if k == 2 and g["momentum"] == 0 else None, False),
+    # nesterov=True over groups that torch.optim.SGD accepts: one dampened, one without
+    # momentum (the latter was refused by the kernel at the first step)
+    "sgd_nesterov_groups": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True),
+                            _nesterov_groups, None, False),
     # decoupled weight decay (AdamW's) or the L2 term (Adam's), as each step's group says
     "adam_decoupled_toggled": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), None,
                                lambda k, g: g.update(decoupled_weight_decay=k % 3 == 1), False),

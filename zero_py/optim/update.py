@@ -267,8 +267,10 @@ class FusedUpdate(_Update):
 
     def _group_row(self, g: dict, grad_dtype: torch.dtype, param_dtype: torch.dtype,
                    grad_scale: float, seed: int, stochastic_rounding: bool) -> list:
-        flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")),
-                                  bool(g.get("nesterov")),
+        # torch.optim.SGD reads nesterov only where the group has a momentum (its constructor
+        # refuses nesterov without one, but not a param group's momentum=0)
+        nesterov = bool(g.get("nesterov")) and self.kind == kernels.OPT_SGD and g["momentum"] != 0
+        flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")), nesterov,
                                   stochastic_rounding and param_dtype == torch.bfloat16)
         kind = self.kind
         if kind in _ADAM_KINDS:
