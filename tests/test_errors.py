@@ -43,6 +43,30 @@ def test_optimizers_that_read_whole_parameters_are_refused(single_rank_group, na
         zero_py.initialize(nn.Linear(4, 4), subclass, stage=3)
 
 
+def test_differentiable_is_refused(single_rank_group):
+    """differentiable=True (torch.optim recording the update in the autograd graph) cannot be
+    honoured on fp32 shards updated outside autograd; it used to train as without it, silently:
+    refused as an argument, in a param group, a group added later and a loaded dict."""
+    match = r"differentiable=True \({}\) cannot be honoured.*drop differentiable"
+    with pytest.raises(ValueError, match=match.format("the optimizer's options")):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), torch.optim.RMSprop,
+                              differentiable=True)
+    with pytest.raises(ValueError, match=match.format("the optimizer's options")):
+        zero_py.initialize(nn.Linear(4, 4), torch.optim.AdamW, stage=3, differentiable=True)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=match.format("param group 1")):
+        zero_py.ZeroOptimizer([{"params": model[0].parameters()},
+                               {"params": model[1].parameters(), "differentiable": True}],
+                              torch.optim.SGD, lr=0.1)
+    opt = zero_py.ZeroOptimizer(model[0].parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=match.format("param group 1")):
+        opt.add_param_group({"params": model[1].parameters(), "differentiable": True})
+    saved = opt.state_dict()
+    saved["param_groups"][0]["differentiable"] = True
+    with pytest.raises(ValueError, match=match.format("param group 0")):
+        opt.load_state_dict(saved)
+
+
 def _sgd_step(opt, model):
     model(torch.randn(8, 4)).pow(2).mean().backward()
     opt.step()

@@ -33,7 +33,7 @@ from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
 from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
-                                  warn_ignored_group_options)
+                                  refuse_unhonoured_options, warn_ignored_group_options)
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -180,6 +180,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             dtypes = {p.dtype for p in given}
             quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype, dtypes)
             check_no_shared_storage(given, self._name)
+            refuse_unhonoured_options(self.param_groups)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:

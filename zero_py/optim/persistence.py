@@ -22,7 +22,7 @@ from zero_py.optim import agreement, dcp
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
 from zero_py.optim.update import (BUFFER, MAX_SQ, added_state, fused_kind,
-                                  optional_state, state_keys)
+                                  optional_state, refuse_unhonoured_options, state_keys)
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -310,6 +310,7 @@ class StateDicts:
         this optimizer's update path and state; changes nothing."""
         new = [{**group, **{k: v for k, v in saved.items() if k != "params"}}
                for group, saved in zip(self.param_groups, saved_groups)]
+        refuse_unhonoured_options(new)
         if (fused_kind(self.optimizer_class, new) is None) == self.uses_fused_kernel:
             raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
                              "another update path than this optimizer was built with; construct "

@@ -47,6 +47,22 @@ def fused_kind(optimizer_class, groups: Sequence[dict]) -> Optional[int]:
     return kind
 
 
+def refuse_unhonoured_options(groups: Sequence[dict], what: Optional[str] = None) -> None:
+    """Refuses the torch.optim options zero_py cannot honour, rather than ignore them:
+    differentiable=True, which asks torch.optim to record the update in the autograd graph (to
+    differentiate through the step, e.g. meta-learning over non-leaf parameters). zero_py
+    updates fp32 shards of the parameters outside autograd and all-gathers the result, so no
+    graph could reach the parameters (torch.optim itself refuses it on leaf parameters).
+    `what` names the dicts in the message (default: param group k)."""
+    for k, g in enumerate(groups):
+        if g.get("differentiable"):
+            raise ValueError(
+                f"differentiable=True ({what or f'param group {k}'}) cannot be honoured: "
+                "zero_py updates "
+                "fp32 shards of the parameters outside autograd and all-gathers them, so the "
+                "step cannot be differentiated; drop differentiable (it changes no value)")
+
+
 def initial_accumulator(defaults: dict) -> float:
     """Adagrad's accumulator before its first step, from the optimizer's defaults.
     torch.optim.Adagrad takes it from the constructor's initial_accumulator_value for every
