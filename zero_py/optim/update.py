@@ -13,6 +13,7 @@ of absent gradients work exactly as in torch.
 
 from __future__ import annotations
 
+import re
 import warnings
 from array import array
 from typing import Dict, List, Optional, Sequence
@@ -139,6 +140,17 @@ def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict]) -> Optio
     if not extra or extra == ["momentum_buffer"]:
         return extra
     return None
+
+
+def _by_param_group(message: str, group_of_row: Sequence[int]) -> str:
+    """A kernel's refusal of a group row ("opt_step: group 2 (sgd): ...") naming the param
+    group that row was made from (rows are per group and dtype, numbered as met), and saying
+    that torch.optim may take what the fused kernel refuses."""
+    found = re.match(r"opt_step: group (\d+) \((\w+)\): (.*)", message, re.S)
+    if found is None or int(found.group(1)) >= len(group_of_row):
+        return message
+    return (f"param group {group_of_row[int(found.group(1))]}: {found.group(3)} (zero_py's "
+            f"fused {found.group(2)} kernel takes no other value)")
 
 
 class _Update:
@@ -343,7 +355,22 @@ class FusedUpdate(_Update):
             return
         threads = (None if self.device.type != "cpu" else
                    self.host.threads if self.host is not None else torch.get_num_threads())
-        kernels.optim_step_segments(rows, group_rows, self.device, n_threads=threads)
+        try:
+            kernels.optim_step_segments(rows, group_rows, self.device, n_threads=threads)
+        except ValueError as exc:
+            raise ValueError(_by_param_group(str(exc), [key[0] for key in row_of])) from None
+
+    def check_groups(self, groups: Sequence[dict]) -> None:
+        """Runs the kernel's checks of `groups`' hyperparameters (a table without segments, on
+        the CPU): the optimizer calls it on every rank before a step changes anything, so that
+        a value the kernel refuses (torch.optim may take it: its constructor checks only the
+        defaults) is refused by every rank, whatever part of the shard each would update, and
+        before step counts or any bucket (offloaded steps go bucket by bucket) move."""
+        rows = [self._group_row(g, torch.float32, torch.float32, 1.0, 0, False) for g in groups]
+        try:
+            kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
+        except ValueError as exc:
+            raise ValueError(_by_param_group(str(exc), range(len(groups)))) from None
 
     def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
         """Slice s's per-element state tensors (copies, or views of the live state)."""
