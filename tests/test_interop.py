@@ -42,6 +42,13 @@ def _amsgrad_on_weights(model):
             {"params": [p for n, p in named if not n.endswith("weight")]}]
 
 
+def _biases_without_momentum(model):
+    """SGD's biases at momentum 0: torch.optim keeps no state for them."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")]},
+            {"params": [p for n, p in named if not n.endswith("weight")], "momentum": 0.0}]
+
+
 def _state_mismatches(full: dict, ref: dict) -> list:
     """Where a consolidated dict is not torch.optim's: state keys per parameter, values."""
     out = []
@@ -175,6 +182,8 @@ def _all(rank, world_size, tmp):
                                         dict(lr=1e-2, weight_decay=0.1), False)
     out["resume", "sgd_frozen"] = ddp_resume(rank, tmp, torch.optim.SGD,
                                              dict(lr=5e-2, momentum=0.9), True)
+    out["resume", "sgd_group_without_momentum"] = ddp_resume(
+        rank, tmp, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), False, _biases_without_momentum)
     out["resume", "adam_amsgrad_one_group"] = ddp_resume(rank, tmp, torch.optim.Adam,
                                                          dict(lr=1e-2), False, _amsgrad_on_weights)
     for stage in (1, 2, 3):
@@ -191,8 +200,10 @@ def results(tmp_path_factory):
 
 # adam_amsgrad_one_group: torch.optim keeps max_exp_avg_sq only for the amsgrad group's
 # parameters; its dict loads (the others start without a max, as torch's do) and the
-# consolidated dict leaves it out for them too
-@pytest.mark.parametrize("case", ["adamw", "sgd_frozen", "adam_amsgrad_one_group"])
+# consolidated dict leaves it out for them too. sgd_group_without_momentum: no state at all
+# for the biases (the consolidated dict held an empty one for each)
+@pytest.mark.parametrize("case", ["adamw", "sgd_frozen", "sgd_group_without_momentum",
+                                  "adam_amsgrad_one_group"])
 def test_ddp_checkpoint_resumes_under_zero_py(results, case):
     for rank, res in enumerate(results):
         for stage, rel in res["resume", case].items():

@@ -169,7 +169,7 @@ class StateDicts:
             index = self._managed_index[s.param]
             slices[index] = (s.param_lo, s.param_hi)
             st = self._slice_state(s)
-            if st is not None:
+            if st:  # none, as torch.optim.SGD keeps for a parameter stepped without momentum
                 state[index] = self._as_torch_keeps(s, st)
         meta = {"format": sd_util.FORMAT_VERSION, "stage": self.stage,
                 "world_size": self.executor.world_size, "rank": self.executor.rank,
