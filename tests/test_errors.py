@@ -69,28 +69,31 @@ def test_differentiable_is_refused(single_rank_group):
         opt.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("offload", [None, "cpu"])
+@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
 def test_a_group_value_the_kernel_refuses_names_its_group_and_changes_nothing(
-        single_rank_group, offload):
+        single_rank_group, offload, tmp_path):
     """torch.optim checks only its constructor's values; the fused kernel refuses some that a
     param group may hold (a negative weight decay). The refusal names the param group (it
     named the kernel's row: 'group 0' for param group 1), and nothing moves: once the value is
     put back, training goes on as torch.optim's does (the step counts had moved: the next
-    step's bias correction was one step ahead)."""
+    step's bias correction was one step ahead). A group no step updates (a layer outside the
+    forward) is not read, as torch.optim does not read it."""
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
     model = copy.deepcopy(ref)
 
     def groups(m):
-        return [{"params": m[0].parameters()}, {"params": m[1].parameters()}]
+        return [{"params": m[0].parameters()}, {"params": m[1].parameters()},
+                {"params": m[2].parameters(), "weight_decay": -1.0}]
 
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1)
     opt = zero_py.ZeroOptimizer(groups(model), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                offload_optimizer=offload)
+                                offload_optimizer=offload,
+                                offload_dir=str(tmp_path) if offload == "nvme" else None)
     x = torch.randn(8, 4)
     for k in range(3):
         for m, o in ((ref, ref_opt), (model, opt)):
-            m(x * (k + 1)).pow(2).mean().backward()
+            m[:2](x * (k + 1)).pow(2).mean().backward()
             if o is opt and k == 1:
                 o.param_groups[1]["weight_decay"] = -0.1
                 with pytest.raises(ValueError, match=r"^param group 1: weight_decay must be "

@@ -649,8 +649,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def _apply_update(self, used: List[int]) -> None:
         if self.uses_fused_kernel:
             extra = self._state_to_add(self.param_groups)
-            if any(used):  # before anything moves: the step counts, offloaded buckets
-                self._update.check_groups(self.param_groups)
+            self._update.check_groups(used)  # before anything moves (counts, buckets)
             if extra:
                 self._update.add_keys(extra)
         counts, seed = list(self._step_count), self._sr_seed

@@ -329,6 +329,9 @@ class FusedUpdate(_Update):
         group_rows: List[list] = []
         row_of: Dict[tuple, int] = {}
         for b in range(flat.n_buckets) if buckets is None else buckets:
+            runs = list(self._runs(b, used, step_count))
+            if not runs:  # its group is not read (a group the step leaves alone may hold
+                continue  # values the kernel refuses, as torch.optim never reads them)
             grad = self.grads.piece(b)
             master = self.master(b)
             param_out = self.param_out(b)
@@ -341,7 +344,7 @@ class FusedUpdate(_Update):
                                                   stochastic_rounding))
             g_size, p_size = grad.element_size(), param_dtype.itemsize
             shard_lo = flat.bucket_shard_offset[b]
-            for lo, hi, step in self._runs(b, used, step_count):
+            for lo, hi, step in runs:
                 at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space state tensors
                 rows.extend(kernels.segment_row(
                     hi - lo, master=master.data_ptr() + lo * 4, grad=grad.data_ptr() + lo * g_size,
@@ -360,17 +363,23 @@ class FusedUpdate(_Update):
         except ValueError as exc:
             raise ValueError(_by_param_group(str(exc), [key[0] for key in row_of])) from None
 
-    def check_groups(self, groups: Sequence[dict]) -> None:
-        """Runs the kernel's checks of `groups`' hyperparameters (a table without segments, on
-        the CPU): the optimizer calls it on every rank before a step changes anything, so that
-        a value the kernel refuses (torch.optim may take it: its constructor checks only the
-        defaults) is refused by every rank, whatever part of the shard each would update, and
-        before step counts or any bucket (offloaded steps go bucket by bucket) move."""
-        rows = [self._group_row(g, torch.float32, torch.float32, 1.0, 0, False) for g in groups]
+    def check_groups(self, used: Sequence[int]) -> None:
+        """Runs the kernel's checks of the hyperparameters of the param groups that the step
+        with `used` (the same on every rank) updates, as a table without segments on the CPU.
+        The optimizer calls it on every rank before a step changes anything, so that a value
+        the kernel refuses (torch.optim may take it: its constructor checks only the defaults)
+        is refused by every rank, whatever part of the shard each would update, and before the
+        step counts or any bucket (offloaded steps go bucket by bucket) move. A group that the
+        step leaves alone is not read, as torch.optim does not read it."""
+        flat = self.flat
+        stepped = sorted({flat.bucket_group[flat.param_bucket[i]] for i, u in enumerate(used)
+                          if u})
+        rows = [self._group_row(self.param_groups[k], torch.float32, torch.float32, 1.0, 0,
+                                False) for k in stepped]
         try:
             kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
         except ValueError as exc:
-            raise ValueError(_by_param_group(str(exc), range(len(groups)))) from None
+            raise ValueError(_by_param_group(str(exc), stepped)) from None
 
     def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
         """Slice s's per-element state tensors (copies, or views of the live state)."""
