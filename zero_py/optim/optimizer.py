@@ -690,11 +690,12 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update.note_step(used, self._step_count)
         self._flat.publish(self._wire, touched)
 
-    def _state_to_add(self, groups: List[dict]) -> List[str]:
+    def _state_to_add(self, groups: List[dict], fresh: Sequence[dict] = ()) -> List[str]:
         """The state keys of the fused update that `groups` need and it does not keep yet
         (update.added_state: SGD's momentum buffer, once a momentum is switched on after
-        construction), checked to be addable; changes nothing."""
-        extra = added_state(self._kind, self._update.keys, groups)
+        construction; Adam's max where a group `fresh` from add_param_group has amsgrad),
+        checked to be addable; changes nothing."""
+        extra = added_state(self._kind, self._update.keys, groups, fresh)
         if extra is None:
             raise ValueError("the param groups need optimizer state this optimizer does not "
                              f"keep (it keeps {self._update.keys}): amsgrad was switched on "

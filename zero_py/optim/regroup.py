@@ -63,7 +63,7 @@ def add_param_group(opt, param_group: dict) -> None:
     keys = None  # the fused update's state keys over the new groups: the kept ones, then
     if kind == opt._kind and kind is not None:  # SGD's momentum buffer where a momentum is on
         try:  # that no step has used yet (added_state)
-            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group])
+            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group], [group])
         except ValueError:
             keys = None
     if kind != opt._kind or (kind is not None and keys is None):

@@ -130,14 +130,20 @@ def without_buffer(kind: Optional[int], keys: Sequence[str], saved: Sequence[str
             and list(saved) == [k for k in keys if k != BUFFER])
 
 
-def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict]) -> Optional[List[str]]:
+def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict],
+                fresh: Sequence[dict] = ()) -> Optional[List[str]]:
     """The state keys `groups` need beyond `keys` (what an update keeps): [] when none, SGD's
     ["momentum_buffer"] once a momentum is switched on after construction (torch.optim makes
     the buffer at the first step with momentum != 0: OneCycleLR cycles the momentum of an SGD
-    built with momentum=0), and None for any other (amsgrad switched on, which
-    torch.optim.Adam cannot take after its first step either)."""
+    built with momentum=0), Adam's ["max_exp_avg_sq"] where only groups of `fresh` (added by
+    add_param_group, their parameters never stepped) have amsgrad (torch.optim makes it at
+    their first step), and None for any other (amsgrad switched on for parameters that have
+    stepped, which torch.optim.Adam cannot take either)."""
     extra = [k for k in state_keys(kind, groups) if k not in keys]
-    if not extra or extra == ["momentum_buffer"]:
+    if not extra or extra == [BUFFER]:
+        return extra
+    if extra == [MAX_SQ] and all(any(g is f for f in fresh)
+                                 for g in groups if g.get("amsgrad")):
         return extra
     return None
 
