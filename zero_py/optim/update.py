@@ -59,9 +59,9 @@ def refuse_unhonoured_options(groups: Sequence[dict], what: Optional[str] = None
         if g.get("differentiable"):
             raise ValueError(
                 f"differentiable=True ({what or f'param group {k}'}) cannot be honoured: "
-                "zero_py updates "
-                "fp32 shards of the parameters outside autograd and all-gathers them, so the "
-                "step cannot be differentiated; drop differentiable (it changes no value)")
+                "zero_py updates fp32 shards of the parameters outside autograd and "
+                "all-gathers them, so the step cannot be differentiated; drop differentiable "
+                "(it changes no value)")
 
 
 def initial_accumulator(defaults: dict) -> float:
