@@ -131,9 +131,13 @@ def add_param_group(rank, stage, amsgrad=False):
         worst = max(worst, _rel(zmodel, ref))
     full = zopt.consolidate_state_dict(to=0)
     keys = None if full is None else [sorted(full["state"][k]) for k in sorted(full["state"])]
+    # optimizer.state[p] holds torch.optim's keys too, where this rank holds a slice of p
+    viewed = [(sorted(zopt.state[p]), sorted(ref_opt.state[q])) for p, q in
+              zip(zmodel.parameters(), ref.parameters()) if len(zopt.state[p])]
     return {"rel": worst, "groups": len(zopt.param_groups),
             "lr": [g["lr"] for g in zopt.param_groups], "keys": keys,
-            "ref_keys": [sorted(st) for _, st in sorted(ref_opt.state_dict()["state"].items())]}
+            "ref_keys": [sorted(st) for _, st in sorted(ref_opt.state_dict()["state"].items())],
+            "viewed": viewed}
 
 
 def state_view_and_hooks(rank, stage):
@@ -618,6 +622,8 @@ def test_torch_idioms_match_ddp(tmp_path):
                 assert res[key]["groups"] == 2
                 assert res[key]["lr"] == [1e-2, 5e-3]
                 assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
+                assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
+                    res[key]["viewed"]
         for stage in (1, 2, 3):
             st = res[("state", stage)]
             assert st["held"] == st["len"] > 0

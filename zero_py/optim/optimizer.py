@@ -453,7 +453,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             return {}
         if read:
             self.discard_early_updates([s.bucket])
-        return self._slice_state(s, copy=False) or {}
+        state = self._slice_state(s, copy=False)
+        return self._as_torch_keeps(s, state) if state else {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
