@@ -7,6 +7,7 @@ rank, sharded (full_state_dict=False), and full on rank 0 with broadcast_from_ra
 Every scenario runs in one set of 2 processes. Tolerance 1e-5 relative (fp32).
 """
 
+import inspect
 import os
 
 import pytest
@@ -81,10 +82,12 @@ def _data(rank):
     return [models.mlp_batch(gen) for _ in range(3)], [models.mlp_batch(gen) for _ in range(4)]
 
 
-def ddp_resume(rank, tmp, cls, kw, frozen, groups=None):
+def ddp_resume(rank, tmp, cls, kw, frozen, groups=None, zero_kw=None):
     """A DDP run saved model.state_dict() and its torch.optim state_dict() at step 3; zero_py
     (each stage) loads both on every rank and goes on, as DDP does from the same files; its
-    consolidated dict is then DDP's torch.optim one (the same state keys, the same values)."""
+    consolidated dict is then DDP's torch.optim one (the same state keys, the same values).
+    zero_kw: zero_py's options where they differ from the saved run's (the dict's param groups
+    bring the saved values, as torch.optim's load_state_dict does)."""
     select = groups or (lambda m: m.parameters())
     first, later = _data(rank)
     torch.manual_seed(0)
@@ -105,7 +108,7 @@ def ddp_resume(rank, tmp, cls, kw, frozen, groups=None):
     out = {}
     for stage in (1, 2, 3):
         torch.manual_seed(2)
-        zm, zo = _zero(_make(frozen), stage, cls, kw, groups)
+        zm, zo = _zero(_make(frozen), stage, cls, kw if zero_kw is None else zero_kw, groups)
         zm.load_state_dict(torch.load(paths[0]))
         zo.load_state_dict(torch.load(paths[1]))
         _train(zm, zo, later)
@@ -184,6 +187,13 @@ def _all(rank, world_size, tmp):
                                              dict(lr=5e-2, momentum=0.9), True)
     out["resume", "sgd_group_without_momentum"] = ddp_resume(
         rank, tmp, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), False, _biases_without_momentum)
+    if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters:
+        # Adam(decoupled_weight_decay=True)'s dict into an Adam built without it: its groups
+        # switch the decay, as torch.optim's do (refused before: 'another update path')
+        out["resume", "adam_decoupled_dict"] = ddp_resume(
+            rank, tmp, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1,
+                                              decoupled_weight_decay=True), False,
+            zero_kw=dict(lr=1e-2, weight_decay=0.1))
     out["resume", "adam_amsgrad_one_group"] = ddp_resume(rank, tmp, torch.optim.Adam,
                                                          dict(lr=1e-2), False, _amsgrad_on_weights)
     for stage in (1, 2, 3):
@@ -203,8 +213,10 @@ def results(tmp_path_factory):
 # consolidated dict leaves it out for them too. sgd_group_without_momentum: no state at all
 # for the biases (the consolidated dict held an empty one for each)
 @pytest.mark.parametrize("case", ["adamw", "sgd_frozen", "sgd_group_without_momentum",
-                                  "adam_amsgrad_one_group"])
+                                  "adam_amsgrad_one_group", "adam_decoupled_dict"])
 def test_ddp_checkpoint_resumes_under_zero_py(results, case):
+    if ("resume", case) not in results[0]:
+        pytest.skip("torch.optim.Adam has no decoupled_weight_decay in this torch")
     for rank, res in enumerate(results):
         for stage, rel in res["resume", case].items():
             if isinstance(stage, tuple):

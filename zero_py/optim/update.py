@@ -41,10 +41,8 @@ def fused_kind(optimizer_class, groups: Sequence[dict]) -> Optional[int]:
             return None
         if any(isinstance(v, torch.Tensor) for k, v in g.items() if k != "params"):
             return None  # tensor hyperparameters (e.g. lr as a tensor) stay with torch
-        if kind == kernels.OPT_ADAM and g.get("decoupled_weight_decay", False):
-            return None
-        if kind == kernels.OPT_ADAMW and g.get("decoupled_weight_decay", True) is False:
-            return None
+    # Adam or AdamW with either decoupled_weight_decay: each group's row picks AdamW's decay or
+    # Adam's L2 term (FusedUpdate._group_row), as torch.optim.Adam's step does
     return kind
 
 
