@@ -241,8 +241,10 @@ def _group_not_a_dict(_):
 def _group_with_other_state(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer([model.weight])
+    # a tensor lr runs on the torch.optim path, the others on the fused one (amsgrad in a new
+    # group is taken: tests/test_torch_idioms.py)
     return model, first, lambda: first.add_param_group({"params": [model.bias],
-                                                         "amsgrad": True})
+                                                         "lr": torch.tensor(0.01)})
 
 
 def _group_with_pending_gradients(_):

@@ -12,6 +12,7 @@ from zero_py.collectives import quantized
 from zero_py.offload import check_offload_optimizer
 from zero_py.offload.early import check_overlap_step
 from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.update import refuse_unhonoured_options
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
@@ -112,6 +113,7 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     check_overlap_step(overlap_step, offload_optimizer, stage=2)  # the stage: __init__
     # The optimizer class validates its own keyword arguments and supplies the defaults.
     probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+    refuse_unhonoured_options([probe.defaults], "the optimizer's options")
     return dict(probe.defaults)
 
 

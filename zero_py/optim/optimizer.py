@@ -33,7 +33,7 @@ from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
 from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
-                                  warn_ignored_group_options)
+                                  refuse_unhonoured_options, warn_ignored_group_options)
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -180,6 +180,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             dtypes = {p.dtype for p in given}
             quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype, dtypes)
             check_no_shared_storage(given, self._name)
+            refuse_unhonoured_options(self.param_groups)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             if kind is None and stochastic_rounding:
@@ -463,7 +464,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             return {}
         if read:
             self.discard_early_updates([s.bucket])
-        return self._slice_state(s, copy=False) or {}
+        state = self._slice_state(s, copy=False)
+        return self._as_torch_keeps(s, state) if state else {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
@@ -659,6 +661,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def _apply_update(self, used: List[int]) -> None:
         if self.uses_fused_kernel:
             extra = self._state_to_add(self.param_groups)
+            self._update.check_groups(used)  # before anything moves (counts, buckets)
             if extra:
                 self._update.add_keys(extra)
         counts, seed = list(self._step_count), self._sr_seed
@@ -699,11 +702,12 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update.note_step(used, self._step_count)
         self._flat.publish(self._wire, touched)
 
-    def _state_to_add(self, groups: List[dict]) -> List[str]:
+    def _state_to_add(self, groups: List[dict], fresh: Sequence[dict] = ()) -> List[str]:
         """The state keys of the fused update that `groups` need and it does not keep yet
         (update.added_state: SGD's momentum buffer, once a momentum is switched on after
-        construction), checked to be addable; changes nothing."""
-        extra = added_state(self._kind, self._update.keys, groups)
+        construction; Adam's max where a group `fresh` from add_param_group has amsgrad),
+        checked to be addable; changes nothing."""
+        extra = added_state(self._kind, self._update.keys, groups, fresh)
         if extra is None:
             raise ValueError("the param groups need optimizer state this optimizer does not "
                              f"keep (it keeps {self._update.keys}): amsgrad was switched on "

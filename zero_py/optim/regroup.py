@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from zero_py.optim import agreement, compat
-from zero_py.optim.update import fused_kind, warn_ignored_group_options
+from zero_py.optim.update import (fused_kind, refuse_unhonoured_options,
+                                  warn_ignored_group_options)
 from zero_py.sharding.storage import FlatParams
 
 
@@ -56,12 +57,13 @@ def add_param_group(opt, param_group: dict) -> None:
     if any(p.device != opt._flat.device for p in new):
         raise ValueError(f"the new parameters must be on {opt._flat.device}, the device of "
                          "the others")
+    refuse_unhonoured_options([group], f"param group {len(opt.param_groups)}")
     kind = fused_kind(opt.optimizer_class, opt.param_groups + [group])
     warn_ignored_group_options(opt.optimizer_class, opt.defaults, [group])
     keys = None  # the fused update's state keys over the new groups: the kept ones, then
     if kind == opt._kind and kind is not None:  # SGD's momentum buffer where a momentum is on
         try:  # that no step has used yet (added_state)
-            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group])
+            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group], [group])
         except ValueError:
             keys = None
     if kind != opt._kind or (kind is not None and keys is None):
