@@ -12,7 +12,9 @@ update is bitwise torch's and the runs agree to ~1e-7). bf16 parameters: one dif
 of a master moves a parameter by a bf16 ulp, RTOL_LOW_PRECISION again. Norms: 1e-5.
 """
 
+import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -30,6 +32,10 @@ RTOL_LOSS = 1e-3
 # step, and the trajectories drift apart (measured: 3e-2 to 4e-2; at 2 ranks the sums agree).
 RTOL_BF16_SUM_4_RANKS = 1e-1
 STEPS = 16
+# (bad gradient element, norm_type, max_norm) of nonfinite_clipping
+NONFINITE_CLIPPING = {"nan_grad_clipped": ("nan", 2.0, 1.0),
+                      "nan_grad_clipped_inf_norm": ("nan", math.inf, 1.0),
+                      "inf_grad_clipped": ("inf", 2.0, 1.0), "clipped_to_zero": (None, 2.0, 0.0)}
 
 
 def _rel(a: nn.Module, b: nn.Module) -> float:
@@ -214,6 +220,57 @@ def clipping(rank, stage, norm_type):
     return {"rel": _rel(zm, ref), "norm_rel": norm_rel, "clipped": clipped}
 
 
+def nonfinite_clipping(rank, stage, bad, norm_type, max_norm):
+    """clip_grad_norm_ (torch's, as a DDP script calls it) in fp32 without a loss scaler, where
+    rank 1's gradient holds one inf or NaN element at step 1 (`bad`; None: none). torch scales
+    every gradient by clamp(max_norm / (total + 1e-6), max=1) whatever the total: an inf total
+    zeroes the finite gradients, a NaN one makes every gradient, so every parameter, NaN, on
+    every rank; max_norm=0 zeroes them all. zero_py used to skip the clipping of a non-finite
+    total (the finite gradients were applied unclipped, 1.4e-2 off; a NaN stayed in one
+    element), return NaN for an inf total, drop a NaN peer's total under norm_type=inf (a
+    finite norm, nothing clipped), and take a coefficient of 0 for "no clipping"."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    if stage == 3:
+        zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                                      lr=1e-2, weight_decay=0.1)
+    else:
+        zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
+                                     bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    norms = []
+    for step in range(2 if bad else 4):
+        x, y = models.mlp_batch(gen)
+        for model, module, opt in ((ddp, ref, ref_opt), (zm, zm, zopt)):
+            hook = None
+            if bad and step == 1 and rank == 1:
+                def poison(g):
+                    g = g.clone()
+                    g.view(-1)[3] = float(bad)
+                    return g
+                hook = module.fc2.weight.register_hook(poison)
+            nn.functional.mse_loss(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
+                                                              norm_type=norm_type)))
+            opt.step()
+            opt.zero_grad()
+    ctx = zero_py.gathered(zm) if stage == 3 else contextlib.nullcontext()
+    with ctx:
+        got = [p.detach().clone() for p in zm.parameters()]
+    want = [p.detach() for p in ref.parameters()]
+    finite = [a.isfinite() & b.isfinite() for a, b in zip(got, want)]
+    return {"norms": norms[0::2], "z_norms": norms[1::2],
+            "nan": [int(b.isnan().sum()) for b in want],
+            "same_nan": all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want)),
+            "rel": max(models.max_rel_diff(a[f], b[f]) if f.any() else 0.0
+                       for a, b, f in zip(got, want, finite))}
+
+
 def resume_bf16(rank, stage):
     """Save and reload a bf16 model's optimizer (fp32 masters included): exact continuation."""
     def build():
@@ -298,6 +355,10 @@ def _cases(rank, world_size):
         r["clip_inf", stage] = clipping(rank, stage, float("inf"))
         r["resume_bf16", stage] = resume_bf16(rank, stage)
         r["max_norm_bf16", stage] = max_norm_embedding_bf16(rank, stage)
+    if world_size == 2:
+        for stage in (1, 2, 3):
+            for key, args in NONFINITE_CLIPPING.items():
+                r[key, stage] = nonfinite_clipping(rank, stage, *args)
     return r
 
 
@@ -367,3 +428,19 @@ def test_embedding_max_norm_in_a_bf16_model_matches_ddp_with_masters(results):
         # bitwise at 2 ranks; at 4, bf16 gradients summed in another order (measured 3e-3)
         tol = 0.0 if where.endswith("/2") else RTOL_LOW_PRECISION
         assert r["rel"] <= tol, (where, r)
+
+
+@pytest.mark.parametrize("key", list(NONFINITE_CLIPPING))
+def test_clipping_a_nonfinite_or_zero_norm_does_what_torch_does_under_ddp(results, key):
+    bad = NONFINITE_CLIPPING[key][0]
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2, 3):
+            where, c = f"stage {stage} rank {rank}/2", r[key, stage]
+            for want, got in zip(c["norms"], c["z_norms"]):  # inf, NaN and finite alike
+                assert (math.isnan(want) and math.isnan(got)) or got == pytest.approx(want,
+                                                                                       rel=1e-5), \
+                    f"{where}: total norms {c['z_norms']}, torch's {c['norms']}"
+            assert c["same_nan"], f"{where}: NaN parameters differ from DDP's {c['nan']}"
+            # torch's NaN coefficient reaches every parameter
+            assert (sum(c["nan"]) > 1000) == (bad == "nan"), f"{where}: {c['nan']}"
+            assert c["rel"] <= 1e-5, f"{where}: finite parameters differ by {c['rel']:.2e}"
