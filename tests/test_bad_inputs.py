@@ -360,6 +360,29 @@ def _step_after_replacing_data(stage):
     return build
 
 
+def _step_after_casting(stage, cast):
+    """model.half() (or .to(torch.bfloat16), .double()) after the optimizer was built gives
+    every parameter new storage: refused, but the message blamed a `p.data = t` and said to
+    write the new values in place, which a cast cannot be."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            views = [p.data for p in model.parameters()]
+            try:
+                cast(model)
+                dtype = next(model.parameters()).dtype
+                model(torch.randn(2, 4, dtype=dtype)).float().pow(2).sum().backward()
+                first.step()
+            finally:  # the flat buffer's views again: the optimizer then trains on
+                for p, view in zip(model.parameters(), views):
+                    p.data = view
+                first.zero_grad()
+        return model, first, call
+    return build
+
+
 def _step_after_resizing(stage):
     """A layer grown after initialize, as transformers' resize_token_embeddings grows the
     embedding (`weight.data = larger`): stage 1 said to write the new values in place
@@ -423,6 +446,14 @@ CALL_CASES = [
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
     ("step after replacing .data stage 2", _step_after_replacing_data(2), RuntimeError,
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
+    ("step after model.half() stage 1", _step_after_casting(1, nn.Module.half), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.float16 on cpu, but it was torch.float32 .*cast "
+     "or moved since.*before zero_py.initialize"),
+    ("step after model.to(bf16) stage 2",
+     _step_after_casting(2, lambda m: m.to(torch.bfloat16)), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.bfloat16 on cpu.*cast or moved since"),
+    ("step after model.double() stage 2", _step_after_casting(2, nn.Module.double),
+     RuntimeError, r"is torch.float64 on cpu.*cast or moved since"),
     ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
      r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
     ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,

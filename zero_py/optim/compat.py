@@ -334,6 +334,18 @@ def refuse_detached_params(opt) -> None:
                     "every parameter in a flat buffer laid out then; resize the model before "
                     "zero_py.initialize / ZeroOptimizer")
             more = f" (and of {len(moved) - 1} more)" if len(moved) > 1 else ""
+            was = opt._flat.buffers[opt._flat.bucket_buffer[opt._flat.param_bucket[i]]]
+            if p.dtype != was.dtype or p.device != was.device:
+                # model.half() / .to(...) after construction: the advice for a replaced .data
+                # (write in place) cannot apply, a cast cannot be written into the buffer
+                raise RuntimeError(
+                    f"zero_py: parameter {opt._name(p)}{more} is {p.dtype} on {p.device}, but "
+                    f"it was {was.dtype} on {was.device} when the optimizer was built: the "
+                    "model was cast or moved since (model.half(), model.to(torch.bfloat16), "
+                    "model.double(), model.to(device)), which gives each parameter new "
+                    "storage outside the flat buffers that stages 1-2 update, so it would "
+                    "never train again. Cast and move the model before zero_py.initialize / "
+                    "ZeroOptimizer (or save a checkpoint and load it into a cast model)")
             raise RuntimeError(
                 f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "
                 "the optimizer was built (`p.data = t`, or "
