@@ -383,6 +383,26 @@ def _step_after_casting(stage, cast):
     return build
 
 
+def _step_after_channels_last(_):
+    """model.to(memory_format=torch.channels_last) after the optimizer: refused as a replaced
+    .data, with the advice to write the values in place, which a conversion cannot."""
+    # (2, 4) in and out, as the test's check of the optimizer afterwards feeds it
+    model = nn.Sequential(nn.Unflatten(1, (2, 1, 2)), nn.Conv2d(2, 4, (1, 2)), nn.Flatten())
+    model, first = zero_py.initialize(model, stage=2)
+
+    def call():
+        views = [p.data for p in model.parameters()]
+        try:
+            model.to(memory_format=torch.channels_last)
+            model(torch.randn(2, 4)).pow(2).sum().backward()
+            first.step()
+        finally:  # the flat buffer's views again: the optimizer then trains on
+            for p, view in zip(model.parameters(), views):
+                p.data = view
+            first.zero_grad()
+    return model, first, call
+
+
 def _step_after_resizing(stage):
     """A layer grown after initialize, as transformers' resize_token_embeddings grows the
     embedding (`weight.data = larger`): stage 1 said to write the new values in place
@@ -454,6 +474,8 @@ CALL_CASES = [
      r"'0.weight' \(and of 3 more\) is torch.bfloat16 on cpu.*cast or moved since"),
     ("step after model.double() stage 2", _step_after_casting(2, nn.Module.double),
      RuntimeError, r"is torch.float64 on cpu.*cast or moved since"),
+    ("step after channels_last stage 2", _step_after_channels_last, RuntimeError,
+     r"'1.weight' was converted to another memory format.*leave the parameters contiguous"),
     ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
      r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
     ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,

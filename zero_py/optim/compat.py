@@ -346,6 +346,15 @@ def refuse_detached_params(opt) -> None:
                     "storage outside the flat buffers that stages 1-2 update, so it would "
                     "never train again. Cast and move the model before zero_py.initialize / "
                     "ZeroOptimizer (or save a checkpoint and load it into a cast model)")
+            if not p.is_contiguous():  # same values, other strides: the copy a conversion made
+                raise RuntimeError(
+                    f"zero_py: parameter {opt._name(p)}{more} was converted to another memory "
+                    "format after the optimizer was built (model.to(memory_format="
+                    "torch.channels_last)), which gives each parameter new storage outside "
+                    "the flat buffers that stages 1-2 update, so it would never train again. "
+                    "Stages 1-2 keep every parameter a contiguous view of its flat buffer: "
+                    "leave the parameters contiguous (convolutions take channels_last inputs "
+                    "with contiguous weights)")
             raise RuntimeError(
                 f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "
                 "the optimizer was built (`p.data = t`, or "
