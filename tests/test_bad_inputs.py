@@ -313,6 +313,14 @@ def _stage3(bad_kwargs, float64=False):
     return build
 
 
+def _stage3_frozen_int8(_):
+    """A quantized base model's frozen int8 weight (trainable adapters beside it): stage 3
+    shards frozen parameters in float dtypes only, and said to cast the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Module())
+    model[1].qweight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    return model, None, lambda: zero_py.initialize(model, stage=3)
+
+
 def _stage3_add_param_group(_):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].requires_grad_(False)
@@ -458,6 +466,8 @@ CALL_CASES = [
                                               "stochastic_rounding": True}), ValueError,
      "stochastic_rounding needs a fused optimizer"),
     ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
+    ("stage 3: frozen int8 parameter", _stage3_frozen_int8, ValueError,
+     r"'1.qweight' \(index 2\) is frozen with dtype torch.int8.*use stage 1 or 2"),
     ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),

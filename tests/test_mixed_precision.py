@@ -220,6 +220,56 @@ def clipping(rank, stage, norm_type):
     return {"rel": _rel(zm, ref), "norm_rel": norm_rel, "clipped": clipped}
 
 
+class QuantizedBase(nn.Module):
+    """A quantized base model's layer: frozen int8 and float8 weights (with a frozen fp32
+    scale) and trainable low-rank adapters beside them; a float8 and a bool buffer."""
+
+    def __init__(self, rank):
+        super().__init__()
+        gen = torch.Generator().manual_seed(rank)  # the frozen values differ between ranks
+        self.q8 = nn.Parameter(torch.randint(-127, 128, (16, 16), generator=gen,
+                                             dtype=torch.int8), requires_grad=False)
+        self.f8 = nn.Parameter(torch.randn(16, 16, generator=gen).to(torch.float8_e4m3fn),
+                               requires_grad=False)
+        self.scale = nn.Parameter(torch.rand(16, 1, generator=gen) / 64, requires_grad=False)
+        self.register_buffer("shift", torch.randn(16, generator=gen).to(torch.float8_e4m3fn))
+        self.register_buffer("mask", torch.rand(16, generator=gen) > 0.3)
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.randn(4, 16) * 0.1)
+        self.b = nn.Parameter(torch.randn(16, 4) * 0.1)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        w = (self.q8.float() + self.f8.float()) * self.scale
+        h = torch.tanh(x @ w.t() + (x @ self.a.t()) @ self.b.t() + self.shift.float())
+        return self.head(h * self.mask)
+
+
+def quantized_base(rank, stage):
+    """Stages 1-2 keep frozen parameters whole, in any dtype, and start them (and the buffers)
+    from rank 0's values: a float8 one was broadcast in its own dtype, which gloo refuses
+    ("Invalid scalar type", reported as a peer's failure), so the model could not be built."""
+    ref = QuantizedBase(0)  # rank 0's values: every rank's after initialize, as under DDP
+    ref_opt = MasterAdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    zm, zopt = zero_py.initialize(QuantizedBase(rank), torch.optim.AdamW, stage=stage,
+                                  lr=1e-2, bucket_bytes=1024)
+    state = {k: v.clone() for k, v in zm.state_dict().items()}
+    same = all(torch.equal(state[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.state_dict().items())
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x, y = models.mlp_batch(gen)
+        for model, opt in ((ref, ref_opt), (zm, zopt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            if opt is ref_opt:  # DDP's average, by hand
+                for p in opt.params:
+                    p.grad.div_(2)
+                    torch.distributed.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+    return {"rank0_values": same, "rel": _rel(zm, ref)}
+
+
 def nonfinite_clipping(rank, stage, bad, norm_type, max_norm):
     """clip_grad_norm_ (torch's, as a DDP script calls it) in fp32 without a loss scaler, where
     rank 1's gradient holds one inf or NaN element at step 1 (`bad`; None: none). torch scales
@@ -356,6 +406,8 @@ def _cases(rank, world_size):
         r["resume_bf16", stage] = resume_bf16(rank, stage)
         r["max_norm_bf16", stage] = max_norm_embedding_bf16(rank, stage)
     if world_size == 2:
+        for stage in (1, 2):
+            r["quantized_base", stage] = quantized_base(rank, stage)
         for stage in (1, 2, 3):
             for key, args in NONFINITE_CLIPPING.items():
                 r[key, stage] = nonfinite_clipping(rank, stage, *args)
@@ -444,3 +496,11 @@ def test_clipping_a_nonfinite_or_zero_norm_does_what_torch_does_under_ddp(result
             # torch's NaN coefficient reaches every parameter
             assert (sum(c["nan"]) > 1000) == (bad == "nan"), f"{where}: {c['nan']}"
             assert c["rel"] <= 1e-5, f"{where}: finite parameters differ by {c['rel']:.2e}"
+
+
+def test_frozen_parameters_and_buffers_of_any_dtype_start_from_rank_0(results):
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2):
+            c = r["quantized_base", stage]
+            assert c["rank0_values"], f"stage {stage} rank {rank}/2: not rank 0's values"
+            assert c["rel"] <= 1e-5, f"stage {stage} rank {rank}/2: {c['rel']:.2e}"

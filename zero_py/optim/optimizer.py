@@ -497,7 +497,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             for p in self._all_params:
                 if id(p) not in ids and p.numel() > 0:
                     buf = p.detach().contiguous().clone()
-                    self.executor.broadcast(buf, 0).wait()
+                    # as bytes: frozen parameters may be of any dtype (int8 or float8 weights
+                    # of a quantized base model), which gloo does not all take (float8: an
+                    # "Invalid scalar type" that read as a peer's failure)
+                    self.executor.broadcast(buf.view(-1).view(torch.uint8), 0).wait()
                     p.copy_(buf)
 
     def sync_master_from_params(self) -> None:
