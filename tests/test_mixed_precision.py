@@ -220,6 +220,52 @@ def clipping(rank, stage, norm_type):
     return {"rel": _rel(zm, ref), "norm_rel": norm_rel, "clipped": clipped}
 
 
+def clip_while_unfreezing(rank, stage):
+    """A fine-tuning loop that freezes a layer for some steps (requires_grad_(False) after the
+    optimizer was built) and clips the parameters that train now, [p for p in
+    model.parameters() if p.requires_grad], against DDP(find_unused_parameters=True) + AdamW:
+    zero_py refused that call as clipping some of its parameters only. Then a layer frozen
+    between backward and the clip (its gradient there, left out of torch's norm): refused on
+    every rank, since zero_py clips the whole gradient shard."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    if stage == 3:
+        zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                                      lr=1e-2, weight_decay=0.1)
+    else:
+        zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
+                                     bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    norm_rel = 0.0
+    for step in range(6):
+        x, y = models.mlp_batch(gen)
+        norms = []
+        for model, module, opt in ((ddp, ref, ref_opt), (zm, zm, zopt)):
+            module.fc1.requires_grad_(not 2 <= step < 5)
+            nn.functional.mse_loss(model(x), y).backward()
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 0.05)))
+            opt.step()
+            opt.zero_grad()
+        norm_rel = max(norm_rel, abs(norms[1] - norms[0]) / norms[0])
+    ctx = zero_py.gathered(zm) if stage == 3 else contextlib.nullcontext()
+    with ctx:
+        rel = _rel(zm, ref)
+    nn.functional.mse_loss(zm(x), y).backward()
+    zm.fc2.requires_grad_(False)
+    try:
+        torch.nn.utils.clip_grad_norm_([p for p in zm.parameters() if p.requires_grad], 0.05)
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    zm.fc2.requires_grad_(True)
+    zopt.zero_grad()
+    return {"rel": rel, "norm_rel": norm_rel, "refused": refused}
+
+
 class QuantizedBase(nn.Module):
     """A quantized base model's layer: frozen int8 and float8 weights (with a frozen fp32
     scale) and trainable low-rank adapters beside them; a float8 and a bool buffer."""
@@ -409,6 +455,7 @@ def _cases(rank, world_size):
         for stage in (1, 2):
             r["quantized_base", stage] = quantized_base(rank, stage)
         for stage in (1, 2, 3):
+            r["clip_while_unfreezing", stage] = clip_while_unfreezing(rank, stage)
             for key, args in NONFINITE_CLIPPING.items():
                 r[key, stage] = nonfinite_clipping(rank, stage, *args)
     return r
@@ -504,3 +551,13 @@ def test_frozen_parameters_and_buffers_of_any_dtype_start_from_rank_0(results):
             c = r["quantized_base", stage]
             assert c["rank0_values"], f"stage {stage} rank {rank}/2: not rank 0's values"
             assert c["rel"] <= 1e-5, f"stage {stage} rank {rank}/2: {c['rel']:.2e}"
+
+
+def test_clipping_the_trainable_parameters_while_a_layer_is_frozen_matches_ddp(results):
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2, 3):
+            where, c = f"stage {stage} rank {rank}/2", r["clip_while_unfreezing", stage]
+            assert c["norm_rel"] <= 1e-5 and c["rel"] <= 1e-5, f"{where}: {c}"
+            named = "'fc2.weight'" if stage == 3 else "of shape (32, 32) (index 2)"
+            assert f"{named}, which has requires_grad=False but holds a gradient" in (
+                c["refused"] or ""), f"{where}: {c['refused']}"

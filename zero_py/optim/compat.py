@@ -188,8 +188,11 @@ _CLIP_MESSAGE = (
 
 
 def _whole_optimizer(params: List[torch.Tensor]):
-    """The ZeroOptimizer whose every trained parameter is in `params`, where the others there
-    have no gradient (frozen, or unused); else None."""
+    """The ZeroOptimizer whose every trained parameter is in `params` or frozen now
+    (requires_grad=False: a fine-tuning script clips [p for p in model.parameters() if
+    p.requires_grad] while some layers are frozen, which torch's norm under DDP takes alike, a
+    frozen layer having no gradient), where the others there have no gradient (frozen, or
+    unused); else None."""
     owners = {}
     for p in params:
         owner = owner_of(p)
@@ -201,7 +204,8 @@ def _whole_optimizer(params: List[torch.Tensor]):
         return None
     (owner,) = owners.values()
     given = {id(p) for p in params}
-    return owner if all(id(p) in given for p in owner._flat.params) else None
+    return owner if all(id(p) in given or not p.requires_grad
+                        for p in owner._flat.params) else None
 
 
 def _clip_through_owner(original):
@@ -212,8 +216,11 @@ def _clip_through_owner(original):
         bound = signature.bind(params, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        return _whole_optimizer(params).clip_grad_norm_(
-            a["max_norm"], a.get("norm_type", 2.0), a.get("error_if_nonfinite", False))
+        owner = _whole_optimizer(params)
+        given = {id(p) for p in params}
+        left_out = [i for i, p in enumerate(owner._flat.params) if id(p) not in given]
+        return owner.clip_grad_norm_(a["max_norm"], a.get("norm_type", 2.0),
+                                     a.get("error_if_nonfinite", False), _left_out=left_out)
     return clip
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,16 +93,30 @@ class GradStatistics:
         return mask
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, *,
+                        _left_out: Sequence[int] = ()) -> torch.Tensor:
         """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
         DDP's full gradients, and returns the same total norm (of the unscaled gradients). The
         clip coefficient is applied inside the next step()'s update, not as a pass of its own.
-        Call it after backward and before step()."""
+        Call it after backward and before step().
+
+        _left_out: the frozen parameters (indices into the storage's) that a call of torch's
+        function over the trainable ones left out (compat.py): the norm and the coefficient
+        cover every gradient, so one of them holding a gradient is refused."""
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         with torch.no_grad():
-            self._finish_reduction()
+            used = self._finish_reduction()  # the same on every rank: so is a refusal
+            held = [i for i in _left_out if used is not None and used[i]]
+            if held:
+                raise RuntimeError(
+                    f"zero_py: torch.nn.utils.clip_grad_norm_ left out parameter "
+                    f"{self._name(self._flat.params[held[0]])}, which has requires_grad=False "
+                    "but holds a gradient of this step (it was frozen after its backward): "
+                    "torch's function would leave it out of the norm and unclipped, which "
+                    "zero_py's clipping of the whole gradient shard cannot; clip before "
+                    "freezing it, or pass every parameter (model.parameters())")
             sum_pow, nonfinite = self._grad_stats(norm_type)
         self._nonfinite = nonfinite
         if nonfinite and error_if_nonfinite:
