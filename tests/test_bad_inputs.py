@@ -326,6 +326,14 @@ def _stage3(bad_kwargs, float64=False):
     return build
 
 
+def _stage3_frozen_int8(_):
+    """A quantized base model's frozen int8 weight (trainable adapters beside it): stage 3
+    shards frozen parameters in float dtypes only, and said to cast the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Module())
+    model[1].qweight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    return model, None, lambda: zero_py.initialize(model, stage=3)
+
+
 def _stage3_add_param_group(_):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].requires_grad_(False)
@@ -371,6 +379,49 @@ def _step_after_replacing_data(stage):
                     p.data = view
         return model, first, call
     return build
+
+
+def _step_after_casting(stage, cast):
+    """model.half() (or .to(torch.bfloat16), .double()) after the optimizer was built gives
+    every parameter new storage: refused, but the message blamed a `p.data = t` and said to
+    write the new values in place, which a cast cannot be."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            views = [p.data for p in model.parameters()]
+            try:
+                cast(model)
+                dtype = next(model.parameters()).dtype
+                model(torch.randn(2, 4, dtype=dtype)).float().pow(2).sum().backward()
+                first.step()
+            finally:  # the flat buffer's views again: the optimizer then trains on
+                for p, view in zip(model.parameters(), views):
+                    p.data = view
+                first.zero_grad()
+        return model, first, call
+    return build
+
+
+def _step_after_channels_last(_):
+    """model.to(memory_format=torch.channels_last) after the optimizer: refused as a replaced
+    .data, with the advice to write the values in place, which a conversion cannot."""
+    # (2, 4) in and out, as the test's check of the optimizer afterwards feeds it
+    model = nn.Sequential(nn.Unflatten(1, (2, 1, 2)), nn.Conv2d(2, 4, (1, 2)), nn.Flatten())
+    model, first = zero_py.initialize(model, stage=2)
+
+    def call():
+        views = [p.data for p in model.parameters()]
+        try:
+            model.to(memory_format=torch.channels_last)
+            model(torch.randn(2, 4)).pow(2).sum().backward()
+            first.step()
+        finally:  # the flat buffer's views again: the optimizer then trains on
+            for p, view in zip(model.parameters(), views):
+                p.data = view
+            first.zero_grad()
+    return model, first, call
 
 
 def _step_after_resizing(stage):
@@ -432,6 +483,8 @@ CALL_CASES = [
                                               "stochastic_rounding": True}), ValueError,
      "stochastic_rounding needs a fused optimizer"),
     ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
+    ("stage 3: frozen int8 parameter", _stage3_frozen_int8, ValueError,
+     r"'1.qweight' \(index 2\) is frozen with dtype torch.int8.*use stage 1 or 2"),
     ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),
@@ -440,6 +493,16 @@ CALL_CASES = [
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
     ("step after replacing .data stage 2", _step_after_replacing_data(2), RuntimeError,
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
+    ("step after model.half() stage 1", _step_after_casting(1, nn.Module.half), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.float16 on cpu, but it was torch.float32 .*cast "
+     "or moved since.*before zero_py.initialize"),
+    ("step after model.to(bf16) stage 2",
+     _step_after_casting(2, lambda m: m.to(torch.bfloat16)), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.bfloat16 on cpu.*cast or moved since"),
+    ("step after model.double() stage 2", _step_after_casting(2, nn.Module.double),
+     RuntimeError, r"is torch.float64 on cpu.*cast or moved since"),
+    ("step after channels_last stage 2", _step_after_channels_last, RuntimeError,
+     r"'1.weight' was converted to another memory format.*leave the parameters contiguous"),
     ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
      r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
     ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,

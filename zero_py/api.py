@@ -24,7 +24,7 @@ import torch.nn as nn
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
-from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK,
+from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES,
                                      check_no_shared_storage, fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
@@ -240,6 +240,14 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:
                 continue
+            if not p.requires_grad and p.dtype not in PARAM_DTYPES:
+                # _check_param's "cast the model" misleads for a frozen int8/float8 weight of a
+                # quantized base model, which is not to be trained
+                raise ValueError(
+                    f"parameter {name!r} (index {i}) is frozen with dtype {p.dtype}: stage 3 "
+                    "shards frozen parameters too, in float32, bfloat16 and float16 only; use "
+                    "stage 1 or 2 (they keep frozen parameters whole, in any dtype), or hold "
+                    "it as a buffer (module.register_buffer), which every stage keeps whole")
             if p.is_meta:
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
@@ -494,10 +502,10 @@ def _broadcast_buffers(model: nn.Module, executor) -> None:
         if b.numel() > 0 and not b.is_meta:
             by_dtype.setdefault(b.dtype, []).append(b)
     with torch.no_grad():
-        for dtype, bufs in by_dtype.items():
-            wire = torch.uint8 if dtype == torch.bool else dtype
-            flat = torch.cat([b.detach().reshape(-1).to(executor.device, wire) for b in bufs])
-            executor.broadcast(flat, 0).wait()
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1).to(executor.device) for b in bufs])
+            # as bytes: the backends do not all take every dtype (gloo: bool, float8)
+            executor.broadcast(flat.view(torch.uint8), 0).wait()
             at = 0
             for b in bufs:
                 b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.device, b.dtype))

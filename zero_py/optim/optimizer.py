@@ -11,6 +11,7 @@ torch.optim class) run on the fp32 master shard, and has the storage publish the
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
@@ -509,7 +510,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             for p in self._all_params:
                 if id(p) not in ids and p.numel() > 0:
                     buf = p.detach().contiguous().clone()
-                    self.executor.broadcast(buf, 0).wait()
+                    # as bytes: frozen parameters may be of any dtype (int8 or float8 weights
+                    # of a quantized base model), which gloo does not all take (float8: an
+                    # "Invalid scalar type" that read as a peer's failure)
+                    self.executor.broadcast(buf.view(-1).view(torch.uint8), 0).wait()
                     p.copy_(buf)
 
     def sync_master_from_params(self) -> None:
@@ -670,7 +674,11 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 self._step_count[i] += 1
         if not any(used):
             return
-        grad_scale = (self._clip_coef or 1.0) / self.loss_scale
+        coef = self._clip_coef  # 0.0 is a coefficient (an inf total norm), not "none"
+        if coef is not None and math.isnan(coef):
+            self._poison_gradients()
+            coef = None
+        grad_scale = (1.0 if coef is None else coef) / self.loss_scale
         self._sr_seed += 1
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]

@@ -90,6 +90,18 @@ _MODULE_CALL = nn.Module._call_impl.__code__
 _BACKWARD_ENDING = -2
 
 
+def _forget_autocast_casts() -> None:
+    """As a forward or a backward starts, drops the casts of parameters that torch.autocast
+    caches for its region (keyed by the parameter: the lower-precision copy and its autograd
+    edge, made at the first use). A pass after another in the same region (a second
+    micro-batch, a training forward after a no_grad one, a backward run inside the region
+    whose checkpointed blocks are recomputed) was given the copies the earlier pass made from
+    units freed since, and its backward failed in AccumulateGrad ("The size of tensor a (144)
+    must match the size of tensor b (32)"). Within a pass the copies stay shared, as under
+    DDP (a unit called twice uses one cast). Outside autocast the cache is empty."""
+    torch.clear_autocast_cache()
+
+
 def merge_orders(rows: List[List[int]], n_units: int) -> List[int]:
     """One order of the units consistent with every rank's sequence of first uses (`rows`: per
     rank, its length then the unit ids), the same on every rank: a topological order of "u came
@@ -507,6 +519,7 @@ class Stage3Engine:
         self._phase = None
 
     def _begin_forward(self) -> None:
+        _forget_autocast_casts()
         self.reducer.settle_failed_backward()
         self._close_phase()
         if self._order_pending is not None:
@@ -551,6 +564,7 @@ class Stage3Engine:
         self._post_pending = [0] * len(self.units)
 
     def _begin_backward(self) -> None:
+        _forget_autocast_casts()
         # a backward that raised before this one: its phase ends first (_failed_backward)
         self.reducer.settle_failed_backward()
         if self.reducer.sync_enabled:
