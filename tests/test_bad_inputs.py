@@ -504,3 +504,59 @@ def test_a_managed_model_can_be_saved_whole_and_copied(single_rank_group):
     with pytest.raises(ValueError, match="already managed"):
         zero_py.ZeroOptimizer(model.parameters())
     assert opt.state is not None
+
+
+def _with_param(make_param, requires_grad=True):
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.extra = nn.Parameter(make_param(), requires_grad=requires_grad)
+    return model
+
+
+# (case, the model, stage, message): parameters zero_py cannot lay out, refused at
+# construction with the remedy that works for them. Before, a meta parameter was told to "move
+# the model" (a meta tensor cannot be moved: it has no values), a complex one to "cast the
+# model" (which drops the imaginary part), and a frozen float64 one under stage 3 was told
+# nothing of why a frozen parameter matters there.
+REFUSED_PARAMS = [
+    ("meta parameter, stage 1", lambda: _with_param(lambda: torch.empty(3, device="meta")), 1,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("meta parameter, stage 2", lambda: _with_param(lambda: torch.empty(3, device="meta")), 2,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("complex parameter, stage 2",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 2,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("complex parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 3,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("frozen float64 parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.float64), requires_grad=False), 3,
+     r"'extra' .* torch.float64: .*it is frozen, but stage 3 shards frozen parameters too: "
+     r"register it as a buffer, or use stage 1 or 2"),
+]
+
+
+@pytest.mark.parametrize("case,make,stage,match", REFUSED_PARAMS,
+                         ids=[c[0] for c in REFUSED_PARAMS])
+def test_parameters_zero_py_cannot_lay_out_are_refused_with_a_remedy(single_rank_group, case,
+                                                                     make, stage, match):
+    model = make()
+    with pytest.raises(ValueError, match=match):
+        if stage == 3:
+            zero_py.initialize(model, torch.optim.AdamW, stage=3)
+        else:  # named, as initialize passes them: the message names the parameter
+            zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage)
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_frozen_parameters_of_other_dtypes_stay_whole_under_stages_1_and_2(single_rank_group):
+    """What the stage-3 refusal above points to: under stages 1-2 a frozen float64 or complex
+    parameter is kept whole and untouched while the others train."""
+    model = _with_param(lambda: torch.randn(3, dtype=torch.complex64), requires_grad=False)
+    model.f64 = nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
+    kept = (model.extra.detach().clone(), model.f64.detach().clone())
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.1)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    assert torch.equal(model.extra, kept[0]) and torch.equal(model.f64, kept[1])
