@@ -532,6 +532,15 @@ REFUSED_PARAMS = [
      lambda: _with_param(lambda: torch.randn(3, dtype=torch.float64), requires_grad=False), 3,
      r"'extra' .* torch.float64: .*it is frozen, but stage 3 shards frozen parameters too: "
      r"register it as a buffer, or use stage 1 or 2"),
+    # before: each element of the expanded parameter got a place of its own and trained apart,
+    # where torch.optim's in-place update raises
+    ("expanded parameter, stage 1", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     1, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("expanded parameter, stage 3", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     3, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("self-overlapping strides, stage 2",
+     lambda: _with_param(lambda: torch.randn(10).as_strided((3, 3), (2, 1))), 2,
+     r"'extra' overlaps itself in memory"),
 ]
 
 
@@ -560,3 +569,39 @@ def test_frozen_parameters_of_other_dtypes_stay_whole_under_stages_1_and_2(singl
     opt.step()
     assert not torch.equal(model[0].weight, before)
     assert torch.equal(model.extra, kept[0]) and torch.equal(model.f64, kept[1])
+
+
+class _Strided(nn.Module):
+    """Parameters whose strides are not row-major but never revisit an element."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(5, 4).t())  # transposed
+        self.sliced = nn.Parameter(torch.randn(5, 8)[:, ::2])  # every other column
+        self.odd = nn.Parameter(torch.randn(10).as_strided((2, 2), (3, 2)))  # interleaved
+        self.conv = nn.Conv2d(2, 5, 2)
+
+    def forward(self, x, img):
+        h = torch.tanh(x @ self.t + self.conv(img).mean((2, 3)))  # (B, 5)
+        return h @ self.sliced[:, :2] @ self.odd
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strided_parameters_that_do_not_overlap_train_as_torch_optim(single_rank_group, stage):
+    """The overlap check above leaves alone what only looks unusual: transposed, sliced,
+    interleaved (as_strided) and channels_last parameters train as under torch.optim."""
+    torch.manual_seed(0)
+    ref = _Strided().to(memory_format=torch.channels_last)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, img = torch.randn(3, 4, generator=gen), torch.randn(3, 2, 3, 3, generator=gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x, img).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    full = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)

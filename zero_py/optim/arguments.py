@@ -128,6 +128,13 @@ def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
         if id(p) in seen or p.is_meta or p.numel() == 0:
             continue
         seen.add(id(p))
+        if _overlaps_itself(p):
+            raise ValueError(
+                f"parameter {name_of(p)} overlaps itself in memory (an expanded tensor, or "
+                "strides that revisit elements); torch.optim's in-place update refuses it, "
+                "and zero_py would give each of its elements a place of its own, so they "
+                "would silently train apart. Make the Parameter of its distinct values "
+                "(e.g. nn.Parameter(t[:1].clone())) and expand it in the forward")
         size = p.element_size()
         lo = p.storage_offset() * size
         hi = lo + size * (1 + sum((n - 1) * abs(s) for n, s in zip(p.shape, p.stride())))
@@ -143,3 +150,23 @@ def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
                     "them as one Parameter (module.b = module.a), or make the second a "
                     "function of the first in the forward (a view taken there, e.g. "
                     "self.a[:16]), instead of a Parameter of its own")
+
+
+def _overlaps_itself(p: torch.Tensor) -> bool:
+    """Whether two elements of p are one element of its storage (an expand()ed tensor has a
+    stride 0). Strides that nest, each at least the span of the smaller ones, cannot overlap
+    (every contiguous, transposed, channels_last or sliced tensor); only other strides
+    (as_strided) are checked element by element."""
+    span = 1
+    for stride, n in sorted((abs(st), n) for n, st in zip(p.shape, p.stride()) if n > 1):
+        if stride == 0:
+            return True
+        if stride < span:
+            break
+        span = stride * n
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(p.shape, p.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return offsets.unique().numel() < p.numel()
