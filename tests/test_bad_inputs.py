@@ -607,3 +607,131 @@ def test_a_managed_model_can_be_saved_whole_and_copied(single_rank_group):
     with pytest.raises(ValueError, match="already managed"):
         zero_py.ZeroOptimizer(model.parameters())
     assert opt.state is not None
+
+
+def _with_param(make_param, requires_grad=True):
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.extra = nn.Parameter(make_param(), requires_grad=requires_grad)
+    return model
+
+
+# (case, the model, stage, message): parameters zero_py cannot lay out, refused at
+# construction with the remedy that works for them. Before, a meta parameter was told to "move
+# the model" (a meta tensor cannot be moved: it has no values), a complex one to "cast the
+# model" (which drops the imaginary part), and a frozen float64 one under stage 3 was told
+# nothing of why a frozen parameter matters there.
+REFUSED_PARAMS = [
+    ("meta parameter, stage 1", lambda: _with_param(lambda: torch.empty(3, device="meta")), 1,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("meta parameter, stage 2", lambda: _with_param(lambda: torch.empty(3, device="meta")), 2,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("complex parameter, stage 2",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 2,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("complex parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 3,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("frozen float64 parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.float64), requires_grad=False), 3,
+     r"'extra' .* torch.float64: .*it is frozen, but stage 3 shards frozen parameters too: "
+     r"register it as a buffer, or use stage 1 or 2"),
+    # before: each element of the expanded parameter got a place of its own and trained apart,
+    # where torch.optim's in-place update raises
+    ("expanded parameter, stage 1", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     1, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("expanded parameter, stage 3", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     3, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("self-overlapping strides, stage 2",
+     lambda: _with_param(lambda: torch.randn(10).as_strided((3, 3), (2, 1))), 2,
+     r"'extra' overlaps itself in memory"),
+]
+
+
+@pytest.mark.parametrize("case,make,stage,match", REFUSED_PARAMS,
+                         ids=[c[0] for c in REFUSED_PARAMS])
+def test_parameters_zero_py_cannot_lay_out_are_refused_with_a_remedy(single_rank_group, case,
+                                                                     make, stage, match):
+    model = make()
+    with pytest.raises(ValueError, match=match):
+        if stage == 3:
+            zero_py.initialize(model, torch.optim.AdamW, stage=3)
+        else:  # named, as initialize passes them: the message names the parameter
+            zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage)
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_frozen_parameters_of_other_dtypes_stay_whole_under_stages_1_and_2(single_rank_group):
+    """What the stage-3 refusal above points to: under stages 1-2 a frozen float64 or complex
+    parameter is kept whole and untouched while the others train."""
+    model = _with_param(lambda: torch.randn(3, dtype=torch.complex64), requires_grad=False)
+    model.f64 = nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
+    kept = (model.extra.detach().clone(), model.f64.detach().clone())
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.1)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    assert torch.equal(model.extra, kept[0]) and torch.equal(model.f64, kept[1])
+
+
+class _Strided(nn.Module):
+    """Parameters whose strides are not row-major but never revisit an element."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(5, 4).t())  # transposed
+        self.sliced = nn.Parameter(torch.randn(5, 8)[:, ::2])  # every other column
+        self.odd = nn.Parameter(torch.randn(10).as_strided((2, 2), (3, 2)))  # interleaved
+        self.conv = nn.Conv2d(2, 5, 2)
+
+    def forward(self, x, img):
+        h = torch.tanh(x @ self.t + self.conv(img).mean((2, 3)))  # (B, 5)
+        return h @ self.sliced[:, :2] @ self.odd
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strided_parameters_that_do_not_overlap_train_as_torch_optim(single_rank_group, stage):
+    """The overlap check above leaves alone what only looks unusual: transposed, sliced,
+    interleaved (as_strided) and channels_last parameters train as under torch.optim."""
+    torch.manual_seed(0)
+    ref = _Strided().to(memory_format=torch.channels_last)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, img = torch.randn(3, 4, generator=gen), torch.randn(3, 2, 3, 3, generator=gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x, img).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    full = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _BufferView(nn.Module):
+    """A buffer that is a view of a trained parameter (torch.optim's update of the parameter
+    shows in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("head_rows", self.fc.weight.data[:2])
+
+    def forward(self, x):
+        return self.fc(x) + x @ self.head_rows.t().sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_buffer_that_views_a_trained_parameter_is_refused(single_rank_group, stage):
+    """zero_py moves a trained parameter into storage of its own, so before, a buffer that
+    viewed it kept its first values (probed: 0.07 off torch.optim after one SGD step, every
+    stage); initialize now refuses it, naming both, and changes nothing."""
+    model = _BufferView()
+    data = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
+    with pytest.raises(ValueError, match=r"buffer 'head_rows' shares memory with parameter "
+                                         r"'fc.weight' .*Compute it from the parameter"):
+        zero_py.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
+    assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == data
+    assert model.head_rows.data_ptr() == model.fc.weight.data_ptr()

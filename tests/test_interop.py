@@ -2,17 +2,20 @@
 stages 1-3: a DDP run's torch.save'd model and torch.optim state dicts resumed under zero_py,
 and torch.distributed.checkpoint.state_dict's get_/set_ functions (as FSDP2 and torchtitan-style
 code call them) on a zero_py model and optimizer, in each of its modes: full_state_dict on every
-rank, sharded (full_state_dict=False), and full on rank 0 with broadcast_from_rank0.
+rank, sharded (full_state_dict=False), and full on rank 0 with broadcast_from_rank0; and, both
+ways between DDP and zero_py, the dicts of a model with parameters without elements.
 
 Every scenario runs in one set of 2 processes. Tolerance 1e-5 relative (fp32).
 """
 
+import copy
 import inspect
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
@@ -165,6 +168,62 @@ def dcp_state_dicts(rank, stage, mode):
     return {"get": got, "set_then_train": _rel(zm2, ref)}
 
 
+class _WithEmpty(nn.Module):
+    """An MLP beside parameters without elements (a placeholder, a Linear of width 0) that
+    take part in the forward, so torch.optim keeps state for them (a step, empty moments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = models.MLP()
+        self.empty = nn.Parameter(torch.empty(0))
+        self.none_in = nn.Linear(0, 8)
+
+    def forward(self, x):
+        return self.mlp(x) + self.none_in(x[:, :0]) + self.empty.sum()
+
+
+def dcp_zero_element_params(rank, stage, mode):
+    """DCP's dicts of a model with parameters without elements, both ways: DDP's into a fresh
+    zero_py optimizer (before the fix: KeyError 'state.empty.step' in DCP's loader, since
+    zero_py keeps no state for them), and zero_py's into a DDP optimizer that has stepped
+    (before: DCP's "Missing optimizer state for parameter 'empty'"); each run then trains on
+    as DDP does."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+
+    opts = StateDictOptions(full_state_dict=mode == "full")
+    first, later = _data(rank)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+
+    def pair(seed):
+        torch.manual_seed(seed)
+        ref = _WithEmpty()
+        ddp = DDP(copy.deepcopy(ref))
+        ref_opt = torch.optim.AdamW(ddp.parameters(), **kw)
+        zm, zo = _zero(ref, stage, torch.optim.AdamW, kw)
+        return ddp, ref_opt, zm, zo
+
+    ddp, ref_opt, zm, zo = pair(0)
+    _train(ddp, ref_opt, first)
+    _train(zm, zo, first)
+    ref_sd, zero_sd = get_state_dict(ddp, ref_opt, options=opts), get_state_dict(zm, zo,
+                                                                                options=opts)
+    ddp2, ref_opt2, zm2, zo2 = pair(5)
+    _train(ddp2, ref_opt2, later[:1])  # a torch.optim with state of its own
+    set_state_dict(zm2, zo2, model_state_dict=ref_sd[0], optim_state_dict=ref_sd[1],
+                   options=opts)
+    set_state_dict(ddp2, ref_opt2, model_state_dict=zero_sd[0], optim_state_dict=zero_sd[1],
+                   options=opts)
+    _train(ddp, ref_opt, later)
+    _train(zm2, zo2, later)
+    _train(ddp2, ref_opt2, later)
+    sd = zm2.state_dict()  # full values at every stage
+    return {"ddp_into_zero": max(models.max_rel_diff(sd[n], p)
+                                 for n, p in ddp.module.named_parameters() if p.numel()),
+            "zero_into_ddp": max(models.max_rel_diff(p, q) for p, q in
+                                 zip(ddp2.parameters(), ddp.parameters()) if q.numel())}
+
+
 def dcp_refuses_loss_scaler(rank):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -199,6 +258,9 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2, 3):
         for mode in DCP_MODES:
             out["dcp", stage, mode] = dcp_state_dicts(rank, stage, mode)
+    for stage in (1, 2, 3):
+        for mode in ("full", "sharded"):
+            out["dcp_empty", stage, mode] = dcp_zero_element_params(rank, stage, mode)
     out["dcp_scaler"] = dcp_refuses_loss_scaler(rank)
     return out
 
@@ -233,6 +295,14 @@ def test_dcp_state_dict_functions_match_ddp(results, stage, mode):
         assert r["get"] <= RTOL, f"rank {rank}: get_*_state_dict differs by {r['get']:.2e}"
         assert r["set_then_train"] <= RTOL, \
             f"rank {rank}: set_*_state_dict then training differs by {r['set_then_train']:.2e}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["full", "sharded"])
+def test_dcp_state_dicts_with_zero_element_parameters(results, stage, mode):
+    for rank, res in enumerate(results):
+        for way, rel in res["dcp_empty", stage, mode].items():
+            assert rel <= RTOL, f"rank {rank} {way}: differs from DDP by {rel:.2e}"
 
 
 def test_dcp_get_refuses_to_drop_the_loss_scaler(results):

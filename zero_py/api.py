@@ -25,7 +25,8 @@ from zero_py.collectives import channel, make_executor, make_hybrid_executor, qu
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES,
-                                     check_no_shared_storage, fingerprint)
+                                     check_no_aliased_buffers, check_no_shared_storage,
+                                     fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.between_uses import full_numel
@@ -157,6 +158,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("a model on the meta device needs stage=3 (partitioned "
                              "construction); build it on a real device for stages 1-2")
+        # the trainable ones: those the optimizer moves into its flat buffers (`params` is
+        # left unread here, it may be a generator)
+        check_no_aliased_buffers([p for p in model.parameters() if p.requires_grad],
+                                 model.named_buffers(), lambda p: repr(names[id(p)]))
         opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
                             stage=stage, process_group=process_group, executor=executor,
                             replicate_group=replicate_group, device_mesh=device_mesh,
@@ -237,6 +242,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                              "has requires_grad=False or no elements")
         _refuse_in_place_forward_writes(model)
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
+        check_no_aliased_buffers(list(model.parameters()), model.named_buffers(),
+                                 lambda p: repr(names[id(p)]))
         for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:
                 continue

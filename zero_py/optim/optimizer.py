@@ -496,12 +496,27 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None) -> None:
         """`name`: the parameter's name, where known, for the message (else its index i)."""
         what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
+        if p.is_meta:  # it has no values, and cannot be moved: .to() of a meta tensor raises
+            raise ValueError(f"{what} is on the meta device (no values yet): build the model "
+                             "with zero_py.initialize(model, stage=3), which materializes it "
+                             "module by module, or give it values first (model.to_empty("
+                             "device=...) and initialize them) for stages 1-2")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
         if p.dtype not in PARAM_DTYPES:
+            # stage 3 checks its frozen parameters too: they are sharded like the others
+            frozen = ("; it is frozen, but stage 3 shards frozen parameters too: register it "
+                      "as a buffer, or use stage 1 or 2 (which keep frozen parameters whole)"
+                      if not p.requires_grad else "")
+            if p.is_complex():  # a cast to a real dtype would drop the imaginary part
+                raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
+                                 "bfloat16 and float16 parameters, not complex ones; keep it "
+                                 "as a real parameter of shape (..., 2) and take "
+                                 f"torch.view_as_complex of it in the forward{frozen}")
             raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
-                             "bfloat16 and float16 parameters; cast the model to one of them")
+                             "bfloat16 and float16 parameters; cast the model to one of "
+                             f"them{frozen}")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
         """Frozen parameters stay outside the flat buffers but start equal on every rank."""

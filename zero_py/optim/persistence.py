@@ -217,6 +217,15 @@ class StateDicts:
                   for i, shape in enumerate(self._flat.param_shapes)}
         shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
         full = sd_util.merge_shards(gathered, shapes)
+        # parameters without elements hold no state here; torch.optim's dict has theirs (empty
+        # moments and a step count), and DCP refuses to load a dict without it into a
+        # torch.optim optimizer: give them the state of a parameter stepped as often as the
+        # most-stepped one (their values are empty whatever the count)
+        step = max(self._step_count, default=0)
+        for i in dcp.empty_params(self) if step else ():
+            st = dcp.empty_param_state(self, self._all_params[i], step)
+            if st is not None:
+                full["state"][i] = st
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
         full["loss_scaler"] = self._scaler_state()
         # where the stochastic-rounding stream stands (the shard dicts carry it as their seed):
