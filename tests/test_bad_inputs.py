@@ -633,8 +633,8 @@ REFUSED_PARAMS = [
      r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
     ("frozen float64 parameter, stage 3",
      lambda: _with_param(lambda: torch.randn(3, dtype=torch.float64), requires_grad=False), 3,
-     r"'extra' .* torch.float64: .*it is frozen, but stage 3 shards frozen parameters too: "
-     r"register it as a buffer, or use stage 1 or 2"),
+     r"'extra' .* frozen with dtype torch.float64: stage 3 shards frozen parameters too.*"
+     r"use stage 1 or 2.*or hold it as a buffer"),
     # before: each element of the expanded parameter got a place of its own and trained apart,
     # where torch.optim's in-place update raises
     ("expanded parameter, stage 1", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),

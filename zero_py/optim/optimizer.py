@@ -505,18 +505,15 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
         if p.dtype not in PARAM_DTYPES:
-            # stage 3 checks its frozen parameters too: they are sharded like the others
-            frozen = ("; it is frozen, but stage 3 shards frozen parameters too: register it "
-                      "as a buffer, or use stage 1 or 2 (which keep frozen parameters whole)"
-                      if not p.requires_grad else "")
+            # (a frozen one under stage 3 is refused before, by initialize, with its remedy)
             if p.is_complex():  # a cast to a real dtype would drop the imaginary part
                 raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
                                  "bfloat16 and float16 parameters, not complex ones; keep it "
                                  "as a real parameter of shape (..., 2) and take "
-                                 f"torch.view_as_complex of it in the forward{frozen}")
+                                 "torch.view_as_complex of it in the forward")
             raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
                              "bfloat16 and float16 parameters; cast the model to one of "
-                             f"them{frozen}")
+                             "them")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
         """Frozen parameters stay outside the flat buffers but start equal on every rank."""
