@@ -561,10 +561,72 @@ def _feedback_resume(rank, ws, tmp):
     return out
 
 
-def test_error_feedback_residuals_resume_from_checkpoints(tmp_path):
-    for r in distributed.run(_feedback_resume, 2, str(tmp_path)):
+def _feedback_regrouped(rank, ws, add_at=None, steps=3):
+    """grad_error_feedback with blocks[1] frozen, and unfrozen by add_param_group before step
+    `add_at` (None: never): the other parameters' values after `steps` steps, and the
+    residuals just before the add and just after, keyed by the parameters of their bucket."""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    model.blocks[1].requires_grad_(False)
+    opt = zero_py.ZeroOptimizer([p for p in model.parameters() if p.requires_grad],
+                                torch.optim.AdamW, lr=3e-3, bucket_bytes=8192,
+                                quantized_grads="int4", grad_error_feedback=True)
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def residuals():
+        flat = opt._flat
+        return {tuple(id(flat.params[i]) for i in flat.bucket_params[b]): r.clone()
+                for b, r in opt._reducer.residuals().items()}
+    out = {}
+    for t in range(steps):
+        if t == add_at:
+            out["before"] = residuals()
+            model.blocks[1].requires_grad_(True)
+            opt.add_param_group({"params": list(model.blocks[1].parameters()), "lr": 1e-3})
+            out["after"] = residuals()
+        gpt_loss(model, gpt_batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+    out["values"] = {n: p.detach().clone() for n, p in model.named_parameters()
+                     if not n.startswith("blocks.1.")}
+    return out
+
+
+def _feedbacks_and_regroup(rank, ws, tmp):
+    return {"resume": _feedback_resume(rank, ws, tmp),
+            "regrouped": _feedback_regrouped(rank, ws, add_at=2),
+            "unchanged": _feedback_regrouped(rank, ws)}
+
+
+@pytest.fixture(scope="module")
+def feedback_runs(tmp_path_factory):
+    return distributed.run(_feedbacks_and_regroup, 2, str(tmp_path_factory.mktemp("feedback")))
+
+
+def test_error_feedback_residuals_resume_from_checkpoints(feedback_runs):
+    for r in feedback_runs:
+        r = r["resume"]
         assert r["restored"] and r["resumed"]
         assert r["other layout"] == {}
+
+
+def test_error_feedback_residuals_survive_add_param_group(feedback_runs):
+    """add_param_group rebuilds the layout (the new group's buckets come first, the others
+    keep theirs under new indices): each kept bucket keeps what rounding lost. The first step
+    after it reduces the old parameters' gradients, computed before any new parameter moved,
+    from the same residuals as the run that never added the group, so it updates them to the
+    same bits. Before, the rebuilt reducer started without residuals: every bucket's were
+    dropped, and after that step those parameters were up to 11% off (of a tensor's largest
+    value: Adam makes much of a small change in a near-zero gradient)."""
+    for r in feedback_runs:
+        before, after = r["regrouped"]["before"], r["regrouped"]["after"]
+        assert before and before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert any(float(v.abs().max()) > 0 for v in before.values())
+        got, want = r["regrouped"]["values"], r["unchanged"]["values"]
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), \
+            max(float((got[k] - want[k]).abs().max()) for k in want)
 
 
 def _feedback_memory(rank, ws):
