@@ -552,6 +552,14 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         if modifier_rank is not None:
             opt.sync_master_from_params()
         return
+    if (modifier_rank is not None and isinstance(opt._wire, quantized.QuantizedExecutor)
+            and opt._wire.weights is not None):
+        # quantized_weights: the peers' pieces here are quantized copies, which the broadcast
+        # below would make every rank's own pieces; the block starts from the exact values
+        fp = opt._flat
+        with torch.no_grad():
+            fp.all_gather(opt.executor, sorted({fp.param_bucket[i]
+                                                for i, p in enumerate(fp.params) if id(p) in ids}))
     yield
     if modifier_rank is not None:
         with torch.no_grad():

@@ -405,6 +405,12 @@ def wire(executor, align_bytes: int, weights: Optional[str], grads: Optional[str
                                        weights == "int8" or grads is not None)
 
 
+def exact(executor):
+    """`executor` without a quantized wire: its collectives carry the values as they are
+    (a state dict, zero_py.gathered(); the training gathers keep the wire's)."""
+    return executor.inner if isinstance(executor, QuantizedExecutor) else executor
+
+
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
          widening: bool = False, error_feedback: bool = False, stochastic_grads: bool = False):
     """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from zero_py.collectives import quantized
 from zero_py.collectives.peer_memory import PeerMemory
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.between_uses import BetweenUses
@@ -329,9 +330,10 @@ class ShardedParams(PiecesOnFile, FlatLayout):
     def is_gathered(self, b: int) -> bool:
         return self._exposed[b]
 
-    def gather(self, b: int) -> Work:
+    def gather(self, b: int, exact: bool = False) -> Work:
         """Starts the all-gather of bucket b into its buffer; its parameters become their full
-        views at once (their values are valid after the returned work is waited on)."""
+        views at once (their values are valid after the returned work is waited on). `exact`:
+        the peers' pieces as they are, not through a quantized wire (quantized_weights)."""
         buf = self._unfree(b)
         piece = self.shards.piece(b)
         if self.nvme is not None and not self._resident:
@@ -346,8 +348,8 @@ class ShardedParams(PiecesOnFile, FlatLayout):
             mine = buf[self.rank * n:(self.rank + 1) * n]
             mine.copy_(piece, non_blocking=True)
             piece = mine
-        return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
-                     piece)
+        executor = quantized.exact(self.executor) if exact else self.executor
+        return issue(f"all-gather of {self.describe_bucket(b)}", executor.all_gather, buf, piece)
 
     def _unfree(self, b: int) -> torch.Tensor:
         """Bucket b's gather buffer with its storage back and its parameters as full views

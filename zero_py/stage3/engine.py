@@ -607,11 +607,13 @@ class Stage3Engine:
     _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
                     _C.PF_BACKWARD: "the backward"}
 
-    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None) -> None:
+    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None,
+                exact: bool = False) -> None:
         """Starts gathering unit u: collectively, or from the peers' shards in shared memory
         with no collective (a no_grad forward, which one rank may run alone, and a gather only
         this rank makes) where the storages allow it; `alone` decides instead where given (a
-        read-only hold that reads_alone())."""
+        read-only hold that reads_alone()). `exact`: a collective gather bypasses a quantized
+        wire (a one-sided one reads the shards as they are anyway)."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
         if alone is None:
             # an unscheduled gather of a training forward or backward reads alone: every
@@ -625,7 +627,7 @@ class Stage3Engine:
             return
         # collective: right where every rank makes the same unscheduled gathers (a unit run
         # twice per forward on every rank); across hosts, ranks must agree on them
-        works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
+        works = [s.gather(b, exact=exact) for s in self.storages for b in s.unit_buckets[u]]
         self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
         # offload_params="nvme": the next units' records start being read now, so the disk
         # works while this gather and the compute before the next ones run
@@ -714,8 +716,11 @@ class Stage3Engine:
         # here (up to the whole model) is the caller's, and is not counted in it
         meter = self.flat.meter
         peak_before = meter.peak_bytes
+        # exact: what a state dict exports, and what a modifier rank's broadcast writes into
+        # every rank's shards, are the parameters themselves, never their quantized copies
+        # (quantized_weights: those would replace the peers' shards with a rounded version)
         for u in opened:
-            self._gather(u, alone=alone)
+            self._gather(u, alone=alone, exact=True)
             if alone:  # peers may not hold it: a step inside the block refreshes it alone
                 for s in self.storages:
                     s.held_alone.update(s.unit_buckets[u])
