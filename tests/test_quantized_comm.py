@@ -596,12 +596,18 @@ def _feedback_regrouped(rank, ws, add_at=None, steps=3):
 
 def _exact_reads(rank, ws, stage):
     """int8 weights: what zero_py.gathered() shows and model.state_dict() exports (stage 3,
-    its gathers collective: ZP_SHM=0, as across hosts, on CUDA or with offload_params='nvme'),
-    against torch.distributed's own all-gather of the shards; and each rank's own pieces
-    across an edit-free zero_py.gathered(modifier_rank=0)."""
+    its gathers collective: ZP_SHM=0, as across hosts, on CUDA or with offload_params='nvme';
+    the LayerNorms persistent, always gathered), against torch.distributed's own all-gather
+    of the shards; each rank's own pieces across an edit-free
+    zero_py.gathered(modifier_rank=0); and the training after these reads, against the run
+    without them."""
+    options = {"quantized_weights": "int8"}
+    if stage == 3:
+        options["persistence_threshold"] = 64
     os.environ["ZP_SHM"] = "0"
     try:
-        _, _, model, opt = _train(rank, stage, 2, {"quantized_weights": "int8"})
+        _, _, model, opt = _train(rank, stage, 2, options)
+        _, _, ref_model, ref_opt = _train(rank, stage, 2, options)
     finally:
         del os.environ["ZP_SHM"]
     flat = opt._flat
@@ -622,6 +628,11 @@ def _exact_reads(rank, ws, stage):
         pass
     out["own pieces kept"] = [b for b in pieces if not torch.equal(
         flat.shards.piece(b) if stage == 3 else flat.bucket_piece(b), pieces[b])]
+    more = _more_steps(31 + rank)
+    more(model, opt)
+    more(ref_model, ref_opt)
+    out["training goes on"] = all(torch.equal(p, q) for p, q in zip(
+        model.parameters(), ref_model.parameters()))
     return out
 
 
@@ -697,7 +708,9 @@ def test_state_dicts_and_gathered_blocks_read_int8_weights_exactly(feedback_runs
     (before: through the int8 wire, an exported model 0.39% off, of a block's largest value);
     and zero_py.gathered(modifier_rank=0) leaves every rank's own pieces as they were (before:
     rank 0's int8 copies of its peers' pieces became theirs, at stages 2 and 3, even with
-    nothing edited in the block)."""
+    nothing edited in the block). The persistent parameters, gathered between steps, are
+    read exactly too, and training then goes on from the copies a publish leaves, as the run
+    that never read them does, to the bit."""
     wrong = [(rank, stage, what) for rank, r in enumerate(feedback_runs)
              for stage, got in r["exact reads"].items() for what, ok in got.items()
              if ok is not True and ok != []]

@@ -552,21 +552,26 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         if modifier_rank is not None:
             opt.sync_master_from_params()
         return
-    if (modifier_rank is not None and isinstance(opt._wire, quantized.QuantizedExecutor)
-            and opt._wire.weights is not None):
+    fp = opt._flat
+    requantize = modifier_rank is not None and quantized.weights_quantized(opt._wire)
+    buckets = sorted({fp.param_bucket[i] for i, p in enumerate(fp.params) if id(p) in ids})
+    if requantize:
         # quantized_weights: the peers' pieces here are quantized copies, which the broadcast
         # below would make every rank's own pieces; the block starts from the exact values
-        fp = opt._flat
         with torch.no_grad():
-            fp.all_gather(opt.executor, sorted({fp.param_bucket[i]
-                                                for i, p in enumerate(fp.params) if id(p) in ids}))
-    yield
-    if modifier_rank is not None:
-        with torch.no_grad():
-            for p in opt._flat.params:
-                if id(p) in ids:
-                    opt.executor.broadcast(p.data, modifier_rank).wait()
-        opt.sync_master_from_params()
+            fp.all_gather(opt.executor, buckets)
+    try:
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for p in fp.params:
+                    if id(p) in ids:
+                        opt.executor.broadcast(p.data, modifier_rank).wait()
+            opt.sync_master_from_params()
+    finally:
+        if requantize:  # the copies as a publish of the (new) pieces leaves them
+            with torch.no_grad():
+                fp.all_gather(opt._wire, buckets)
 
 
 def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:

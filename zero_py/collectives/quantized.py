@@ -411,6 +411,11 @@ def exact(executor):
     return executor.inner if isinstance(executor, QuantizedExecutor) else executor
 
 
+def weights_quantized(executor) -> bool:
+    """Whether `executor`'s all-gathers quantize (quantized_weights)."""
+    return isinstance(executor, QuantizedExecutor) and executor.weights is not None
+
+
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,
          widening: bool = False, error_feedback: bool = False, stochastic_grads: bool = False):
     """`executor` itself when nothing is quantized or widened, else a QuantizedExecutor."""

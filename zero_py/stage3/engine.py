@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
+from zero_py.collectives import quantized
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.between_uses import describe
@@ -718,15 +719,27 @@ class Stage3Engine:
         peak_before = meter.peak_bytes
         # exact: what a state dict exports, and what a modifier rank's broadcast writes into
         # every rank's shards, are the parameters themselves, never their quantized copies
-        # (quantized_weights: those would replace the peers' shards with a rounded version)
-        for u in opened:
+        # (quantized_weights: those would replace the peers' shards with a rounded version).
+        # A unit gathered already (the persistent parameters) holds such copies, as the last
+        # publish left them: it is gathered exactly for the block and given back its copies
+        # after, so that training goes on from them as it would have.
+        kept = ([u for u in wanted if u not in opened]
+                if any(quantized.weights_quantized(s.executor) for s in self.storages) else [])
+        saved = {}
+        for u in kept:
+            self._wait(u)
+            saved.update({(k, b): s.full_buffer(b).clone() for k, s in enumerate(self.storages)
+                          for b in s.unit_buckets[u]})
+        for u in opened + kept:
             self._gather(u, alone=alone, exact=True)
-            if alone:  # peers may not hold it: a step inside the block refreshes it alone
+            if alone and u in opened:  # peers may not hold it: a step inside it refreshes it
                 for s in self.storages:
                     s.held_alone.update(s.unit_buckets[u])
         for u in wanted:  # a unit gathered ahead by a forward that raised may be in flight
             self._wait(u)
+        outer = set().union(*self._held)
         self._held.append(set(wanted))
+        modified = False
         try:
             yield
             if modifier_rank is not None:
@@ -739,8 +752,18 @@ class Stage3Engine:
                         for s, b, work in pending:
                             work.wait()
                             s.load_pieces_from(b, s.full_buffer(b))
+                modified = True
         finally:
             self._held.pop()
             for u in opened:
                 self._free(u)
+            for u in kept:
+                if modified:  # the new values, as a publish of them leaves them
+                    self._gather(u, exact=u in outer)
+                    self._wait(u)
+                elif u not in outer:  # an enclosing block keeps its exact values
+                    with torch.no_grad():
+                        for k, s in enumerate(self.storages):
+                            for b in s.unit_buckets[u]:
+                                s.full_buffer(b).copy_(saved[(k, b)])
             meter.peak_bytes = max(peak_before, meter.bytes)
