@@ -275,12 +275,18 @@ def all_to_all_unavailable(executor) -> Optional[str]:
     return why if isinstance(why, str) else None
 
 
+def _replicas(executor) -> int:
+    """How many ranks hold each shard: a hybrid mesh's replicas (HybridExecutor), else 1."""
+    return getattr(executor, "data_parallel_size", executor.world_size) // executor.world_size
+
+
 def widening_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
     """output (fp32) = this rank's chunk of the sum of `input` (bf16 or fp16 on the wire),
     summed in fp32 in rank order; without a usable all_to_all, reduced in the wire dtype and
     widened."""
     ws, me, n = executor.world_size, executor.rank, output.numel()
-    if ws == 1:
+    # a hybrid mesh of one rank per shard group still all-reduces across its replicas
+    if ws == 1 and _replicas(executor) == 1:
         output.copy_(input[me * n:(me + 1) * n])
         return Work(None)
     if all_to_all_unavailable(executor) is not None:
@@ -306,8 +312,10 @@ class QuantizedExecutor:
     def __init__(self, inner, weights: Optional[QuantSpec] = None,
                  grads: Optional[QuantSpec] = None, error_feedback: bool = False,
                  stochastic_grads: bool = False):
-        why = all_to_all_unavailable(inner) if grads is not None and inner.world_size > 1 \
-            else None
+        # a hybrid mesh of one rank per shard group (pure replication) included: the
+        # exchange would have nothing to do there, and the replicas' all-reduce be skipped
+        why = (all_to_all_unavailable(inner)
+               if grads is not None and inner.world_size * _replicas(inner) > 1 else None)
         if why is not None:
             raise ValueError(
                 f"quantized_grads needs an executor with all_to_all (the qgZ exchange), and "
