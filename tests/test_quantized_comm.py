@@ -310,6 +310,8 @@ def test_options_are_checked(single_rank_group):
                           ({"quantized_weights": "int8", "quantize_block": 0}, "quantize_block"),
                           ({"grad_accum_dtype": torch.bfloat16}, "grad_accum_dtype"),
                           ({"grad_error_feedback": True}, "needs quantized_grads"),
+                          # before: accepted, and nothing was rounded stochastically
+                          ({"quantized_grads_rounding": "stochastic"}, "needs quantized_grads"),
                           ({"quantized_grads": "int8", "grad_error_feedback": 1},
                            "grad_error_feedback must be"),
                           ({"quantized_grads": "int4", "quantized_grads_rounding": "up"},

@@ -376,7 +376,10 @@ def check_options(weights: Optional[str], grads: Optional[str], block: int, erro
     if error_feedback and grads is None:
         raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
                          "it carries the gradients' quantization error to the next step")
-    check_rounding(rounding)
+    if check_rounding(rounding) and grads is None:  # it would round nothing, silently
+        raise ValueError("quantized_grads_rounding='stochastic' needs quantized_grads ('int8' "
+                         "or 'int4'): it rounds the quantized gradients; for bf16 parameters "
+                         "rounded from their masters use stochastic_rounding=True")
 
 
 def check_dtypes(weights: Optional[str], grads: Optional[str], grad_reduce_dtype,
