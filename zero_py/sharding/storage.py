@@ -464,13 +464,13 @@ class ShardedParams(PiecesOnFile, FlatLayout):
                                 f"{want.device}"))
         return out
 
-    def publish(self, executor, buckets: Sequence[int]) -> None:
+    def publish(self, executor, buckets: Sequence[int], exact: bool = False) -> None:
         """After an update of the shards: refresh every bucket whose full values exist (the
         persistent unit's, and any held by zero_py.gathered()); the others are gathered from
         the new shards at their next use. Buckets this rank holds alone (held_alone: peers
         may not hold them) are not gathered here but copied again by end_update, once every
-        rank's shards hold the step's values."""
-        pending = [self.gather(b) for b in range(self.n_buckets)
+        rank's shards hold the step's values. `exact`: bypass a quantized wire (gather)."""
+        pending = [self.gather(b, exact=exact) for b in range(self.n_buckets)
                    if self._exposed[b] and b not in self.held_alone]
         for work in pending:
             work.wait()

@@ -758,9 +758,11 @@ class Stage3Engine:
             for u in opened:
                 self._free(u)
             for u in kept:
-                if modified:  # the new values, as a publish of them leaves them
-                    self._gather(u, exact=u in outer)
-                    self._wait(u)
+                if modified:  # the new values, as a publish leaves them (no step publishes
+                    # frozen parameters: theirs stay exact, as construction made them)
+                    for work in [s.gather(b, exact=u in outer or s is not self.flat)
+                                 for s in self.storages for b in s.unit_buckets[u]]:
+                        work.wait()
                 elif u not in outer:  # an enclosing block keeps its exact values
                     with torch.no_grad():
                         for k, s in enumerate(self.storages):
