@@ -599,8 +599,9 @@ def _feedback_regrouped(rank, ws, add_at=None, steps=3):
 def _exact_reads(rank, ws, stage):
     """int8 weights: what zero_py.gathered() shows and model.state_dict() exports (stage 3,
     its gathers collective: ZP_SHM=0, as across hosts, on CUDA or with offload_params='nvme';
-    the LayerNorms persistent, always gathered), against torch.distributed's own all-gather
-    of the shards; each rank's own pieces across an edit-free
+    the LayerNorms persistent, always gathered), and zero_py.full_state_dict() (stage 2),
+    against torch.distributed's own all-gather of the shards; each rank's own pieces across an
+    edit-free
     zero_py.gathered(modifier_rank=0); and the training after these reads, against the run
     without them."""
     options = {"quantized_weights": "int8"}
@@ -620,6 +621,13 @@ def _exact_reads(rank, ws, stage):
         exact[b] = torch.empty(ws * piece.numel(), dtype=piece.dtype)
         dist.all_gather_into_tensor(exact[b], piece)
     out = {}
+    if stage == 2:  # the parameters hold their peers' pieces as int8 copies
+        index = {id(p): i for i, p in enumerate(flat.params)}
+        sd = zero_py.full_state_dict(model)
+        if sd is not None:
+            out["full_state_dict"] = all(torch.equal(sd[n], exact[flat.param_bucket[index[id(p)]]][
+                flat.param_offset[index[id(p)]]:flat.param_offset[index[id(p)]]
+                + p.numel()].view_as(p)) for n, p in model.named_parameters())
     if stage == 3:
         with zero_py.gathered(model):
             out["gathered"] = all(torch.equal(flat.full_buffer(b), exact[b]) for b in exact)

@@ -578,7 +578,9 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
     elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
     calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
-    call it alone; see zero_py/stage3/state_dict.py)."""
+    call it alone; see zero_py/stage3/state_dict.py). The values are the trained ones, exact,
+    with quantized_weights too (stages 1-2: where model.state_dict() holds the peers' pieces
+    as the wire's copies)."""
     opt = compat.manager_of(model)
     if opt is None:
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")
@@ -586,6 +588,30 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     if engine is not None:
         with opt._comm.outside():  # its gathers are in no step's comm_stats
             return stage3_state_dict.full_state_dict(model, engine, rank)
+    if quantized.weights_quantized(opt._wire):
+        with opt._comm.outside():
+            return _exact_flat_state_dict(model, opt, rank)
     if opt.executor.rank != rank:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
+                           ) -> Optional[Dict[str, torch.Tensor]]:
+    """Stages 1-2 with quantized_weights: every rank holds its peers' pieces as int8 (or bf16)
+    copies, so the trained values are put together from every rank's own pieces, all-gathered
+    exactly (collective: announced first, so that a rank calling it alone raises instead of
+    waiting for ever)."""
+    fp = opt._flat
+    opt._reducer.announce_gathered("zero_py.full_state_dict()")
+    regions = {b: torch.empty_like(fp.bucket_region(b)) for b in range(fp.n_buckets)}
+    with torch.no_grad():
+        for work in [opt.executor.all_gather(regions[b], fp.bucket_piece(b)) for b in regions]:
+            work.wait()
+    if opt.executor.rank != rank:
+        return None
+    exact = {id(p): regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
+                                                 + fp.param_numel[i]].view_as(p)
+             for i, p in enumerate(fp.params)}
+    return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
+            for k, v in model.state_dict(keep_vars=True).items()}
