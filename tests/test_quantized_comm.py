@@ -643,6 +643,14 @@ def _exact_reads(rank, ws, stage):
     more(ref_model, ref_opt)
     out["training goes on"] = all(torch.equal(p, q) for p, q in zip(
         model.parameters(), ref_model.parameters()))
+    if stage == 2:  # collective now: one rank alone raises, on every rank, never hangs
+        try:
+            if rank == 0:
+                zero_py.full_state_dict(model)
+            opt.step()
+            out["alone refused"] = "no error"
+        except RuntimeError as exc:
+            out["alone refused"] = "call it on every rank" in str(exc)
     return out
 
 
