@@ -238,6 +238,33 @@ def dcp_refuses_loss_scaler(rank):
     return None
 
 
+def dcp_template_of_a_stateless_optimizer(rank):
+    """The torchtitan resume: a fresh model and optimizer, get_state_dict as the template,
+    dcp.load into it, set_state_dict. A ZeroOptimizer without state gives a template without
+    optimizer state, so the load brings none (torch.optim's zero step fills its template);
+    before, silently: resumed with fresh moments, 83% off (of a tensor's largest value) the
+    run that never stopped after two steps. It warns now; after a step it does not."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    m = _make()
+    opt = zero_py.ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    out = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _, optim_sd = get_state_dict(m, opt)
+        out["fresh"] = [str(w.message) for w in seen if "holds no state yet" in str(w.message)]
+        out["template state"] = len(optim_sd["state"])
+        _train(m, opt, [models.mlp_batch(torch.Generator().manual_seed(rank))])
+        del seen[:]
+        get_state_dict(m, opt)
+        out["after a step"] = [str(w.message) for w in seen
+                               if "holds no state yet" in str(w.message)]
+    return out
+
+
 def _all(rank, world_size, tmp):
     out = {}
     out["resume", "adamw"] = ddp_resume(rank, tmp, torch.optim.AdamW,
@@ -262,6 +289,7 @@ def _all(rank, world_size, tmp):
         for mode in ("full", "sharded"):
             out["dcp_empty", stage, mode] = dcp_zero_element_params(rank, stage, mode)
     out["dcp_scaler"] = dcp_refuses_loss_scaler(rank)
+    out["dcp_stateless"] = dcp_template_of_a_stateless_optimizer(rank)
     return out
 
 
@@ -309,3 +337,11 @@ def test_dcp_get_refuses_to_drop_the_loss_scaler(results):
     for res in results:
         msg = res["dcp_scaler"]
         assert msg is not None and "loss scaler" in msg and "save_checkpoint" in msg, msg
+
+
+def test_dcp_template_of_an_optimizer_without_state_warns(results):
+    for res in results:
+        r = res["dcp_stateless"]
+        assert len(r["fresh"]) == 1 and "dcp.load into it loads no optimizer state" in \
+            r["fresh"][0], r
+        assert r["template state"] == 0 and r["after a step"] == [], r

@@ -590,20 +590,35 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         if modifier_rank is not None:
             opt.sync_master_from_params()
         return
-    yield
-    if modifier_rank is not None:
+    fp = opt._flat
+    requantize = modifier_rank is not None and quantized.weights_quantized(opt._wire)
+    buckets = sorted({fp.param_bucket[i] for i, p in enumerate(fp.params) if id(p) in ids})
+    if requantize:
+        # quantized_weights: the peers' pieces here are quantized copies, which the broadcast
+        # below would make every rank's own pieces; the block starts from the exact values
         with torch.no_grad():
-            for p in opt._flat.params:
-                if id(p) in ids:
-                    opt.executor.broadcast(p.data, modifier_rank).wait()
-        opt.sync_master_from_params()
+            fp.all_gather(opt.executor, buckets)
+    try:
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for p in fp.params:
+                    if id(p) in ids:
+                        opt.executor.broadcast(p.data, modifier_rank).wait()
+            opt.sync_master_from_params()
+    finally:
+        if requantize:  # the copies as a publish of the (new) pieces leaves them
+            with torch.no_grad():
+                fp.all_gather(opt._wire, buckets)
 
 
 def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
     """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
     elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
     calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
-    call it alone; see zero_py/stage3/state_dict.py)."""
+    call it alone; see zero_py/stage3/state_dict.py). The values are the trained ones, exact,
+    with quantized_weights too (stages 1-2: where model.state_dict() holds the peers' pieces
+    as the wire's copies)."""
     opt = compat.manager_of(model)
     if opt is None:
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")
@@ -611,6 +626,30 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     if engine is not None:
         with opt._comm.outside():  # its gathers are in no step's comm_stats
             return stage3_state_dict.full_state_dict(model, engine, rank)
+    if quantized.weights_quantized(opt._wire):
+        with opt._comm.outside():
+            return _exact_flat_state_dict(model, opt, rank)
     if opt.executor.rank != rank:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
+                           ) -> Optional[Dict[str, torch.Tensor]]:
+    """Stages 1-2 with quantized_weights: every rank holds its peers' pieces as int8 (or bf16)
+    copies, so the trained values are put together from every rank's own pieces, all-gathered
+    exactly (collective: announced first, so that a rank calling it alone raises instead of
+    waiting for ever)."""
+    fp = opt._flat
+    opt._reducer.announce_gathered("zero_py.full_state_dict()")
+    regions = {b: torch.empty_like(fp.bucket_region(b)) for b in range(fp.n_buckets)}
+    with torch.no_grad():
+        for work in [opt.executor.all_gather(regions[b], fp.bucket_piece(b)) for b in regions]:
+            work.wait()
+    if opt.executor.rank != rank:
+        return None
+    exact = {id(p): regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
+                                                 + fp.param_numel[i]].view_as(p)
+             for i, p in enumerate(fp.params)}
+    return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
+            for k, v in model.state_dict(keep_vars=True).items()}

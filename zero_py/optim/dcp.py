@@ -78,6 +78,15 @@ LOSS_SCALER_MESSAGE = (
     "optimizer.consolidate_state_dict() (which carries 'loss_scaler')")
 
 
+STATELESS_MESSAGE = (
+    "this ZeroOptimizer holds no state yet, so the optimizer state dict that "
+    "torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict returns holds "
+    "none (torch.optim's gets zero-filled state from DCP's zero step, which zero_py skips): "
+    "a dcp.load into it loads no optimizer state, and the run resumes with fresh moments and "
+    "step counts. To resume, build the dict to load into after the optimizer has stepped, "
+    "or use zero_py.load_checkpoint, or load a full dict (torch.load) with "
+    "set_optimizer_state_dict")
+
 
 # where a stateless optimizer shows DCP's loader the entries a loaded state will have
 # (a float: DCP's walks take only plain types; the object itself is the mark)

@@ -12,6 +12,7 @@ resident. The dict formats and their checks are in state_dict.py.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -149,7 +150,13 @@ class StateDicts:
             if self.loss_scaler is not None and not dcp.loading():
                 raise ValueError(dcp.LOSS_SCALER_MESSAGE)
             full = self._full_state_dict(None)
-            return dcp.with_placeholders(self, full) if dcp.loading() else full
+            if dcp.loading():
+                return dcp.with_placeholders(self, full)
+            if self._managed_index and not any(full["state"].get(i)
+                                               for i in self._managed_index):
+                # as a template for dcp.load, it would silently load no optimizer state
+                warnings.warn(dcp.STATELESS_MESSAGE, stacklevel=2)
+            return full
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.resident():

@@ -38,7 +38,9 @@ _CALL_ON_EVERY_RANK = (
     "torch.save(sd, path)`; or `sd = zero_py.full_state_dict(model)` on every rank (the "
     "values on rank 0, None elsewhere); a Hugging Face model's save_pretrained(path) called "
     "on every rank writes the files on rank 0 only. On one host with shared memory (the "
-    "default for CPU ranks) a read-only access gathers alone and one rank may call it.")
+    "default for CPU ranks) a read-only access gathers alone and one rank may call it. "
+    "Under stages 1-2 with quantized_weights, zero_py.full_state_dict() gathers the exact "
+    "values collectively: call it on every rank.")
 
 
 class Count:

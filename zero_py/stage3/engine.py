@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
+from zero_py.collectives import quantized
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
@@ -596,11 +597,13 @@ class Stage3Engine:
     _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
                     _C.PF_BACKWARD: "the backward"}
 
-    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None) -> None:
+    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None,
+                exact: bool = False) -> None:
         """Starts gathering unit u: collectively, or from the peers' shards in shared memory
         with no collective (a no_grad forward, which one rank may run alone, and a gather only
         this rank makes) where the storages allow it; `alone` decides instead where given (a
-        read-only hold that reads_alone())."""
+        read-only hold that reads_alone()). `exact`: a collective gather bypasses a quantized
+        wire (a one-sided one reads the shards as they are anyway)."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
         if alone is None:
             # an unscheduled gather of a training forward or backward reads alone: every
@@ -614,7 +617,7 @@ class Stage3Engine:
             return
         # collective: right where every rank makes the same unscheduled gathers (a unit run
         # twice per forward on every rank); across hosts, ranks must agree on them
-        works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
+        works = [s.gather(b, exact=exact) for s in self.storages for b in s.unit_buckets[u]]
         self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
         # offload_params="nvme": the next units' records start being read now, so the disk
         # works while this gather and the compute before the next ones run
@@ -704,14 +707,29 @@ class Stage3Engine:
         # here (up to the whole model) is the caller's, and is not counted in it
         meter = self.flat.meter
         peak_before = meter.peak_bytes
-        for u in opened:
-            self._gather(u, alone=alone)
-            if alone:  # peers may not hold it: a step inside the block refreshes it alone
+        # exact: what a state dict exports, and what a modifier rank's broadcast writes into
+        # every rank's shards, are the parameters themselves, never their quantized copies
+        # (quantized_weights: those would replace the peers' shards with a rounded version).
+        # A unit gathered already (the persistent parameters) holds such copies, as the last
+        # publish left them: it is gathered exactly for the block and given back its copies
+        # after, so that training goes on from them as it would have.
+        kept = ([u for u in wanted if u not in opened]
+                if any(quantized.weights_quantized(s.executor) for s in self.storages) else [])
+        saved = {}
+        for u in kept:
+            self._wait(u)
+            saved.update({(k, b): s.full_buffer(b).clone() for k, s in enumerate(self.storages)
+                          for b in s.unit_buckets[u]})
+        for u in opened + kept:
+            self._gather(u, alone=alone, exact=True)
+            if alone and u in opened:  # peers may not hold it: a step inside it refreshes it
                 for s in self.storages:
                     s.held_alone.update(s.unit_buckets[u])
         for u in wanted:  # a unit gathered ahead by a forward that raised may be in flight
             self._wait(u)
+        outer = set().union(*self._held)
         self._held.append(set(wanted))
+        modified = False
         try:
             yield
             if modifier_rank is not None:
@@ -724,8 +742,20 @@ class Stage3Engine:
                         for s, b, work in pending:
                             work.wait()
                             s.load_pieces_from(b, s.full_buffer(b))
+                modified = True
         finally:
             self._held.pop()
             for u in opened:
                 self._free(u)
+            for u in kept:
+                if modified:  # the new values, as a publish leaves them (no step publishes
+                    # frozen parameters: theirs stay exact, as construction made them)
+                    for work in [s.gather(b, exact=u in outer or s is not self.flat)
+                                 for s in self.storages for b in s.unit_buckets[u]]:
+                        work.wait()
+                elif u not in outer:  # an enclosing block keeps its exact values
+                    with torch.no_grad():
+                        for k, s in enumerate(self.storages):
+                            for b in s.unit_buckets[u]:
+                                s.full_buffer(b).copy_(saved[(k, b)])
             meter.peak_bytes = max(peak_before, meter.bytes)
