@@ -258,6 +258,16 @@ def _predivide(plan, path, value):
                       "before reducing); other factors are not implemented")
 
 
+def _aio(plan, path, value):
+    # DeepSpeed's libaio tuning (block_size, queue_depth, thread_count, ...) for its own NVMe
+    # swapper; zero_py's NVMe offload streams through its own engine (ZP_OFFLOAD_RING,
+    # ZP_OFFLOAD_CHUNK_BYTES), so the section changes nothing, as the offload sections'
+    # buffer_count and buffer_size do not, and a ZeRO-Infinity config carries it
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a JSON object (DeepSpeed's libaio settings), got "
+                          f"{value!r}")
+
+
 _LOGGING = "zero_py prints and logs nothing itself; log from the training loop, or remove it"
 
 _TOP_KEYS: Dict[str, Callable] = {
@@ -286,7 +296,7 @@ _TOP_KEYS: Dict[str, Callable] = {
     "amp": off_only("apex AMP is not supported; use the bf16 or fp16 section"),
     "activation_checkpointing": always_refused("use torch.utils.checkpoint in the model; zero_py "
                                                "supports it under every stage"),
-    "aio": always_refused(NO_OFFLOAD + " (aio configures NVMe offload)"),
+    "aio": _aio,
 }
 
 
