@@ -166,6 +166,9 @@ def test_nvme_offload_needs_nvme_path():
     assert nvme.refusals == []
     with pytest.raises(ValueError, match="aio must be a JSON object"):
         deepspeed.translate({"aio": True})
+    # its reason used to be the offload devices' ("use 'cpu' or 'nvme' or 'none'"), for a flag
+    force = dict(deepspeed.translate({"zero_force_ds_cpu_optimizer": True}).refusals)
+    assert "DeepSpeed's CPU Adam" in force["zero_force_ds_cpu_optimizer"]
     assert nvme.zero_kwargs["offload_optimizer"] == "nvme"
     assert nvme.zero_kwargs["offload_dir"] == "/local_nvme"
     off = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from zero_py.config import schedules
-from zero_py.config.ds_plan import (AUTO, NO_OFFLOAD, ConfigError, DeepSpeedPlan, Refused,
+from zero_py.config.ds_plan import (AUTO, ConfigError, DeepSpeedPlan, Refused,
                                     always_refused, apply_section, as_section, flag, is_auto,
                                     load, number, off_only)
 from zero_py.config.ds_zero import check_zero, read_zero
@@ -287,7 +287,9 @@ _TOP_KEYS: Dict[str, Callable] = {
     "gradient_predivide_factor": _predivide,
     # zero_py runs any torch.optim class (the fused kernels or the class itself)
     "zero_allow_untested_optimizer": lambda plan, path, value: flag(path, value),
-    "zero_force_ds_cpu_optimizer": off_only(NO_OFFLOAD),
+    "zero_force_ds_cpu_optimizer": off_only(
+        "zero_py never runs DeepSpeed's CPU Adam: offload_optimizer='cpu' and 'nvme' update "
+        "with zero_py's own fused CPU kernels; set it to false or remove it"),
     "steps_per_print": always_refused(_LOGGING),
     "wall_clock_breakdown": off_only(_LOGGING),
     "memory_breakdown": off_only(_LOGGING),
