@@ -960,7 +960,9 @@ def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single
     for bad, what in ((torch.zeros(2, dtype=torch.complex64), "complex64"),
                       (torch.zeros(2, dtype=torch.uint16), "uint16"),
                       (torch.empty(3, device="meta"), "meta device"),
-                      (np.array([object()]), "dtype object")):
+                      (np.array([object()]), "dtype object"),
+                      # the message lists what is stored, numpy included (it used to omit it)
+                      (len, "not plain data.*tensors and numpy scalars and arrays")):
         with pytest.raises(zero_py.CheckpointError, match=rf"extra\['x'\]\[1\].*{what}"):
             zero_py.save_checkpoint(tmp_path / "bad", model, opt, {"x": [0, bad]})
         assert sorted(os.listdir(tmp_path)) == before  # no temporary directory left

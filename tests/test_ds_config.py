@@ -156,9 +156,19 @@ def test_nvme_offload_needs_nvme_path():
         "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
     assert "give both the same nvme_path" in dict(apart.refusals)[
         "zero_optimization.offload_param.nvme_path"]
+    # a ZeRO-Infinity config as DeepSpeed's docs write it: the aio section tunes DeepSpeed's
+    # own swapper and must not refuse the offload it comes with (it used to, telling the user
+    # to pick 'cpu' or 'nvme')
     nvme = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/local_nvme"}}})
+        "device": "nvme", "nvme_path": "/local_nvme"}},
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                "single_submit": False, "overlap_events": True}})
     assert nvme.refusals == []
+    with pytest.raises(ValueError, match="aio must be a JSON object"):
+        deepspeed.translate({"aio": True})
+    # its reason used to be the offload devices' ("use 'cpu' or 'nvme' or 'none'"), for a flag
+    force = dict(deepspeed.translate({"zero_force_ds_cpu_optimizer": True}).refusals)
+    assert "DeepSpeed's CPU Adam" in force["zero_force_ds_cpu_optimizer"]
     assert nvme.zero_kwargs["offload_optimizer"] == "nvme"
     assert nvme.zero_kwargs["offload_dir"] == "/local_nvme"
     off = deepspeed.translate({"zero_optimization": {"stage": 2, "offload_optimizer": {

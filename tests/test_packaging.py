@@ -1,7 +1,7 @@
 """Build hygiene: the one list of C sources (csrc/sources.mk) reads the same to make and to
 setup.py, and the package list that pyproject.toml's discovery finds is every package of the
-source tree. (`make wheel-check` goes further: it builds the wheel and imports all of it from a
-fresh venv.)"""
+source tree, and every public name of the package documents itself. (`make wheel-check` goes
+further: it builds the wheel and imports all of it from a fresh venv.)"""
 
 import os
 import runpy
@@ -76,3 +76,20 @@ def test_package_discovery_finds_every_subpackage():
             on_disk.add(os.path.relpath(dirpath, ROOT).replace(os.sep, "."))
     assert {"zero_py.kernels", "zero_py.stage3"} <= on_disk
     assert found == on_disk
+
+
+def test_every_public_name_has_a_docstring_of_its_own():
+    # help(zero_py.Lion) used to print torch.optim.Optimizer's "Base class for all optimizers"
+    # (a class without a docstring inherits its base's), and LossScaler had none
+    import inspect
+
+    import zero_py
+    lacking = []
+    for name in zero_py.__all__:
+        obj = getattr(zero_py, name)
+        if isinstance(obj, str):  # __version__
+            continue
+        own = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        if not (own or "").strip():
+            lacking.append(name)
+    assert lacking == []

@@ -92,8 +92,8 @@ def encode(value: Any, sink: Optional[Callable[[torch.Tensor], str]] = None,
         return {"__items__": items}
     raise TypeError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which is "
                     "not plain data; zero_py checkpoints store None, bool, int, float, str, "
-                    "bytes, list, tuple, dict and tensors (no pickle): convert it, e.g. with "
-                    "its state_dict()")
+                    "bytes, list, tuple, dict, tensors and numpy scalars and arrays (no "
+                    "pickle): convert it, e.g. with its state_dict()")
 
 
 def _encode_numpy(value: Any, sink: Optional[Callable[[torch.Tensor], str]], path: str) -> Any:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from zero_py.config import schedules
-from zero_py.config.ds_plan import (AUTO, NO_OFFLOAD, ConfigError, DeepSpeedPlan, Refused,
+from zero_py.config.ds_plan import (AUTO, ConfigError, DeepSpeedPlan, Refused,
                                     always_refused, apply_section, as_section, flag, is_auto,
                                     load, number, off_only)
 from zero_py.config.ds_zero import check_zero, read_zero
@@ -258,6 +258,16 @@ def _predivide(plan, path, value):
                       "before reducing); other factors are not implemented")
 
 
+def _aio(plan, path, value):
+    # DeepSpeed's libaio tuning (block_size, queue_depth, thread_count, ...) for its own NVMe
+    # swapper; zero_py's NVMe offload streams through its own engine (ZP_OFFLOAD_RING,
+    # ZP_OFFLOAD_CHUNK_BYTES), so the section changes nothing, as the offload sections'
+    # buffer_count and buffer_size do not, and a ZeRO-Infinity config carries it
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a JSON object (DeepSpeed's libaio settings), got "
+                          f"{value!r}")
+
+
 _LOGGING = "zero_py prints and logs nothing itself; log from the training loop, or remove it"
 
 _TOP_KEYS: Dict[str, Callable] = {
@@ -277,7 +287,9 @@ _TOP_KEYS: Dict[str, Callable] = {
     "gradient_predivide_factor": _predivide,
     # zero_py runs any torch.optim class (the fused kernels or the class itself)
     "zero_allow_untested_optimizer": lambda plan, path, value: flag(path, value),
-    "zero_force_ds_cpu_optimizer": off_only(NO_OFFLOAD),
+    "zero_force_ds_cpu_optimizer": off_only(
+        "zero_py never runs DeepSpeed's CPU Adam: offload_optimizer='cpu' and 'nvme' update "
+        "with zero_py's own fused CPU kernels; set it to false or remove it"),
     "steps_per_print": always_refused(_LOGGING),
     "wall_clock_breakdown": off_only(_LOGGING),
     "memory_breakdown": off_only(_LOGGING),
@@ -286,7 +298,7 @@ _TOP_KEYS: Dict[str, Callable] = {
     "amp": off_only("apex AMP is not supported; use the bf16 or fp16 section"),
     "activation_checkpointing": always_refused("use torch.utils.checkpoint in the model; zero_py "
                                                "supports it under every stage"),
-    "aio": always_refused(NO_OFFLOAD + " (aio configures NVMe offload)"),
+    "aio": _aio,
 }
 
 

@@ -11,6 +11,11 @@ import torch
 
 
 class Lion(torch.optim.Optimizer):
+    """Lion (sign of an interpolated momentum; one state tensor, `exp_avg`): the update in
+    the module docstring. Pass the class to ZeroOptimizer or zero_py.initialize, which run it
+    in the fused kernels; on its own it is the plain PyTorch reference. lr is typically 3-10x
+    smaller than AdamW's, weight_decay larger (it is multiplied by lr)."""
+
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
                  maximize: bool = False):
         if not lr >= 0.0:

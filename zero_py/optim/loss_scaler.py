@@ -15,6 +15,12 @@ _STATE_KEYS = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "gr
                "min_scale", "dynamic")
 
 class LossScaler:
+    """fp16 loss scaling for ZeroOptimizer: ``ZeroOptimizer(..., loss_scaler=LossScaler())``,
+    then ``optimizer.scale_loss(loss).backward()`` and ``optimizer.step()``, which skips a step
+    whose gradients overflow on any rank (``optimizer.last_step_skipped``) and updates
+    ``scale`` by the policy above. ``dynamic=False`` keeps ``init_scale`` fixed (a static
+    scale); the state travels in the optimizer's state dicts and checkpoints."""
+
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  min_scale: float = 1.0, dynamic: bool = True):
