@@ -73,6 +73,8 @@ CASES = {
     # kept the model and optimizer; each model made a gather group, and a thread of its own
     "stage3": dict(stage=3, wrap_policy={nn.Linear}),
     "stage3_no_shm": dict(stage=3, wrap_policy={nn.Linear}),
+    # the early updates' guess held the optimizer
+    "overlap_step": dict(stage=2, offload_optimizer="cpu", overlap_step=1.0),
 }
 
 

@@ -357,9 +357,13 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
                                        self.param_groups, self._host, self.defaults)
             if self._host is not None and self._overlap_step:
-                # ahead of the host side as the reducer's mirror: it starts the early updates
+                # ahead of the host side as the reducer's mirror: it starts the early updates.
+                # Its guess holds the optimizer weakly, as the reducer's other callbacks do
+                # (a bound method here kept every dropped overlap_step optimizer alive)
+                me = weakref.ref(self)
                 self._early = self._reducer.mirror = EarlyStep(
-                    self._host, self._update, self._overlap_step, self._early_guess)
+                    self._host, self._update, self._overlap_step,
+                    lambda b: me()._early_guess(b))
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host)
