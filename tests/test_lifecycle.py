@@ -75,6 +75,8 @@ CASES = {
     "stage3_no_shm": dict(stage=3, wrap_policy={nn.Linear}),
     # the early updates' guess held the optimizer
     "overlap_step": dict(stage=2, offload_optimizer="cpu", overlap_step=1.0),
+    # the offload file's descriptor (and its reserved space) outlived the optimizer
+    "nvme": dict(stage=2, offload_optimizer="nvme"),
 }
 
 
