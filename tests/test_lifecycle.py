@@ -7,6 +7,7 @@ all-gather's, gloo's), /dev/shm mappings. Counted from /proc, a few cycles after
 All scenarios run in one set of 2 processes.
 """
 
+import copy
 import gc
 import os
 import tempfile
@@ -16,6 +17,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
 import models
@@ -80,8 +82,43 @@ CASES = {
 }
 
 
+def refused_stage3(rank) -> dict:
+    """A stage-3 initialize that the optimizer refuses (stochastic_rounding on fp32
+    parameters) leaves the model as it was: plain full parameters, no hooks. It then trains
+    under a new initialize as DDP + torch.optim does. (The refusal came after the sharding:
+    the parameters were left as this rank's 1-D slices, of another size on each rank, and the
+    next initialize aborted the process inside gloo.)"""
+    torch.manual_seed(0)
+    model = models.MLP(16, 64, 8)
+    ref = DDP(copy.deepcopy(model))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        zero_py.initialize(model, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                           stochastic_rounding=True)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    untouched = all(p.shape == before[n].shape and torch.equal(p.detach(), before[n])
+                    for n, p in model.named_parameters())
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                                    lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        batch = models.mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            models.mlp_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    with zero_py.gathered(model):
+        rel = max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
+                                                             ref.module.parameters()))
+    return {"refused": refused, "untouched": untouched, "hooks": hooks, "rel": rel}
+
+
 def _all(rank, world_size):
-    out = {}
+    out = {"refused_stage3": refused_stage3(rank)}
     with tempfile.TemporaryDirectory(prefix=f"zp_life{rank}_") as tmp:
         for name, kw in CASES.items():
             kw = dict(kw, offload_dir=tmp) if "nvme" in name else kw
@@ -116,3 +153,11 @@ def test_a_dropped_optimizer_gives_back_what_it_took(results, case):
 def test_no_offload_file_is_left(results):
     for res in results:
         assert res["files_left"] == []
+
+
+def test_a_refused_stage3_initialize_leaves_the_model_untouched(results):
+    for rank, res in enumerate(results):
+        r = res["refused_stage3"]
+        assert r["refused"] and "stochastic_rounding" in r["refused"], (rank, r)
+        assert r["untouched"] and r["hooks"] == 0, (rank, r)
+        assert r["rel"] <= 1e-5, (rank, r)

@@ -24,7 +24,7 @@ from zero_py.collectives import channel, make_executor, make_hybrid_executor, qu
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK,
-                                     check_no_shared_storage, fingerprint)
+                                     check_kind_options, check_no_shared_storage, fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.between_uses import full_numel
@@ -217,11 +217,15 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
         groups = None if meta else _param_groups(model.parameters() if params is None
                                                  else params)
-        if kwargs.get("stochastic_rounding") and fused_kind(optimizer_class, [
-                {**defaults, **{k: v for k, v in g.items() if k != "params"}}
-                for g in groups or [{}]]) is None:
-            raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                             f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+        # the optimizer's own refusals, before anything is sharded: raised by ZeroOptimizer
+        # after it, they left the parameters as this rank's shard slices (a model neither
+        # trainable nor usable as a plain model)
+        check_kind_options(optimizer_class, fused_kind(optimizer_class, [
+            {**defaults, **{k: v for k, v in g.items() if k != "params"}}
+            for g in groups or [{}]]),
+            {p.dtype for g in groups for p in g["params"]} if groups else
+            {p.dtype for p in model.parameters()}, kwargs.get("stochastic_rounding", False),
+            kwargs.get("offload_optimizer"), kwargs.get("overlap_step", 0.0), 3)
         strangers = [p for g in groups or () for p in g["params"] if id(p) not in unit_of]
         if strangers:
             raise ValueError(f"params holds {len(strangers)} tensor(s) that are not parameters "

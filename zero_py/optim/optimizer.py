@@ -20,14 +20,15 @@ import torch.distributed as dist
 from zero_py.collectives import HybridExecutor, make_executor, make_hybrid_executor
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
-from zero_py.offload.early import EarlyStep, check_overlap_step
+from zero_py.offload.early import EarlyStep
 from zero_py.offload.written import WrittenParams
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
                                      DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
-                                     check_no_shared_storage, fingerprint, first_tensor)
+                                     check_kind_options, check_no_shared_storage, fingerprint,
+                                     first_tensor)
 from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
@@ -182,23 +183,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             check_no_shared_storage(given, self._name)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
-            if kind is None and stochastic_rounding:
-                raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                                 f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-            if stochastic_rounding and torch.bfloat16 not in dtypes:
-                # it would change nothing: fp16 parameters round to nearest even
-                raise ValueError("stochastic_rounding rounds bf16 parameters from their fp32 "
-                                 "masters, and this optimizer has none (its parameters are "
-                                 f"{sorted(str(d) for d in dtypes)}): cast the model to "
-                                 "torch.bfloat16, or drop stochastic_rounding")
-            if kind is None and offload_optimizer == "nvme":
-                raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
-                                 "Adam, SGD, Adagrad, zero_py.Lion), not "
-                                 f"{optimizer_class.__name__}; use offload_optimizer='cpu'")
-            overlap_step = check_overlap_step(overlap_step, offload_optimizer, stage)
-            if overlap_step and kind is None:
-                raise ValueError("overlap_step runs the fused kernels (AdamW, Adam, SGD, Adagrad, "
-                                 f"zero_py.Lion) during backward, not {optimizer_class.__name__}")
+            overlap_step = check_kind_options(optimizer_class, kind, dtypes, stochastic_rounding,
+                                              offload_optimizer, overlap_step, stage)
         except (TypeError, ValueError) as exc:
             problem = exc
         self.optimizer_class = optimizer_class
