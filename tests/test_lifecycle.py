@@ -4,6 +4,10 @@ what it took: file descriptors (its sockets, its NVMe offload file), threads (th
 all-gather's, gloo's), /dev/shm mappings. Counted from /proc, a few cycles after a first one
 (which makes what a process makes once: the I/O engine's threads, the stage-3 gather group).
 
+Also: a stage-2 and a stage-3 model alive at once, trained in one loop, and a stage-3 model
+after destroy_process_group() and a new init_process_group, against DDP + torch.optim; a
+stage-3 initialize refused by the optimizer leaves the model as it was.
+
 All scenarios run in one set of 2 processes.
 """
 
@@ -16,6 +20,7 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -117,8 +122,47 @@ def refused_stage3(rank) -> dict:
     return {"refused": refused, "untouched": untouched, "hooks": hooks, "rel": rel}
 
 
+def side_by_side(rank, stages) -> list:
+    """Models under the given stages, alive at once, trained in one loop (forwards, one
+    backward, steps) against DDP + torch.optim: each one's relative difference."""
+    torch.manual_seed(0)
+    plain = [models.MLP(16, 64, 8) for _ in stages]
+    refs = [DDP(copy.deepcopy(m)) for m in plain]
+    ref_opts = [torch.optim.AdamW(r.parameters(), lr=1e-2) for r in refs]
+    zs = [zero_py.initialize(m, torch.optim.AdamW, stage=s, lr=1e-2,
+                             **({"wrap_policy": {nn.Linear}} if s == 3 else {}))
+          for m, s in zip(plain, stages)]
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        batch = models.mlp_batch(gen)
+        for pairs in (zs, list(zip(refs, ref_opts))):
+            sum(models.mlp_loss(m, batch) for m, _ in pairs).backward()
+            for _, o in pairs:
+                o.step()
+                o.zero_grad()
+    rel = []
+    for (m, _), r in zip(zs, refs):
+        with zero_py.gathered(m):
+            rel.append(max(models.max_rel_diff(a, b)
+                           for a, b in zip(m.parameters(), r.module.parameters())))
+    return rel
+
+
+def new_world(rank, world_size) -> list:
+    """destroy_process_group(), a new init_process_group, and a new stage-3 model: its gather
+    group is made anew (the one shared before belonged to the destroyed world)."""
+    where = [tempfile.mkdtemp(prefix="zp_world_") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(where[0], "store"),
+                                                         world_size),
+                            rank=rank, world_size=world_size)
+    return side_by_side(rank, (3,))
+
+
 def _all(rank, world_size):
-    out = {"refused_stage3": refused_stage3(rank)}
+    out = {"refused_stage3": refused_stage3(rank), "side_by_side": side_by_side(rank, (2, 3))}
     with tempfile.TemporaryDirectory(prefix=f"zp_life{rank}_") as tmp:
         for name, kw in CASES.items():
             kw = dict(kw, offload_dir=tmp) if "nvme" in name else kw
@@ -131,6 +175,7 @@ def _all(rank, world_size):
             finally:
                 os.environ.pop("ZP_SHM", None)
         out["files_left"] = os.listdir(tmp)
+    out["new_world"] = new_world(rank, world_size)
     return out
 
 
@@ -161,3 +206,9 @@ def test_a_refused_stage3_initialize_leaves_the_model_untouched(results):
         assert r["refused"] and "stochastic_rounding" in r["refused"], (rank, r)
         assert r["untouched"] and r["hooks"] == 0, (rank, r)
         assert r["rel"] <= 1e-5, (rank, r)
+
+
+@pytest.mark.parametrize("case", ["side_by_side", "new_world"])
+def test_models_alive_at_once_or_in_a_new_world_match_ddp(results, case):
+    for rank, res in enumerate(results):
+        assert res[case] and max(res[case]) <= 1e-5, (case, rank, res[case])
