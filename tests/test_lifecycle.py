@@ -6,7 +6,8 @@ all-gather's, gloo's), /dev/shm mappings. Counted from /proc, a few cycles after
 
 Also: a stage-2 and a stage-3 model alive at once, trained in one loop, and a stage-3 model
 after destroy_process_group() and a new init_process_group, against DDP + torch.optim; a
-stage-3 initialize refused by the optimizer leaves the model as it was.
+stage-3 initialize refused by the optimizer leaves the model as it was; a stages 1-2 model
+whose optimizer was dropped trains with torch.optim as a plain model.
 
 All scenarios run in one set of 2 processes.
 """
@@ -161,8 +162,41 @@ def new_world(rank, world_size) -> list:
     return side_by_side(rank, (3,))
 
 
+def plain_after_drop(rank, stage) -> dict:
+    """A stages 1-2 model given to initialize (broadcast_buffers=True, a BatchNorm), trained,
+    its optimizer dropped: the optimizer is collected, the model trains with torch.optim as a
+    plain copy of it does, and a new initialize takes it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 8))
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                    broadcast_buffers=True)
+    gen = torch.Generator().manual_seed(rank)
+    models.mlp_loss(model, models.mlp_batch(gen)).backward()
+    opt.step()
+    opt.zero_grad()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    twin = copy.deepcopy(model)  # a plain model (no optimizer follows a copy)
+    batch = models.mlp_batch(gen)
+    for m in (model, twin):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        models.mlp_loss(m, batch).backward()
+        sgd.step()
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                  twin.state_dict().values()))
+    try:
+        zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2)
+        again = None
+    except ValueError as exc:  # "already managed": the model still held the dropped one
+        again = str(exc)
+    return {"collected": gone() is None, "same": same, "again": again}
+
+
 def _all(rank, world_size):
     out = {"refused_stage3": refused_stage3(rank), "side_by_side": side_by_side(rank, (2, 3))}
+    for stage in (1, 2):
+        out["plain_after_drop", stage] = plain_after_drop(rank, stage)
     with tempfile.TemporaryDirectory(prefix=f"zp_life{rank}_") as tmp:
         for name, kw in CASES.items():
             kw = dict(kw, offload_dir=tmp) if "nvme" in name else kw
@@ -212,3 +246,12 @@ def test_a_refused_stage3_initialize_leaves_the_model_untouched(results):
 def test_models_alive_at_once_or_in_a_new_world_match_ddp(results, case):
     for rank, res in enumerate(results):
         assert res[case] and max(res[case]) <= 1e-5, (case, rank, res[case])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_stage12_model_is_plain_once_its_optimizer_is_dropped(results, stage):
+    for rank, res in enumerate(results):
+        r = res["plain_after_drop", stage]
+        assert r["collected"], (stage, rank, "the model kept its dropped optimizer")
+        assert r["same"], (stage, rank, "the model did not train as a plain copy of it")
+        assert r["again"] is None, (stage, rank, r["again"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
 
 import torch
@@ -161,7 +162,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                             hybrid=hybrid, _param_names=names,
                             _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
-        model._zero_py = compat.ModelManager(opt)
+        model._zero_py = compat.ModelManager(opt, weak=True)  # the model goes on without it
         opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
         return model, opt
     if stage != 3:
@@ -491,10 +492,13 @@ class _BufferSync:
     first)."""
 
     def __init__(self, model: nn.Module, opt: ZeroOptimizer):
-        self.model, self.opt = model, opt
+        # the optimizer weakly, and its hooks go with it: the model holds them, and must not
+        # keep a dropped stages 1-2 optimizer alive (compat.ModelManager)
+        self.model, self.opt = model, weakref.ref(opt)
         self.pending = True
-        model.register_forward_pre_hook(self._pre_forward, prepend=True)
-        model.register_forward_hook(self._post_forward)
+        opt._buffer_hooks = compat.release_on_collect(opt, [
+            model.register_forward_pre_hook(self._pre_forward, prepend=True),
+            model.register_forward_hook(self._post_forward)])
 
     def __deepcopy__(self, memo):
         # a copy of the model keeps these hooks, bound to this object: they skip the copy
@@ -502,11 +506,11 @@ class _BufferSync:
 
     def _pre_forward(self, module, args) -> None:
         if self.pending and module is self.model:
-            _broadcast_buffers(self.model, self.opt.executor)
+            _broadcast_buffers(self.model, self.opt().executor)
 
     def _post_forward(self, module, args, output) -> None:
         if module is self.model:
-            self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
+            self.pending = torch.is_grad_enabled() and self.opt().reducer.sync_enabled
 
 
 def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
