@@ -7,7 +7,9 @@ all-gather's, gloo's), /dev/shm mappings. Counted from /proc, a few cycles after
 Also: a stage-2 and a stage-3 model alive at once, trained in one loop, and a stage-3 model
 after destroy_process_group() and a new init_process_group, against DDP + torch.optim; a
 stage-3 initialize refused by the optimizer leaves the model as it was; a stages 1-2 model
-whose optimizer was dropped trains with torch.optim as a plain model.
+whose optimizer was dropped trains with torch.optim as a plain model; a construction that
+fails on one rank (the NVMe file refused) takes its gradient hooks back (stages 1-2), or
+makes the next initialize refuse the sharded model by name (stage 3).
 
 All scenarios run in one set of 2 processes.
 """
@@ -28,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed
 import models
 import zero_py
+from zero_py.offload import nvme
 
 CYCLES = 1  # after the first: each must give back everything it took
 
@@ -193,6 +196,48 @@ def plain_after_drop(rank, stage) -> dict:
     return {"collected": gone() is None, "same": same, "again": again}
 
 
+def failed_offload_file(rank, stage, tmp) -> dict:
+    """The NVMe offload file refused on rank 1 only (injected), inside the optimizer's
+    construction: every rank raises. Stages 1-2: the gradient hooks the construction had
+    registered are taken back, and a new initialize trains as DDP + torch.optim does.
+    Stage 3 (already sharded): a new initialize is refused by name on every rank."""
+    real = nvme.DirectFile
+
+    def refused(path, *args, **kw):
+        if rank == 1:
+            raise OSError(28, "injected: no space left")
+        return real(path, *args, **kw)
+    torch.manual_seed(0)
+    model = models.MLP(16, 64, 8)
+    ref = DDP(copy.deepcopy(model))
+    nvme.DirectFile = refused
+    try:
+        zero_py.initialize(model, torch.optim.AdamW, lr=1e-2, stage=stage, offload_dir=tmp,
+                           offload_optimizer="nvme",
+                           **({"wrap_policy": {nn.Linear}} if stage == 3 else {}))
+        raised = None
+    except (OSError, ValueError) as exc:
+        raised = str(exc)
+    finally:
+        nvme.DirectFile = real
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    try:
+        model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=2, lr=1e-2)
+    except ValueError as exc:
+        return {"raised": raised, "hooks": hooks, "again": str(exc)}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        batch = models.mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            models.mlp_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    rel = max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
+                                                         ref.module.parameters()))
+    return {"raised": raised, "hooks": hooks, "again": None, "rel": rel}
+
+
 def _all(rank, world_size):
     out = {"refused_stage3": refused_stage3(rank), "side_by_side": side_by_side(rank, (2, 3))}
     for stage in (1, 2):
@@ -208,6 +253,8 @@ def _all(rank, world_size):
                 out[name]["seconds"] = time.perf_counter() - start
             finally:
                 os.environ.pop("ZP_SHM", None)
+        for stage in (2, 3):
+            out["failed_offload_file", stage] = failed_offload_file(rank, stage, tmp)
         out["files_left"] = os.listdir(tmp)
     out["new_world"] = new_world(rank, world_size)
     return out
@@ -255,3 +302,14 @@ def test_a_stage12_model_is_plain_once_its_optimizer_is_dropped(results, stage):
         assert r["collected"], (stage, rank, "the model kept its dropped optimizer")
         assert r["same"], (stage, rank, "the model did not train as a plain copy of it")
         assert r["again"] is None, (stage, rank, r["again"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_failed_construction_leaves_no_hooks_or_is_refused_by_name(results, stage):
+    for rank, res in enumerate(results):
+        r = res["failed_offload_file", stage]
+        assert r["raised"] and ("injected" in r["raised"] or "disagree" in r["raised"]), (rank, r)
+        if stage == 2:
+            assert r["hooks"] == 0 and r["again"] is None and r["rel"] <= 1e-5, (rank, r)
+        else:  # the parameters were sharded already: refused by name, never a gloo abort
+            assert r["again"] and "stage-3 shard slice" in r["again"], (rank, r)

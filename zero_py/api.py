@@ -311,9 +311,17 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
                                           align, meter, persistence_threshold, uninitialized,
                                           host_shards, **files)
-    opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
-                        executor=dp, storage=storage,
-                        _param_names={id(p): n for n, p in model.named_parameters()}, **kwargs)
+    try:
+        opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
+                            executor=dp, storage=storage,
+                            _param_names={id(p): n for n, p in model.named_parameters()},
+                            **kwargs)
+    except BaseException as exc:  # e.g. the NVMe offload file refused on a rank
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note("zero_py: the model's parameters were already sharded (each is this "
+                         "rank's 1-D slice now): build the model again before another "
+                         "zero_py.initialize")
+        raise
     storage.frozen_storage = frozen_storage
     engine = Stage3Engine(model, units, [s for s in (storage, frozen_storage) if s is not None],
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)

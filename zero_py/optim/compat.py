@@ -63,6 +63,14 @@ def owner_of(p: torch.Tensor):
     return entry[1]()
 
 
+def left_sharded(p: torch.Tensor) -> bool:
+    """Whether p is a stage-3 shard slice that no live optimizer manages: what a stage-3
+    initialize that failed after sharding leaves (a deep copy made inside gathered() is full
+    size, and a live model's parameters have their optimizer)."""
+    shape = getattr(p, "_zero_py_shape", None)
+    return shape is not None and tuple(p.shape) != tuple(shape) and owner_of(p) is None
+
+
 class ModelManager:
     """model._zero_py, set by zero_py.initialize: the optimizer that manages the model. A copy
     of the model (copy.deepcopy: torch.optim.swa_utils.AveragedModel, an EMA teacher) or a

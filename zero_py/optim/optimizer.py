@@ -231,7 +231,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if (p.requires_grad and p.numel() > 0) if owned is None else id(p) in owned:
-                    self._check_param(p, index, self._names.get(id(p)))
+                    self._check_param(p, index, self._names.get(id(p)),
+                                      slices_ok=owned is not None)
                     managed.append(p)
                     groups_of.append(gi)
                     self._managed_index.append(index)
@@ -275,12 +276,19 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                              "its trainable ones, or in another order")
         if not storage.shards_frozen:
             self._broadcast_frozen(managed)
-        self._build(storage, [0] * len(managed))
-        if not isinstance(self._update, StreamedUpdate):  # its file was written from them
-            self.sync_master_from_params()
+        self._release = compat.release_on_collect(self, self._hook_handles)
+        try:
+            self._build(storage, [0] * len(managed))
+            if not isinstance(self._update, StreamedUpdate):  # its file was written from them
+                self.sync_master_from_params()
+        except BaseException:
+            # a failed construction (the NVMe file refused on a rank) takes its gradient hooks
+            # back: left on the parameters, they fed a dead reducer, and a later optimizer over
+            # the model failed in its first backward
+            self._release()
+            raise
         self._sr_seed = self._rounding_seed_base()
         compat.claim(self, managed)
-        self._release = compat.release_on_collect(self, self._hook_handles)
         compat.install_clip_guards()
         compat.install_module_zero_grad()
         self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
@@ -469,9 +477,19 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         regroup.add_param_group(self, param_group)
 
     @staticmethod
-    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None) -> None:
-        """`name`: the parameter's name, where known, for the message (else its index i)."""
+    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None,
+                     slices_ok: bool = False) -> None:
+        """`name`: the parameter's name, where known, for the message (else its index i).
+        `slices_ok`: p may be a stage-3 shard slice (stage 3's own construction)."""
         what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
+        if not slices_ok and compat.left_sharded(p):
+            # its ranks' slices differ in size: laid out again, the first broadcast aborted
+            # the process inside gloo
+            raise ValueError(
+                f"{what} is a stage-3 shard slice (shape {tuple(p.shape)}, full shape "
+                f"{tuple(p._zero_py_shape)}) that no optimizer manages: a zero_py.initialize"
+                "(stage=3) of this model failed after sharding its parameters. Build the model "
+                "again (or load its weights into a new one) before zero_py.initialize")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
