@@ -86,7 +86,6 @@ CASES = {
     # the engine, held by the parameters' gradient hooks (from C++, unseen by the collector),
     # kept the model and optimizer; each model made a gather group, and a thread of its own
     "stage3": dict(stage=3, wrap_policy={nn.Linear}),
-    "stage3_no_shm": dict(stage=3, wrap_policy={nn.Linear}),
     # the early updates' guess held the optimizer
     "overlap_step": dict(stage=2, offload_optimizer="cpu", overlap_step=1.0),
     # the offload file's descriptor (and its reserved space) outlived the optimizer
@@ -250,8 +249,6 @@ def _all(rank, world_size):
     with tempfile.TemporaryDirectory(prefix=f"zp_life{rank}_") as tmp:
         for name, kw in CASES.items():
             kw = dict(kw, offload_dir=tmp) if "nvme" in name else kw
-            if name.endswith("no_shm"):
-                os.environ["ZP_SHM"] = "0"
             if name == "hybrid":  # torchrun's, for one rank per node
                 os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
             try:
@@ -259,7 +256,7 @@ def _all(rank, world_size):
                 out[name] = dropped(rank, kw)
                 out[name]["seconds"] = time.perf_counter() - start
             finally:
-                for var in ("ZP_SHM", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+                for var in ("LOCAL_WORLD_SIZE", "LOCAL_RANK"):
                     os.environ.pop(var, None)
         for stage in (2, 3):
             out["failed_offload_file", stage] = failed_offload_file(rank, stage, tmp)
