@@ -140,6 +140,17 @@ def hf_missing() -> Optional[str]:
     return None
 
 
+def tiny_t5_config(vocab: int, width: int):
+    """A two-layer T5 (encoder-decoder; its shared embedding tied to the encoder's, the
+    decoder's and the head), no dropout."""
+    import transformers
+
+    return transformers.T5Config(
+        vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
+        num_decoder_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1)
+
+
 def tiny_hf_configs(vocab: int, width: int) -> dict:
     """Two-layer GPT-2 (tied embeddings, no dropout) and Llama (untied, grouped-query
     attention) configs of `width`, for tests that build Hugging Face models from scratch."""

@@ -241,8 +241,10 @@ def _group_not_a_dict(_):
 def _group_with_other_state(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer([model.weight])
+    # a tensor lr runs on the torch.optim path, the others on the fused one (amsgrad in a new
+    # group is taken: tests/test_torch_idioms.py)
     return model, first, lambda: first.add_param_group({"params": [model.bias],
-                                                         "amsgrad": True})
+                                                         "lr": torch.tensor(0.01)})
 
 
 def _group_with_pending_gradients(_):
@@ -291,6 +293,17 @@ def _torch_clip_value(_):
     return model, first, lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
 
 
+def _wrapped_in_ddp(where, stage):
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if where == "root":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            model[1] = nn.parallel.DistributedDataParallel(model[1])
+        return model, None, lambda: zero_py.initialize(model, stage=stage)
+    return build
+
+
 def _grad_scaler(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer(model.parameters())
@@ -311,6 +324,14 @@ def _stage3(bad_kwargs, float64=False):
             model[1].double()
         return model, None, lambda: zero_py.initialize(model, stage=3, **bad_kwargs)
     return build
+
+
+def _stage3_frozen_int8(_):
+    """A quantized base model's frozen int8 weight (trainable adapters beside it): stage 3
+    shards frozen parameters in float dtypes only, and said to cast the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Module())
+    model[1].qweight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    return model, None, lambda: zero_py.initialize(model, stage=3)
 
 
 def _stage3_add_param_group(_):
@@ -360,6 +381,49 @@ def _step_after_replacing_data(stage):
     return build
 
 
+def _step_after_casting(stage, cast):
+    """model.half() (or .to(torch.bfloat16), .double()) after the optimizer was built gives
+    every parameter new storage: refused, but the message blamed a `p.data = t` and said to
+    write the new values in place, which a cast cannot be."""
+    def build(_):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model, first = zero_py.initialize(model, stage=stage)
+
+        def call():
+            views = [p.data for p in model.parameters()]
+            try:
+                cast(model)
+                dtype = next(model.parameters()).dtype
+                model(torch.randn(2, 4, dtype=dtype)).float().pow(2).sum().backward()
+                first.step()
+            finally:  # the flat buffer's views again: the optimizer then trains on
+                for p, view in zip(model.parameters(), views):
+                    p.data = view
+                first.zero_grad()
+        return model, first, call
+    return build
+
+
+def _step_after_channels_last(_):
+    """model.to(memory_format=torch.channels_last) after the optimizer: refused as a replaced
+    .data, with the advice to write the values in place, which a conversion cannot."""
+    # (2, 4) in and out, as the test's check of the optimizer afterwards feeds it
+    model = nn.Sequential(nn.Unflatten(1, (2, 1, 2)), nn.Conv2d(2, 4, (1, 2)), nn.Flatten())
+    model, first = zero_py.initialize(model, stage=2)
+
+    def call():
+        views = [p.data for p in model.parameters()]
+        try:
+            model.to(memory_format=torch.channels_last)
+            model(torch.randn(2, 4)).pow(2).sum().backward()
+            first.step()
+        finally:  # the flat buffer's views again: the optimizer then trains on
+            for p, view in zip(model.parameters(), views):
+                p.data = view
+            first.zero_grad()
+    return model, first, call
+
+
 def _step_after_resizing(stage):
     """A layer grown after initialize, as transformers' resize_token_embeddings grows the
     embedding (`weight.data = larger`): stage 1 said to write the new values in place
@@ -407,6 +471,10 @@ CALL_CASES = [
      "every parameter the optimizer trains"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
+    ("initialize a DDP model stage 2", _wrapped_in_ddp("root", 2), ValueError,
+     r"the model is wrapped in DistributedDataParallel.*drop the DDP\(\.\.\.\)"),
+    ("initialize a DDP submodule stage 3", _wrapped_in_ddp("child", 3), ValueError,
+     "submodule '1' is wrapped in DistributedDataParallel"),
     ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),
     ("stage 3: bad lr", _stage3({"lr": -1.0}), ValueError, "Invalid learning rate"),
     ("stage 3: bad bucket_bytes", _stage3({"bucket_bytes": 0}), ValueError, "bucket_bytes"),
@@ -415,6 +483,8 @@ CALL_CASES = [
                                               "stochastic_rounding": True}), ValueError,
      "stochastic_rounding needs a fused optimizer"),
     ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
+    ("stage 3: frozen int8 parameter", _stage3_frozen_int8, ValueError,
+     r"'1.qweight' \(index 2\) is frozen with dtype torch.int8.*use stage 1 or 2"),
     ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),
@@ -423,6 +493,16 @@ CALL_CASES = [
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
     ("step after replacing .data stage 2", _step_after_replacing_data(2), RuntimeError,
      r"\.data of parameter '0.weight' \(and of 3 more\) was replaced.*p.copy_\(t\)"),
+    ("step after model.half() stage 1", _step_after_casting(1, nn.Module.half), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.float16 on cpu, but it was torch.float32 .*cast "
+     "or moved since.*before zero_py.initialize"),
+    ("step after model.to(bf16) stage 2",
+     _step_after_casting(2, lambda m: m.to(torch.bfloat16)), RuntimeError,
+     r"'0.weight' \(and of 3 more\) is torch.bfloat16 on cpu.*cast or moved since"),
+    ("step after model.double() stage 2", _step_after_casting(2, nn.Module.double),
+     RuntimeError, r"is torch.float64 on cpu.*cast or moved since"),
+    ("step after channels_last stage 2", _step_after_channels_last, RuntimeError,
+     r"'1.weight' was converted to another memory format.*leave the parameters contiguous"),
     ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
      r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
     ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,
@@ -455,6 +535,29 @@ def test_bad_call_is_refused_and_changes_nothing(single_rank_group, case, setup,
         first.step()
         assert not all(torch.equal(a, p) for a, p in zip(values, model.parameters()))
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_ddp_model_under_the_optimizer_is_named(single_rank_group):
+    """ZeroOptimizer over a DDP-wrapped model's parameters (a DDP script with only its
+    optimizer changed): DDP writes its averaged gradient back after zero_py took it. The
+    step's refusal says so (it used to point at `p.grad = g` after backward only)."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=2, lr=1e-2)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="wrapped in DistributedDataParallel"):
+        opt.step()
+
+
+def test_join_for_uneven_inputs_is_refused(single_rank_group):
+    """torch.distributed.algorithms.Join([optimizer]) failed with "no attribute 'join_hook'"."""
+    from torch.distributed.algorithms import Join
+
+    model = nn.Linear(4, 4)
+    opt = zero_py.ZeroOptimizer(model.parameters(), stage=2)
+    with pytest.raises(NotImplementedError, match="same number of batches"):
+        with Join([opt]):
+            pass
 
 
 def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):
@@ -504,3 +607,131 @@ def test_a_managed_model_can_be_saved_whole_and_copied(single_rank_group):
     with pytest.raises(ValueError, match="already managed"):
         zero_py.ZeroOptimizer(model.parameters())
     assert opt.state is not None
+
+
+def _with_param(make_param, requires_grad=True):
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.extra = nn.Parameter(make_param(), requires_grad=requires_grad)
+    return model
+
+
+# (case, the model, stage, message): parameters zero_py cannot lay out, refused at
+# construction with the remedy that works for them. Before, a meta parameter was told to "move
+# the model" (a meta tensor cannot be moved: it has no values), a complex one to "cast the
+# model" (which drops the imaginary part), and a frozen float64 one under stage 3 was told
+# nothing of why a frozen parameter matters there.
+REFUSED_PARAMS = [
+    ("meta parameter, stage 1", lambda: _with_param(lambda: torch.empty(3, device="meta")), 1,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("meta parameter, stage 2", lambda: _with_param(lambda: torch.empty(3, device="meta")), 2,
+     r"'extra' .* is on the meta device .*zero_py.initialize\(model, stage=3\).*to_empty"),
+    ("complex parameter, stage 2",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 2,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("complex parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.complex64)), 3,
+     r"'extra' .* torch.complex64: .* not complex ones; .*torch.view_as_complex"),
+    ("frozen float64 parameter, stage 3",
+     lambda: _with_param(lambda: torch.randn(3, dtype=torch.float64), requires_grad=False), 3,
+     r"'extra' .* frozen with dtype torch.float64: stage 3 shards frozen parameters too.*"
+     r"use stage 1 or 2.*or hold it as a buffer"),
+    # before: each element of the expanded parameter got a place of its own and trained apart,
+    # where torch.optim's in-place update raises
+    ("expanded parameter, stage 1", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     1, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("expanded parameter, stage 3", lambda: _with_param(lambda: torch.randn(1, 3).expand(2, 3)),
+     3, r"'extra' overlaps itself in memory .*expand it in the forward"),
+    ("self-overlapping strides, stage 2",
+     lambda: _with_param(lambda: torch.randn(10).as_strided((3, 3), (2, 1))), 2,
+     r"'extra' overlaps itself in memory"),
+]
+
+
+@pytest.mark.parametrize("case,make,stage,match", REFUSED_PARAMS,
+                         ids=[c[0] for c in REFUSED_PARAMS])
+def test_parameters_zero_py_cannot_lay_out_are_refused_with_a_remedy(single_rank_group, case,
+                                                                     make, stage, match):
+    model = make()
+    with pytest.raises(ValueError, match=match):
+        if stage == 3:
+            zero_py.initialize(model, torch.optim.AdamW, stage=3)
+        else:  # named, as initialize passes them: the message names the parameter
+            zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage)
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_frozen_parameters_of_other_dtypes_stay_whole_under_stages_1_and_2(single_rank_group):
+    """What the stage-3 refusal above points to: under stages 1-2 a frozen float64 or complex
+    parameter is kept whole and untouched while the others train."""
+    model = _with_param(lambda: torch.randn(3, dtype=torch.complex64), requires_grad=False)
+    model.f64 = nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
+    kept = (model.extra.detach().clone(), model.f64.detach().clone())
+    opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.1)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    assert torch.equal(model.extra, kept[0]) and torch.equal(model.f64, kept[1])
+
+
+class _Strided(nn.Module):
+    """Parameters whose strides are not row-major but never revisit an element."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.randn(5, 4).t())  # transposed
+        self.sliced = nn.Parameter(torch.randn(5, 8)[:, ::2])  # every other column
+        self.odd = nn.Parameter(torch.randn(10).as_strided((2, 2), (3, 2)))  # interleaved
+        self.conv = nn.Conv2d(2, 5, 2)
+
+    def forward(self, x, img):
+        h = torch.tanh(x @ self.t + self.conv(img).mean((2, 3)))  # (B, 5)
+        return h @ self.sliced[:, :2] @ self.odd
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strided_parameters_that_do_not_overlap_train_as_torch_optim(single_rank_group, stage):
+    """The overlap check above leaves alone what only looks unusual: transposed, sliced,
+    interleaved (as_strided) and channels_last parameters train as under torch.optim."""
+    torch.manual_seed(0)
+    ref = _Strided().to(memory_format=torch.channels_last)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, img = torch.randn(3, 4, generator=gen), torch.randn(3, 2, 3, 3, generator=gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x, img).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    full = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _BufferView(nn.Module):
+    """A buffer that is a view of a trained parameter (torch.optim's update of the parameter
+    shows in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("head_rows", self.fc.weight.data[:2])
+
+    def forward(self, x):
+        return self.fc(x) + x @ self.head_rows.t().sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_buffer_that_views_a_trained_parameter_is_refused(single_rank_group, stage):
+    """zero_py moves a trained parameter into storage of its own, so before, a buffer that
+    viewed it kept its first values (probed: 0.07 off torch.optim after one SGD step, every
+    stage); initialize now refuses it, naming both, and changes nothing."""
+    model = _BufferView()
+    data = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
+    with pytest.raises(ValueError, match=r"buffer 'head_rows' shares memory with parameter "
+                                         r"'fc.weight' .*Compute it from the parameter"):
+        zero_py.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
+    assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == data
+    assert model.head_rows.data_ptr() == model.fc.weight.data_ptr()

@@ -97,6 +97,17 @@ def test_estimate_errors_say_what_to_change(tmp_path):
     assert proc.returncode == 2 and "model_type" in proc.stderr
 
 
+def test_an_unwritable_output_is_said_at_once(tmp_path):
+    """A path the user gave that cannot be written is one line and exit status 1, before any
+    measuring (plot used to measure for minutes, then end in a traceback)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_cli("plot", "--out", str(blocker / "plots"), check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "python -m zero_py plot:" in proc.stderr and "Traceback" not in proc.stderr
+    assert "measuring" not in proc.stdout
+
+
 def test_env_reports_this_machine():
     from zero_py._native import _C
     from zero_py.collectives import nccl

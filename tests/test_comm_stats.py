@@ -448,9 +448,9 @@ def test_stages_1_and_2_move_two_psi(measured):
                 if grad_size == param_size:
                     payload = sum(c["bytes_sent"] for c in _payload(stats)["shard"].values())
                     assert payload == 2 * psi * (n - 1) // n * param_size, where
-                # pass/step counts (stage 2), the used mask, and in step 2 the gradient norm:
-                # all small, none of it payload
-                control_calls = (1 if key[0] == 1 else 3) + (1 if k == 1 else 0)
+                # the step's count (stage 1: the settings only; stage 2 also the passes), the
+                # used mask, and in step 2 the gradient norm: all small, none of it payload
+                control_calls = (2 if key[0] == 1 else 3) + (1 if k == 1 else 0)
                 assert stats["shard"]["control"]["calls"] == control_calls, where
             if "no backward" in case:
                 # a step() without a backward still reduce-scatters (a peer may have run one),

@@ -1,5 +1,7 @@
 """Bad input to ZeroOptimizer gets an exception whose message says what to change."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -41,6 +43,67 @@ def test_optimizers_that_read_whole_parameters_are_refused(single_rank_group, na
     subclass = type("Mine", (cls,), {})  # a subclass updates as its base does
     with pytest.raises(ValueError, match=f"cannot run torch.optim.{name}"):
         zero_py.initialize(nn.Linear(4, 4), subclass, stage=3)
+
+
+def test_differentiable_is_refused(single_rank_group):
+    """differentiable=True (torch.optim recording the update in the autograd graph) cannot be
+    honoured on fp32 shards updated outside autograd; it used to train as without it, silently:
+    refused as an argument, in a param group, a group added later and a loaded dict."""
+    match = r"differentiable=True \({}\) cannot be honoured.*drop differentiable"
+    with pytest.raises(ValueError, match=match.format("the optimizer's options")):
+        zero_py.ZeroOptimizer(nn.Linear(4, 4).parameters(), torch.optim.RMSprop,
+                              differentiable=True)
+    with pytest.raises(ValueError, match=match.format("the optimizer's options")):
+        zero_py.initialize(nn.Linear(4, 4), torch.optim.AdamW, stage=3, differentiable=True)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=match.format("param group 1")):
+        zero_py.ZeroOptimizer([{"params": model[0].parameters()},
+                               {"params": model[1].parameters(), "differentiable": True}],
+                              torch.optim.SGD, lr=0.1)
+    opt = zero_py.ZeroOptimizer(model[0].parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=match.format("param group 1")):
+        opt.add_param_group({"params": model[1].parameters(), "differentiable": True})
+    saved = opt.state_dict()
+    saved["param_groups"][0]["differentiable"] = True
+    with pytest.raises(ValueError, match=match.format("param group 0")):
+        opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu", "nvme"])
+def test_a_group_value_the_kernel_refuses_names_its_group_and_changes_nothing(
+        single_rank_group, offload, tmp_path):
+    """torch.optim checks only its constructor's values; the fused kernel refuses some that a
+    param group may hold (a negative weight decay). The refusal names the param group (it
+    named the kernel's row: 'group 0' for param group 1), and nothing moves: once the value is
+    put back, training goes on as torch.optim's does (the step counts had moved: the next
+    step's bias correction was one step ahead). A group no step updates (a layer outside the
+    forward) is not read, as torch.optim does not read it."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    model = copy.deepcopy(ref)
+
+    def groups(m):
+        return [{"params": m[0].parameters()}, {"params": m[1].parameters()},
+                {"params": m[2].parameters(), "weight_decay": -1.0}]
+
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1)
+    opt = zero_py.ZeroOptimizer(groups(model), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                offload_optimizer=offload,
+                                offload_dir=str(tmp_path) if offload == "nvme" else None)
+    x = torch.randn(8, 4)
+    for k in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m[:2](x * (k + 1)).pow(2).mean().backward()
+            if o is opt and k == 1:
+                o.param_groups[1]["weight_decay"] = -0.1
+                with pytest.raises(ValueError, match=r"^param group 1: weight_decay must be "
+                                   r"finite and >= 0, got -0.1 \(zero_py's fused adamw"):
+                    o.step()
+                o.param_groups[1]["weight_decay"] = 0.1
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
 
 
 def _sgd_step(opt, model):

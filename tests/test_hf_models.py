@@ -194,6 +194,105 @@ def _generate_alone_and_synced(rank, world_size):
     return out
 
 
+def _t5_steps(m, ids, k):
+    if k == 0:
+        return m(input_ids=ids, labels=ids.flip(1)).loss
+    # the encoder on its own, its output given to the model (as generate() does)
+    return m(encoder_outputs=m.get_encoder()(input_ids=ids), labels=ids.flip(1)).loss
+
+
+def _llama_steps(m, ids, k):
+    if k == 0:
+        # a chunked loss's shape: hidden states from the base model, the head applied after
+        h = m.model(input_ids=ids).last_hidden_state
+        return nn.functional.cross_entropy(m.lm_head(h[:, :-1]).flatten(0, 1),
+                                           ids[:, 1:].flatten())
+    # a multimodal script's: embeddings made outside, passed as inputs_embeds
+    return m(inputs_embeds=m.get_input_embeddings()(ids), labels=ids).loss
+
+
+def _entry_points(rank, world_size):
+    """A T5 and a Llama under stage 3 beside the plain model trained on gradients averaged by
+    hand, each step calling submodules on their own outside the model's forward (_t5_steps,
+    _llama_steps); then the T5's encoder alone under no_grad, and generate() with a
+    different prompt and length on each rank."""
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for name, config, steps in (
+            ("t5", models.tiny_t5_config(VOCAB, 32), _t5_steps),
+            ("llama", models.tiny_hf_configs(VOCAB, 32)["llama"], _llama_steps)):
+        auto = (transformers.AutoModelForSeq2SeqLM if name == "t5" else
+                transformers.AutoModelForCausalLM)
+        torch.manual_seed(SEED)
+        ref = auto.from_config(config).train()
+        torch.manual_seed(SEED)
+        model = auto.from_config(config).train()
+        zm, zo = zero_py.initialize(model, torch.optim.AdamW, stage=3, lr=LR,
+                                    wrap_policy=_blocks(model))
+        ro = torch.optim.AdamW(ref.parameters(), lr=LR)
+        gen = torch.Generator().manual_seed(100 + rank)
+        batches = [torch.randint(2, VOCAB, (4, 12), generator=gen) for _ in range(2)]
+        for k, ids in enumerate(batches):
+            for m, o in ((ref, ro), (zm, zo)):
+                steps(m, ids, k).backward()
+                if m is ref:
+                    for p in ref.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad /= world_size
+                o.step()
+                o.zero_grad()
+        r = {"weights": _rel_max(zero_py.full_state_dict(zm), ref.state_dict())
+             if rank == 0 else 0.0}
+        if name == "t5":
+            ref.eval()
+            zm.eval()
+            with torch.no_grad():
+                r["encoder"] = (zm.get_encoder()(input_ids=batches[0]).last_hidden_state -
+                                ref.get_encoder()(input_ids=batches[0]).last_hidden_state
+                                ).abs().max().item()
+                prompt = batches[1][:1, :3 + 2 * rank]
+                r["tokens"] = [m.generate(prompt, max_new_tokens=3 + 3 * rank, do_sample=False)
+                               for m in (zm, ref)]
+        out[name] = r
+    return out
+
+
+def _rel_max(got, want):
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item()
+               for k in want)
+
+
+@pytest.fixture(scope="module")
+def entries():
+    return distributed.run(_entry_points, 2)
+
+
+def test_stage3_encoder_decoder_runs_its_encoder_alone(entries):
+    """transformers' generate() runs an encoder-decoder's encoder by itself, outside the
+    model's forward; so do scripts that pass encoder_outputs. Under stage 3 the encoder's
+    embedding (the root unit's) was its rank's shard slice there ('weight' must be 2-D):
+    such calls now run as forwards of the model. Training through it, the encoder's output
+    and greedy generation equal the plain model's."""
+    for rank, res in enumerate(entries):
+        r = res["t5"]
+        assert r["weights"] <= 1e-5, (rank, r["weights"])
+        assert r["encoder"] <= 1e-5, (rank, r["encoder"])
+        got, want = r["tokens"]
+        assert torch.equal(got, want), (rank, got, want)
+        assert got.shape[1] >= 3 + rank, (rank, got)
+
+
+def test_stage3_head_and_embeddings_called_outside_the_forward(entries):
+    """`model.lm_head(hidden)` after the base model's forward (a chunked loss) and
+    `model(inputs_embeds=model.get_input_embeddings()(ids))` (a multimodal script) train as
+    the plain model does."""
+    for rank, res in enumerate(entries):
+        assert res["llama"]["weights"] <= 1e-5, (rank, res["llama"]["weights"])
+
+
 class Block(nn.Module):
     """A residual MLP: few kernels for inductor to build (a cold compile costs seconds each)."""
 

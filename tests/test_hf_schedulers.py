@@ -289,7 +289,7 @@ def _per_rank_metric(rank, stage):
 
 
 def _all(rank, world_size, tmp):
-    out = {"per_rank_metric": {stage: _per_rank_metric(rank, stage) for stage in (2, 3)}}
+    out = {"per_rank_metric": {stage: _per_rank_metric(rank, stage) for stage in (1, 2, 3)}}
     for kind in TORCH_SCHEDS:
         for stage, r in _torch_scheduler(rank, tmp, kind).items():
             out["torch", kind, stage] = r
@@ -353,10 +353,10 @@ def test_hf_scheduler_with_trainer_groups_matches_ddp(results, kind, stage):
             assert r["resumed_diff"] <= WEIGHT_ATOL, (rank, r["resumed_diff"])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hyperparameters_that_differ_between_ranks_are_refused(results, stage):
-    """Stages 2-3 compare the param groups' settings in each step's count all-reduce (stage 1
-    has no collective of its own to carry them)."""
+    """Each step compares the ranks' param groups' settings in a small all-reduce before
+    anything is reduced (stages 2-3: the step's count; stage 1: one of its own)."""
     for rank, res in enumerate(results):
         r = res["per_rank_metric"][stage]
         assert r["error"] is not None, f"rank {rank}: a step with another lr on rank 0 ran"

@@ -191,6 +191,12 @@ def _three_ways(rank, world_size):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         r = _train(rank, {"device_mesh": mesh}, 3, torch.float32, "sgd", steps=3)
         out[shape] = (r["mesh"], r["loss"], r.get("param"))
+    # pure replication with a bf16 wire summed in fp32: one rank per shard group has no
+    # reduce-scatter to make, but its replicas' all-reduce is still due
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    r = _train(rank, {"device_mesh": mesh, "grad_reduce_dtype": torch.bfloat16,
+                      "grad_accum_dtype": torch.float32}, 2, torch.float32, "sgd", steps=3)
+    out["(4, 1) bf16 wire"] = (r["loss"], r["param"], r["values"])
     return out
 
 
@@ -209,6 +215,21 @@ def test_traffic_splits_between_the_shard_and_the_replicate_groups(three_ways):
 @pytest.fixture(scope="module")
 def three_ways():
     return distributed.run(_three_ways, 4)
+
+
+def test_one_rank_per_shard_group_still_averages_over_the_replicas(three_ways):
+    """A (4, 1) mesh with grad_accum_dtype=torch.float32 (a bf16 wire summed in fp32): every
+    rank holds the whole model, so the shard group's reduction is a copy, but the gradients
+    must still be all-reduced across the 4 replicas. Before, the widening reduce-scatter took
+    its one-rank shortcut and skipped them: each rank trained on its own data (a quarter of
+    its gradient), the parameters 121% off DDP's (of a tensor's largest value; losses
+    1.7e-2) after 3 steps, and the replicas apart. Now DDP's run within the bf16 wire's
+    rounding (measured: parameters 5.7e-3, losses 3e-6), and the replicas hold the same bits."""
+    values = [out["(4, 1) bf16 wire"][2] for out in three_ways]
+    for rank, out in enumerate(three_ways):
+        loss, param, _ = out["(4, 1) bf16 wire"]
+        assert loss <= 1e-4 and param <= 2e-2, (rank, loss, param)
+        assert all(torch.equal(values[0][k], values[rank][k]) for k in values[0]), rank
 
 
 def test_the_three_ways_of_asking_give_the_same_bits(three_ways):
@@ -268,6 +289,10 @@ def _errors(rank, world_size):
     # (before the refusal their models drifted apart: 0.018 after 3 steps)
     out["quantized grads"] = refused(stage=2, process_group=shard, replicate_group=column,
                                      quantized_grads="int8")
+    # one rank per shard group: the exchange had nothing to do and was skipped, and with it
+    # the replicas' all-reduce (each rank trained on its own gradients)
+    out["quantized grads, one rank per shard"] = refused(stage=2, device_mesh=init_device_mesh(
+        "cpu", (4, 1), mesh_dim_names=("replicate", "shard")), quantized_grads="int8")
     # hybrid sharding asked for on replica 0's ranks only: gloo aborted the processes (the
     # hybrid ranks' first exchange met the others' agreement digests)
     out["hybrid on some ranks"] = refused(stage=2, **({"hybrid": "node"} if rank < 2 else {}))
@@ -291,6 +316,7 @@ EXPECTED = {
     "replicate alone": "replicate_group= needs process_group=",
     "mode": "hybrid must be None or 'node'",
     "quantized grads": "hybrid sharding reduces across the replicas too",
+    "quantized grads, one rank per shard": "hybrid sharding reduces across the replicas too",
     "replica model": "the ranks disagree on parameter",
 }
 

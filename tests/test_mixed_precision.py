@@ -12,7 +12,9 @@ update is bitwise torch's and the runs agree to ~1e-7). bf16 parameters: one dif
 of a master moves a parameter by a bf16 ulp, RTOL_LOW_PRECISION again. Norms: 1e-5.
 """
 
+import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -30,6 +32,10 @@ RTOL_LOSS = 1e-3
 # step, and the trajectories drift apart (measured: 3e-2 to 4e-2; at 2 ranks the sums agree).
 RTOL_BF16_SUM_4_RANKS = 1e-1
 STEPS = 16
+# (bad gradient element, norm_type, max_norm) of nonfinite_clipping
+NONFINITE_CLIPPING = {"nan_grad_clipped": ("nan", 2.0, 1.0),
+                      "nan_grad_clipped_inf_norm": ("nan", math.inf, 1.0),
+                      "inf_grad_clipped": ("inf", 2.0, 1.0), "clipped_to_zero": (None, 2.0, 0.0)}
 
 
 def _rel(a: nn.Module, b: nn.Module) -> float:
@@ -214,6 +220,153 @@ def clipping(rank, stage, norm_type):
     return {"rel": _rel(zm, ref), "norm_rel": norm_rel, "clipped": clipped}
 
 
+def clip_while_unfreezing(rank, stage):
+    """A fine-tuning loop that freezes a layer for some steps (requires_grad_(False) after the
+    optimizer was built) and clips the parameters that train now, [p for p in
+    model.parameters() if p.requires_grad], against DDP(find_unused_parameters=True) + AdamW:
+    zero_py refused that call as clipping some of its parameters only. Then a layer frozen
+    between backward and the clip (its gradient there, left out of torch's norm): refused on
+    every rank, since zero_py clips the whole gradient shard."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    if stage == 3:
+        zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                                      lr=1e-2, weight_decay=0.1)
+    else:
+        zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
+                                     bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    norm_rel = 0.0
+    for step in range(6):
+        x, y = models.mlp_batch(gen)
+        norms = []
+        for model, module, opt in ((ddp, ref, ref_opt), (zm, zm, zopt)):
+            module.fc1.requires_grad_(not 2 <= step < 5)
+            nn.functional.mse_loss(model(x), y).backward()
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 0.05)))
+            opt.step()
+            opt.zero_grad()
+        norm_rel = max(norm_rel, abs(norms[1] - norms[0]) / norms[0])
+    ctx = zero_py.gathered(zm) if stage == 3 else contextlib.nullcontext()
+    with ctx:
+        rel = _rel(zm, ref)
+    nn.functional.mse_loss(zm(x), y).backward()
+    zm.fc2.requires_grad_(False)
+    try:
+        torch.nn.utils.clip_grad_norm_([p for p in zm.parameters() if p.requires_grad], 0.05)
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    zm.fc2.requires_grad_(True)
+    zopt.zero_grad()
+    return {"rel": rel, "norm_rel": norm_rel, "refused": refused}
+
+
+class QuantizedBase(nn.Module):
+    """A quantized base model's layer: frozen int8 and float8 weights (with a frozen fp32
+    scale) and trainable low-rank adapters beside them; a float8 and a bool buffer."""
+
+    def __init__(self, rank):
+        super().__init__()
+        gen = torch.Generator().manual_seed(rank)  # the frozen values differ between ranks
+        self.q8 = nn.Parameter(torch.randint(-127, 128, (16, 16), generator=gen,
+                                             dtype=torch.int8), requires_grad=False)
+        self.f8 = nn.Parameter(torch.randn(16, 16, generator=gen).to(torch.float8_e4m3fn),
+                               requires_grad=False)
+        self.scale = nn.Parameter(torch.rand(16, 1, generator=gen) / 64, requires_grad=False)
+        self.register_buffer("shift", torch.randn(16, generator=gen).to(torch.float8_e4m3fn))
+        self.register_buffer("mask", torch.rand(16, generator=gen) > 0.3)
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.randn(4, 16) * 0.1)
+        self.b = nn.Parameter(torch.randn(16, 4) * 0.1)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        w = (self.q8.float() + self.f8.float()) * self.scale
+        h = torch.tanh(x @ w.t() + (x @ self.a.t()) @ self.b.t() + self.shift.float())
+        return self.head(h * self.mask)
+
+
+def quantized_base(rank, stage):
+    """Stages 1-2 keep frozen parameters whole, in any dtype, and start them (and the buffers)
+    from rank 0's values: a float8 one was broadcast in its own dtype, which gloo refuses
+    ("Invalid scalar type", reported as a peer's failure), so the model could not be built."""
+    ref = QuantizedBase(0)  # rank 0's values: every rank's after initialize, as under DDP
+    ref_opt = MasterAdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    zm, zopt = zero_py.initialize(QuantizedBase(rank), torch.optim.AdamW, stage=stage,
+                                  lr=1e-2, bucket_bytes=1024)
+    state = {k: v.clone() for k, v in zm.state_dict().items()}
+    same = all(torch.equal(state[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.state_dict().items())
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x, y = models.mlp_batch(gen)
+        for model, opt in ((ref, ref_opt), (zm, zopt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            if opt is ref_opt:  # DDP's average, by hand
+                for p in opt.params:
+                    p.grad.div_(2)
+                    torch.distributed.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+    return {"rank0_values": same, "rel": _rel(zm, ref)}
+
+
+def nonfinite_clipping(rank, stage, bad, norm_type, max_norm):
+    """clip_grad_norm_ (torch's, as a DDP script calls it) in fp32 without a loss scaler, where
+    rank 1's gradient holds one inf or NaN element at step 1 (`bad`; None: none). torch scales
+    every gradient by clamp(max_norm / (total + 1e-6), max=1) whatever the total: an inf total
+    zeroes the finite gradients, a NaN one makes every gradient, so every parameter, NaN, on
+    every rank; max_norm=0 zeroes them all. zero_py used to skip the clipping of a non-finite
+    total (the finite gradients were applied unclipped, 1.4e-2 off; a NaN stayed in one
+    element), return NaN for an inf total, drop a NaN peer's total under norm_type=inf (a
+    finite norm, nothing clipped), and take a coefficient of 0 for "no clipping"."""
+    torch.manual_seed(0)
+    ref = models.MLP()
+    zm = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    if stage == 3:
+        zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
+                                      lr=1e-2, weight_decay=0.1)
+    else:
+        zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
+                                     bucket_bytes=1024)
+    gen = torch.Generator().manual_seed(rank)
+    norms = []
+    for step in range(2 if bad else 4):
+        x, y = models.mlp_batch(gen)
+        for model, module, opt in ((ddp, ref, ref_opt), (zm, zm, zopt)):
+            hook = None
+            if bad and step == 1 and rank == 1:
+                def poison(g):
+                    g = g.clone()
+                    g.view(-1)[3] = float(bad)
+                    return g
+                hook = module.fc2.weight.register_hook(poison)
+            nn.functional.mse_loss(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
+                                                              norm_type=norm_type)))
+            opt.step()
+            opt.zero_grad()
+    ctx = zero_py.gathered(zm) if stage == 3 else contextlib.nullcontext()
+    with ctx:
+        got = [p.detach().clone() for p in zm.parameters()]
+    want = [p.detach() for p in ref.parameters()]
+    finite = [a.isfinite() & b.isfinite() for a, b in zip(got, want)]
+    return {"norms": norms[0::2], "z_norms": norms[1::2],
+            "nan": [int(b.isnan().sum()) for b in want],
+            "same_nan": all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want)),
+            "rel": max(models.max_rel_diff(a[f], b[f]) if f.any() else 0.0
+                       for a, b, f in zip(got, want, finite))}
+
+
 def resume_bf16(rank, stage):
     """Save and reload a bf16 model's optimizer (fp32 masters included): exact continuation."""
     def build():
@@ -298,6 +451,13 @@ def _cases(rank, world_size):
         r["clip_inf", stage] = clipping(rank, stage, float("inf"))
         r["resume_bf16", stage] = resume_bf16(rank, stage)
         r["max_norm_bf16", stage] = max_norm_embedding_bf16(rank, stage)
+    if world_size == 2:
+        for stage in (1, 2):
+            r["quantized_base", stage] = quantized_base(rank, stage)
+        for stage in (1, 2, 3):
+            r["clip_while_unfreezing", stage] = clip_while_unfreezing(rank, stage)
+            for key, args in NONFINITE_CLIPPING.items():
+                r[key, stage] = nonfinite_clipping(rank, stage, *args)
     return r
 
 
@@ -367,3 +527,37 @@ def test_embedding_max_norm_in_a_bf16_model_matches_ddp_with_masters(results):
         # bitwise at 2 ranks; at 4, bf16 gradients summed in another order (measured 3e-3)
         tol = 0.0 if where.endswith("/2") else RTOL_LOW_PRECISION
         assert r["rel"] <= tol, (where, r)
+
+
+@pytest.mark.parametrize("key", list(NONFINITE_CLIPPING))
+def test_clipping_a_nonfinite_or_zero_norm_does_what_torch_does_under_ddp(results, key):
+    bad = NONFINITE_CLIPPING[key][0]
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2, 3):
+            where, c = f"stage {stage} rank {rank}/2", r[key, stage]
+            for want, got in zip(c["norms"], c["z_norms"]):  # inf, NaN and finite alike
+                assert (math.isnan(want) and math.isnan(got)) or got == pytest.approx(want,
+                                                                                       rel=1e-5), \
+                    f"{where}: total norms {c['z_norms']}, torch's {c['norms']}"
+            assert c["same_nan"], f"{where}: NaN parameters differ from DDP's {c['nan']}"
+            # torch's NaN coefficient reaches every parameter
+            assert (sum(c["nan"]) > 1000) == (bad == "nan"), f"{where}: {c['nan']}"
+            assert c["rel"] <= 1e-5, f"{where}: finite parameters differ by {c['rel']:.2e}"
+
+
+def test_frozen_parameters_and_buffers_of_any_dtype_start_from_rank_0(results):
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2):
+            c = r["quantized_base", stage]
+            assert c["rank0_values"], f"stage {stage} rank {rank}/2: not rank 0's values"
+            assert c["rel"] <= 1e-5, f"stage {stage} rank {rank}/2: {c['rel']:.2e}"
+
+
+def test_clipping_the_trainable_parameters_while_a_layer_is_frozen_matches_ddp(results):
+    for rank, r in enumerate(results[2]):
+        for stage in (1, 2, 3):
+            where, c = f"stage {stage} rank {rank}/2", r["clip_while_unfreezing", stage]
+            assert c["norm_rel"] <= 1e-5 and c["rel"] <= 1e-5, f"{where}: {c}"
+            named = "'fc2.weight'" if stage == 3 else "of shape (32, 32) (index 2)"
+            assert f"{named}, which has requires_grad=False but holds a gradient" in (
+                c["refused"] or ""), f"{where}: {c['refused']}"

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
@@ -110,6 +111,36 @@ def repeated_and_skipped(rank):
 
     loss_rel = _train(ddp, ref_opt, zm, zopt, rank, skip_for=skip)
     return {"loss_rel": loss_rel, "rel": _params_rel(zm, ddp.module)}
+
+
+def two_forwards(rank, world_size):
+    """Two training forwards, then one backward of the summed losses: the second skips block 2
+    (and on rank 1 also block 0), which only the first ran. The backward's unused units were
+    the last forward's only, so block 2's gradients from the first graph were refused ('its
+    unit did not run in this rank's forward'). Against the plain model on gradients averaged
+    by hand (DDP refuses a parameter made ready by two forwards' graphs)."""
+    torch.manual_seed(0)
+    ref = models.TiedGPT()
+    zm = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+    zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={Block}, **LR)
+    gen = torch.Generator().manual_seed(100 + rank)
+    worst = 0.0
+    for _ in range(3):
+        (idx, tgt), (idx2, tgt2) = _batch(gen), _batch(gen)
+        losses = []
+        for model, opt in ((ref, ref_opt), (zm, zopt)):
+            loss = model(idx, tgt) + model(idx2, tgt2, skip=(2, 0) if rank else (2,))
+            loss.backward()
+            if model is ref:
+                for p in ref.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[1] - losses[0]) / abs(losses[0]))
+    return {"loss_rel": worst, "rel": _params_rel(zm, ref)}
 
 
 def eval_and_no_grad(rank):
@@ -306,6 +337,7 @@ def _all(rank, world_size):
         out["fp32_" + ckpt] = parity_fp32(rank, ckpt)
     out["bf16"] = parity_bf16(rank)
     out["repeat_skip"] = repeated_and_skipped(rank)
+    out["two_forwards"] = two_forwards(rank, world_size)
     out["eval"] = eval_and_no_grad(rank)
     out["frozen"] = frozen(rank)
     out["options"] = options(rank)
@@ -347,6 +379,12 @@ def test_repeated_and_skipped_units(results):
     _, res = results
     assert _worst(res, "repeat_skip", "loss_rel") < RTOL
     assert _worst(res, "repeat_skip", "rel") < RTOL
+
+
+def test_two_forwards_then_one_backward(results):
+    _, res = results
+    assert _worst(res, "two_forwards", "loss_rel") < RTOL
+    assert _worst(res, "two_forwards", "rel") < RTOL
 
 
 def test_eval_between_steps(results):

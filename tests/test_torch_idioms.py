@@ -92,11 +92,14 @@ def call_orders(rank, stage, **kw):
     return {"rel": worst, "moved": moved}
 
 
-def add_param_group(rank, stage):
+def add_param_group(rank, stage, amsgrad=False):
     """Fine-tuning: the head is frozen at first, unfrozen after 3 steps with a group of its own
     (rank 1's values made different first, as a layer built on each rank would be).
     The reference trains the head's gradients from the start (DDP registers only parameters
-    that require gradients when it is built) but gives them to torch.optim only then."""
+    that require gradients when it is built) but gives them to torch.optim only then.
+    amsgrad: the new group has it (the others not), as torch.optim takes it; the consolidated
+    dict then holds max_exp_avg_sq for the head only, as torch's."""
+    extra = {"amsgrad": True} if amsgrad else {}
     torch.manual_seed(0)
     ref = models.MLP()
     zmodel = copy.deepcopy(ref)
@@ -110,12 +113,14 @@ def add_param_group(rank, stage):
     worst = 0.0
     for k in range(7):
         if k == 3:
-            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": 5e-3})
+            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": 5e-3,
+                                     **extra})
             zmodel.head.requires_grad_(True)
             if rank == 1:  # a new layer built per rank: add_param_group starts from rank 0's
                 with torch.no_grad():
                     zmodel.head.weight.add_(1.0)
-            zopt.add_param_group({"params": list(zmodel.head.parameters()), "lr": 5e-3})
+            zopt.add_param_group({"params": list(zmodel.head.parameters()), "lr": 5e-3,
+                                  **extra})
         batch = models.mlp_batch(gen)
         models.mlp_loss(ddp, batch).backward()
         ref_opt.step()
@@ -124,8 +129,15 @@ def add_param_group(rank, stage):
         zopt.step()
         zopt.zero_grad()
         worst = max(worst, _rel(zmodel, ref))
+    full = zopt.consolidate_state_dict(to=0)
+    keys = None if full is None else [sorted(full["state"][k]) for k in sorted(full["state"])]
+    # optimizer.state[p] holds torch.optim's keys too, where this rank holds a slice of p
+    viewed = [(sorted(zopt.state[p]), sorted(ref_opt.state[q])) for p, q in
+              zip(zmodel.parameters(), ref.parameters()) if len(zopt.state[p])]
     return {"rel": worst, "groups": len(zopt.param_groups),
-            "lr": [g["lr"] for g in zopt.param_groups]}
+            "lr": [g["lr"] for g in zopt.param_groups], "keys": keys,
+            "ref_keys": [sorted(st) for _, st in sorted(ref_opt.state_dict()["state"].items())],
+            "viewed": viewed}
 
 
 def state_view_and_hooks(rank, stage):
@@ -180,6 +192,16 @@ def _sgd_groups(model):
              "momentum": 0.0, "dampening": 0.3}]
 
 
+def _nesterov_groups(model):
+    """SGD(momentum=0.9, nesterov=True) whose param groups torch.optim takes (its constructor
+    checks nesterov against the defaults only): the weights' dampened, the biases' without
+    momentum (nesterov is then not read)."""
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "dampening": 0.2},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+             "momentum": 0.0}]
+
+
 # hyperparameters changed after construction, as schedulers and scripts change them:
 # (optimizer class, options, param groups or None, change(step, optimizer), use OneCycleLR)
 CHANGES = {
@@ -191,6 +213,10 @@ CHANGES = {
     "sgd_group_momentum_later": (torch.optim.SGD, dict(lr=1e-2), _sgd_groups,
                                  lambda k, g: g.update(momentum=0.8)
                                  if k == 2 and g["momentum"] == 0 else None, False),
+    # nesterov=True over groups that torch.optim.SGD accepts: one dampened, one without
+    # momentum (the latter was refused by the kernel at the first step)
+    "sgd_nesterov_groups": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True),
+                            _nesterov_groups, None, False),
     # decoupled weight decay (AdamW's) or the L2 term (Adam's), as each step's group says
     "adam_decoupled_toggled": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), None,
                                lambda k, g: g.update(decoupled_weight_decay=k % 3 == 1), False),
@@ -562,6 +588,7 @@ def _all(rank, world_size, tmp):
     out[("buffers", 2, False)] = buffers(rank, 2, False)
     for stage in (1, 2):
         out[("add_group", stage)] = add_param_group(rank, stage)
+        out[("add_group", stage, "amsgrad")] = add_param_group(rank, stage, amsgrad=True)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
         out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
@@ -591,8 +618,12 @@ def test_torch_idioms_match_ddp(tmp_path):
         for stage in (1, 2):
             warned = res[("adagrad", stage)]["warned"]
             assert len(warned) == 1 and "constructor" in warned[0], warned
-            assert res[("add_group", stage)]["groups"] == 2
-            assert res[("add_group", stage)]["lr"] == [1e-2, 5e-3]
+            for key in (("add_group", stage), ("add_group", stage, "amsgrad")):
+                assert res[key]["groups"] == 2
+                assert res[key]["lr"] == [1e-2, 5e-3]
+                assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
+                assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
+                    res[key]["viewed"]
         for stage in (1, 2, 3):
             st = res[("state", stage)]
             assert st["held"] == st["len"] > 0

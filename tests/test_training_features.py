@@ -7,6 +7,7 @@ each test below checks one feature's results. Tolerance: 1e-5 relative (fp32).
 """
 
 import copy
+import inspect
 import os
 
 import pytest
@@ -121,6 +122,10 @@ OTHER_OPTIMIZERS = (  # name, class, options, runs in the fused C kernels
     ("rmsprop", torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5), False),
     ("nadam", torch.optim.NAdam, dict(lr=1e-2), False),
 )
+if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters:
+    # AdamW's math, in the fused kernel (it ran on the torch.optim path before)
+    OTHER_OPTIMIZERS += (("adam_decoupled", torch.optim.Adam,
+                          dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), True),)
 
 
 def other_optimizers(rank, stage):

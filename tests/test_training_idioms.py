@@ -15,7 +15,8 @@
   2), against torch.optim.AdamW on gradients averaged by hand
   (DDP's arithmetic: DDP itself reduces only the first backward, and refuses the forward after
   a backward(inputs=...) that left parameters without a gradient);
-- bf16 autocast under stage 3, activation checkpointing (reentrant and not) under stage 2,
+- bf16 autocast under stage 3 (also a no_grad forward and two micro-batches in one autocast
+  region), activation checkpointing (reentrant and not) under stage 2,
   gradient accumulation with loss / accum_steps under stage 3 without no_sync;
 - nn.Embedding with padding_idx, a weight_norm parametrization, nn.MultiheadAttention (under
   stage 3 with a size policy that would make out_proj a unit of its own, which MHA's forward
@@ -156,6 +157,21 @@ def _autocast(model, module, opt, batch, step):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(*batch)
     loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _autocast_region(model, module, opt, batch, step):
+    """A no_grad forward, then two micro-batches, in one autocast region (blocks recomputed in
+    backward): stage 3 gathers each unit again for each pass there, and autocast's cache of
+    weight casts gave the later passes the casts made from the first gather (their backward
+    failed in AccumulateGrad)."""
+    idx, tgt = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            model(idx[:2], tgt[:2])
+        for k in range(2):
+            (model(idx[2 * k:2 * k + 2], tgt[2 * k:2 * k + 2]) / 2).backward()
     opt.step()
     opt.zero_grad()
 
@@ -634,7 +650,10 @@ def _all(rank, world_size):
     out["autograd_grad", 2] = _gpt_run(rank, 2, _autograd_grad, averaged=True)
     for ckpt in ("reentrant", "non_reentrant"):  # stage 3's: tests/test_stage3.py
         out["checkpoint_" + ckpt, 2] = _gpt_run(rank, 2, _plain, checkpoint=ckpt)
-    out["autocast", 3] = _gpt_run(rank, 3, _autocast)
+    out["autocast", 3] = _gpt_run(rank, 3, _autocast, repeat=1)  # a block called twice: one cast
+    out["autocast_region", 3] = _gpt_run(rank, 3, _autocast_region, checkpoint="non_reentrant")
+    out["autocast_region_reentrant", 3] = _gpt_run(rank, 3, _autocast_region,
+                                                   checkpoint="reentrant")
     out["accumulate", 3] = _gpt_run(rank, 3, _accumulate)
     return out
 
@@ -653,7 +672,7 @@ def _cases(results, name):
 
 IDIOMS = ["gan", "gan_r1", "gan_frozen_d", "split_ema", "layers", "retain_graph", "backward_inputs",
           "autograd_grad", "checkpoint_reentrant", "checkpoint_non_reentrant", "autocast",
-          "accumulate"]
+          "autocast_region", "autocast_region_reentrant", "accumulate"]
 
 
 @pytest.mark.parametrize("name", IDIOMS)

@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except OSError as exc:  # a path the user gave (not writable, missing): said, not traced
+        print(f"python -m zero_py {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

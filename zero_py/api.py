@@ -13,6 +13,7 @@ NCCL executor for CUDA models as stages 1-2 do.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
@@ -24,8 +25,9 @@ import torch.nn as nn
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
-from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK,
-                                     check_kind_options, check_no_shared_storage, fingerprint)
+from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES,
+                                     check_kind_options, check_no_aliased_buffers,
+                                     check_no_shared_storage, fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.between_uses import full_numel
@@ -133,6 +135,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if compat.manager_of(model) is not None:
         raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
                          "once per model and keep the (model, optimizer) it returned")
+    _refuse_data_parallel_wrappers(model)
     names = {id(p): n for n, p in model.named_parameters()}
     compat.check_unowned(model.parameters(), lambda p: repr(names.get(id(p), "?")))
     if not isinstance(broadcast_buffers, bool):
@@ -156,6 +159,10 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("a model on the meta device needs stage=3 (partitioned "
                              "construction); build it on a real device for stages 1-2")
+        # the trainable ones: those the optimizer moves into its flat buffers (`params` is
+        # left unread here, it may be a generator)
+        check_no_aliased_buffers([p for p in model.parameters() if p.requires_grad],
+                                 model.named_buffers(), lambda p: repr(names[id(p)]))
         opt = ZeroOptimizer(model.parameters() if params is None else params, optimizer_class,
                             stage=stage, process_group=process_group, executor=executor,
                             replicate_group=replicate_group, device_mesh=device_mesh,
@@ -240,9 +247,19 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                              "has requires_grad=False or no elements")
         _refuse_in_place_forward_writes(model)
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
+        check_no_aliased_buffers(list(model.parameters()), model.named_buffers(),
+                                 lambda p: repr(names[id(p)]))
         for i, (name, p) in enumerate(model.named_parameters()):
             if p.numel() == 0:
                 continue
+            if not p.requires_grad and p.dtype not in PARAM_DTYPES:
+                # _check_param's "cast the model" misleads for a frozen int8/float8 weight of a
+                # quantized base model, which is not to be trained
+                raise ValueError(
+                    f"parameter {name!r} (index {i}) is frozen with dtype {p.dtype}: stage 3 "
+                    "shards frozen parameters too, in float32, bfloat16 and float16 only; use "
+                    "stage 1 or 2 (they keep frozen parameters whole, in any dtype), or hold "
+                    "it as a buffer (module.register_buffer), which every stage keeps whole")
             if p.is_meta:
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
@@ -348,6 +365,27 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     model._zero_py = compat.ModelManager(opt)
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
+
+
+def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
+    """A model (or a submodule) wrapped in DDP, DataParallel or FSDP: its wrapper reduces or
+    shards the gradients too (under stages 2-3 DDP writes its averaged gradient back after
+    zero_py took it; under stage 1 every gradient crosses the wire twice)."""
+    kinds = [nn.DataParallel, nn.parallel.DistributedDataParallel]
+    for path, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                       ("torch.distributed.fsdp", "FSDPModule")):
+        try:
+            kinds.append(getattr(importlib.import_module(path), name))
+        except (ImportError, AttributeError):
+            pass  # an older torch without it
+    for name, m in model.named_modules():
+        if isinstance(m, tuple(kinds)):
+            raise ValueError(
+                f"{'the model' if not name else f'submodule {name!r}'} is wrapped in "
+                f"{type(m).__name__}: zero_py reduces (and shards) the gradients itself, so "
+                "the wrapper would reduce them a second time. Give zero_py.initialize the "
+                "bare model (drop the DDP(...) / FSDP wrapper; `model.module` is the one "
+                "inside)")
 
 
 def _refuse_in_place_forward_writes(model: nn.Module) -> None:
@@ -484,10 +522,10 @@ def _broadcast_buffers(model: nn.Module, executor) -> None:
         if b.numel() > 0 and not b.is_meta:
             by_dtype.setdefault(b.dtype, []).append(b)
     with torch.no_grad():
-        for dtype, bufs in by_dtype.items():
-            wire = torch.uint8 if dtype == torch.bool else dtype
-            flat = torch.cat([b.detach().reshape(-1).to(executor.device, wire) for b in bufs])
-            executor.broadcast(flat, 0).wait()
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1).to(executor.device) for b in bufs])
+            # as bytes: the backends do not all take every dtype (gloo: bool, float8)
+            executor.broadcast(flat.view(torch.uint8), 0).wait()
             at = 0
             for b in bufs:
                 b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.device, b.dtype))
@@ -568,20 +606,35 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         if modifier_rank is not None:
             opt.sync_master_from_params()
         return
-    yield
-    if modifier_rank is not None:
+    fp = opt._flat
+    requantize = modifier_rank is not None and quantized.weights_quantized(opt._wire)
+    buckets = sorted({fp.param_bucket[i] for i, p in enumerate(fp.params) if id(p) in ids})
+    if requantize:
+        # quantized_weights: the peers' pieces here are quantized copies, which the broadcast
+        # below would make every rank's own pieces; the block starts from the exact values
         with torch.no_grad():
-            for p in opt._flat.params:
-                if id(p) in ids:
-                    opt.executor.broadcast(p.data, modifier_rank).wait()
-        opt.sync_master_from_params()
+            fp.all_gather(opt.executor, buckets)
+    try:
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for p in fp.params:
+                    if id(p) in ids:
+                        opt.executor.broadcast(p.data, modifier_rank).wait()
+            opt.sync_master_from_params()
+    finally:
+        if requantize:  # the copies as a publish of the (new) pieces leaves them
+            with torch.no_grad():
+                fp.all_gather(opt._wire, buckets)
 
 
 def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
     """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
     elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
     calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
-    call it alone; see zero_py/stage3/state_dict.py)."""
+    call it alone; see zero_py/stage3/state_dict.py). The values are the trained ones, exact,
+    with quantized_weights too (stages 1-2: where model.state_dict() holds the peers' pieces
+    as the wire's copies)."""
     opt = compat.manager_of(model)
     if opt is None:
         raise ValueError("full_state_dict needs a model given to zero_py.initialize")
@@ -589,6 +642,30 @@ def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch
     if engine is not None:
         with opt._comm.outside():  # its gathers are in no step's comm_stats
             return stage3_state_dict.full_state_dict(model, engine, rank)
+    if quantized.weights_quantized(opt._wire):
+        with opt._comm.outside():
+            return _exact_flat_state_dict(model, opt, rank)
     if opt.executor.rank != rank:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
+                           ) -> Optional[Dict[str, torch.Tensor]]:
+    """Stages 1-2 with quantized_weights: every rank holds its peers' pieces as int8 (or bf16)
+    copies, so the trained values are put together from every rank's own pieces, all-gathered
+    exactly (collective: announced first, so that a rank calling it alone raises instead of
+    waiting for ever)."""
+    fp = opt._flat
+    opt._reducer.announce_gathered("zero_py.full_state_dict()")
+    regions = {b: torch.empty_like(fp.bucket_region(b)) for b in range(fp.n_buckets)}
+    with torch.no_grad():
+        for work in [opt.executor.all_gather(regions[b], fp.bucket_piece(b)) for b in regions]:
+            work.wait()
+    if opt.executor.rank != rank:
+        return None
+    exact = {id(p): regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
+                                                 + fp.param_numel[i]].view_as(p)
+             for i, p in enumerate(fp.params)}
+    return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
+            for k, v in model.state_dict(keep_vars=True).items()}

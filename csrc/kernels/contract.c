@@ -56,9 +56,11 @@ static zp_status zp_opt_check_group(const zp_opt_group *g, int32_t k) {
     if (!isfinite(g->beta2))
       return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): dampening (beta2) must be "
                      "finite, got %g", k, g->beta2);
-    if ((g->flags & ZP_OPT_NESTEROV) && !(g->beta1 > 0.0 && g->beta2 == 0.0))
-      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): nesterov needs momentum > 0 and "
-                     "dampening 0 (got %g, %g)", k, g->beta1, g->beta2);
+    /* Any dampening: torch.optim.SGD refuses nesterov with dampening only in its constructor,
+       and computes it for a param group that sets both (buf dampened, then g + momentum*buf) */
+    if ((g->flags & ZP_OPT_NESTEROV) && !(g->beta1 > 0.0))
+      return zp_fail(ZP_ERR_INVALID, "opt_step: group %d (sgd): nesterov needs momentum > 0 "
+                     "(got %g)", k, g->beta1);
     return ZP_OK;
   }
   if (g->kind == ZP_OPT_ADAGRAD) {

@@ -83,12 +83,13 @@ typedef struct {
 
 /* The checks of an optimizer step's tables, run before any memory is touched: lr,
  * weight_decay >= 0 and finite; grad_scale finite; Adam*, Lion: betas in [0, 1); Adam*,
- * Adagrad: eps >= 0; SGD: momentum >= 0, NESTEROV needs momentum > 0 and dampening 0;
- * Adagrad: lr_decay >= 0; flags known and meaningful for the kind; every segment names a
- * group, has numel >= 0 and step >= 1, and the segments' numel add up to at most
- * ZP_OPT_MAX_NUMEL; a non-empty one has master and grad, and the states
- * the kind needs (Adam*: state0, state1, AMSGRAD: state2; SGD with momentum, Adagrad, Lion:
- * state0), and a param_out unless param_dtype is ZP_F32. NaN fails every check. */
+ * Adagrad: eps >= 0; SGD: momentum >= 0, NESTEROV needs momentum > 0 (with any dampening, as
+ * torch.optim.SGD computes for a param group); Adagrad: lr_decay >= 0; flags known and
+ * meaningful for the kind; every segment names a group, has numel >= 0 and step >= 1, and the
+ * segments' numel add up to at most ZP_OPT_MAX_NUMEL; a non-empty one has master and grad, and
+ * the states the kind needs (Adam*: state0, state1, AMSGRAD: state2; SGD with momentum,
+ * Adagrad, Lion: state0), and a param_out unless param_dtype is ZP_F32. NaN fails every
+ * check. */
 zp_status zp_opt_check(const zp_opt_segment *segments, int32_t n_segments,
                        const zp_opt_group *groups, int32_t n_groups);
 

@@ -337,11 +337,14 @@ def _load_checkpoint(path, model, optimizer, *, verify: bool = True, strict: boo
     finally:
         ck.close()
     if flat.params_sharded:  # stage 3: refresh the units held whole
+        # as the saved run holds them (quantized_weights): through the wire once a step has
+        # published them, exact before (construction broadcasts them) and always for frozen
+        # ones, which no step publishes (quantized after a load, they resumed 8e-3 off)
         with torch.no_grad():
-            flat.publish(ex, [])
+            flat.publish(ex, [], exact=not any(opt._step_count))
             frozen = getattr(flat, "frozen_storage", None)
             if frozen is not None:
-                frozen.publish(ex, [])
+                frozen.publish(ex, [], exact=True)
     else:
         agree(ex, error, "load_checkpoint")
         _publish_quantized(opt)

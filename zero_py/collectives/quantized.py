@@ -275,12 +275,18 @@ def all_to_all_unavailable(executor) -> Optional[str]:
     return why if isinstance(why, str) else None
 
 
+def _replicas(executor) -> int:
+    """How many ranks hold each shard: a hybrid mesh's replicas (HybridExecutor), else 1."""
+    return getattr(executor, "data_parallel_size", executor.world_size) // executor.world_size
+
+
 def widening_reduce_scatter(executor, output: torch.Tensor, input: torch.Tensor) -> Work:
     """output (fp32) = this rank's chunk of the sum of `input` (bf16 or fp16 on the wire),
     summed in fp32 in rank order; without a usable all_to_all, reduced in the wire dtype and
     widened."""
     ws, me, n = executor.world_size, executor.rank, output.numel()
-    if ws == 1:
+    # a hybrid mesh of one rank per shard group still all-reduces across its replicas
+    if ws == 1 and _replicas(executor) == 1:
         output.copy_(input[me * n:(me + 1) * n])
         return Work(None)
     if all_to_all_unavailable(executor) is not None:
@@ -306,8 +312,10 @@ class QuantizedExecutor:
     def __init__(self, inner, weights: Optional[QuantSpec] = None,
                  grads: Optional[QuantSpec] = None, error_feedback: bool = False,
                  stochastic_grads: bool = False):
-        why = all_to_all_unavailable(inner) if grads is not None and inner.world_size > 1 \
-            else None
+        # a hybrid mesh of one rank per shard group (pure replication) included: the
+        # exchange would have nothing to do there, and the replicas' all-reduce be skipped
+        why = (all_to_all_unavailable(inner)
+               if grads is not None and inner.world_size * _replicas(inner) > 1 else None)
         if why is not None:
             raise ValueError(
                 f"quantized_grads needs an executor with all_to_all (the qgZ exchange), and "
@@ -368,7 +376,10 @@ def check_options(weights: Optional[str], grads: Optional[str], block: int, erro
     if error_feedback and grads is None:
         raise ValueError("grad_error_feedback=True needs quantized_grads ('int8' or 'int4'): "
                          "it carries the gradients' quantization error to the next step")
-    check_rounding(rounding)
+    if check_rounding(rounding) and grads is None:  # it would round nothing, silently
+        raise ValueError("quantized_grads_rounding='stochastic' needs quantized_grads ('int8' "
+                         "or 'int4'): it rounds the quantized gradients; for bf16 parameters "
+                         "rounded from their masters use stochastic_rounding=True")
 
 
 def check_dtypes(weights: Optional[str], grads: Optional[str], grad_reduce_dtype,
@@ -403,6 +414,17 @@ def wire(executor, align_bytes: int, weights: Optional[str], grads: Optional[str
                    error_feedback=error_feedback, stochastic_grads=check_rounding(rounding))
     return wrapped, layout_align_bytes(align_bytes, block,
                                        weights == "int8" or grads is not None)
+
+
+def exact(executor):
+    """`executor` without a quantized wire: its collectives carry the values as they are
+    (a state dict, zero_py.gathered(); the training gathers keep the wire's)."""
+    return executor.inner if isinstance(executor, QuantizedExecutor) else executor
+
+
+def weights_quantized(executor) -> bool:
+    """Whether `executor`'s all-gathers quantize (quantized_weights)."""
+    return isinstance(executor, QuantizedExecutor) and executor.weights is not None
 
 
 def wrap(executor, weights: Optional[QuantSpec] = None, grads: Optional[QuantSpec] = None,

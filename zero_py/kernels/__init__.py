@@ -77,7 +77,10 @@ def grad_stats(tables: Dict[torch.dtype, array], norm_type: float,
     for dtype, rows in tables.items():
         part, bad = cpu.grad_stats_segments(rows, dtype_code(dtype), norm_type,
                                             n_threads=n_threads)
-        total = max(total, part) if math.isinf(norm_type) else total + part
+        if math.isinf(norm_type):  # max() would drop a NaN part: it compares
+            total = part if math.isnan(part) or part > total else total
+        else:
+            total += part
         nonfinite = nonfinite or bool(bad)
     return torch.tensor([total, float(nonfinite)], dtype=torch.float64)
 

@@ -89,9 +89,10 @@ def _plain(value: Any) -> str:
 def hyperparameters(param_groups: Sequence[dict]) -> Tuple[int, Any]:
     """The param groups' settings (every key but "params") as a 62-bit fingerprint that is
     equal on two ranks exactly when the settings agree, and a callable giving them in words
-    (for the error). Stages 2-3 compare the fingerprint in each step's count all-reduce
-    (sharding/reducer.py): a scheduler stepped on a per-rank metric would otherwise train each
-    rank's shard at its own learning rate. A few microseconds per group and step."""
+    (for the error). Each step compares the fingerprint in its count all-reduce
+    (sharding/reducer.py; stage 1's count carries nothing else): a scheduler stepped on a
+    per-rank metric would otherwise train each rank's shard at its own learning rate. A few
+    microseconds per group and step."""
     settings = _settings(param_groups)
     text = ";".join(",".join(f"{k}={_plain(v)}" for k, v in g) for g in settings)
     fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),

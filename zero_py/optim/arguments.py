@@ -12,6 +12,7 @@ from zero_py.collectives import quantized
 from zero_py.offload import check_offload_optimizer
 from zero_py.offload.early import check_overlap_step
 from zero_py.optim.loss_scaler import LossScaler
+from zero_py.optim.update import refuse_unhonoured_options
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 DEFAULT_QUANTIZE_BLOCK = 256  # values per fp32 scale on a quantized wire (ZeRO++ uses 256-2048)
@@ -112,6 +113,7 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     check_overlap_step(overlap_step, offload_optimizer, stage=2)  # the stage: __init__
     # The optimizer class validates its own keyword arguments and supplies the defaults.
     probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+    refuse_unhonoured_options([probe.defaults], "the optimizer's options")
     return dict(probe.defaults)
 
 
@@ -153,10 +155,15 @@ def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
         if id(p) in seen or p.is_meta or p.numel() == 0:
             continue
         seen.add(id(p))
-        size = p.element_size()
-        lo = p.storage_offset() * size
-        hi = lo + size * (1 + sum((n - 1) * abs(s) for n, s in zip(p.shape, p.stride())))
-        spans.setdefault((p.device, p.untyped_storage().data_ptr()), []).append((lo, hi, p))
+        if _overlaps_itself(p):
+            raise ValueError(
+                f"parameter {name_of(p)} overlaps itself in memory (an expanded tensor, or "
+                "strides that revisit elements); torch.optim's in-place update refuses it, "
+                "and zero_py would give each of its elements a place of its own, so they "
+                "would silently train apart. Make the Parameter of its distinct values "
+                "(e.g. nn.Parameter(t[:1].clone())) and expand it in the forward")
+        key, lo, hi = _span(p)
+        spans.setdefault(key, []).append((lo, hi, p))
     for found in spans.values():
         found.sort(key=lambda span: span[0])
         for (_, a_hi, a), (b_lo, _, b) in zip(found, found[1:]):
@@ -168,3 +175,56 @@ def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
                     "them as one Parameter (module.b = module.a), or make the second a "
                     "function of the first in the forward (a view taken there, e.g. "
                     "self.a[:16]), instead of a Parameter of its own")
+
+
+def check_no_aliased_buffers(params: Sequence[torch.Tensor], buffers, name_of) -> None:
+    """Refuses a buffer ((name, tensor) in `buffers`) whose elements overlap one of `params`,
+    the parameters zero_py moves into storage of its own (stages 1-2: the trained ones; stage
+    3: all): the buffer would keep the values it had, where under torch.optim it sees every
+    update of the parameter. `name_of(p)` names a parameter in the message."""
+    spans: Dict[Tuple[torch.device, int], List[Tuple[int, int, torch.Tensor]]] = {}
+    for p in params:
+        if not p.is_meta and p.numel() > 0:
+            key, lo, hi = _span(p)
+            spans.setdefault(key, []).append((lo, hi, p))
+    for name, b in buffers:
+        if b is None or b.is_meta or b.numel() == 0:
+            continue
+        key, b_lo, b_hi = _span(b)
+        for lo, hi, p in spans.get(key, ()):
+            if b_lo < hi and lo < b_hi:
+                raise ValueError(
+                    f"buffer {name!r} shares memory with parameter {name_of(p)} (one is a "
+                    "view of the other); zero_py moves the parameter into storage of its "
+                    "own, so the buffer would silently keep the values it had, where under "
+                    "torch.optim it follows every update. Compute it from the parameter in "
+                    "the forward (e.g. a property returning self.weight[:k]), or register a "
+                    "copy (t.clone()) if it is meant to stay as it is")
+
+
+def _span(t: torch.Tensor) -> Tuple[Tuple[torch.device, int], int, int]:
+    """(device, storage) and the byte range [lo, hi) of it that tensor t can touch."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    hi = lo + size * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
+    return (t.device, t.untyped_storage().data_ptr()), lo, hi
+
+
+def _overlaps_itself(p: torch.Tensor) -> bool:
+    """Whether two elements of p are one element of its storage (an expand()ed tensor has a
+    stride 0). Strides that nest, each at least the span of the smaller ones, cannot overlap
+    (every contiguous, transposed, channels_last or sliced tensor); only other strides
+    (as_strided) are checked element by element."""
+    span = 1
+    for stride, n in sorted((abs(st), n) for n, st in zip(p.shape, p.stride()) if n > 1):
+        if stride == 0:
+            return True
+        if stride < span:
+            break
+        span = stride * n
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(p.shape, p.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return offsets.unique().numel() < p.numel()

@@ -207,8 +207,11 @@ _CLIP_MESSAGE = (
 
 
 def _whole_optimizer(params: List[torch.Tensor]):
-    """The ZeroOptimizer whose every trained parameter is in `params`, where the others there
-    have no gradient (frozen, or unused); else None."""
+    """The ZeroOptimizer whose every trained parameter is in `params` or frozen now
+    (requires_grad=False: a fine-tuning script clips [p for p in model.parameters() if
+    p.requires_grad] while some layers are frozen, which torch's norm under DDP takes alike, a
+    frozen layer having no gradient), where the others there have no gradient (frozen, or
+    unused); else None."""
     owners = {}
     for p in params:
         owner = owner_of(p)
@@ -220,7 +223,8 @@ def _whole_optimizer(params: List[torch.Tensor]):
         return None
     (owner,) = owners.values()
     given = {id(p) for p in params}
-    return owner if all(id(p) in given for p in owner._flat.params) else None
+    return owner if all(id(p) in given or not p.requires_grad
+                        for p in owner._flat.params) else None
 
 
 def _clip_through_owner(original):
@@ -231,8 +235,11 @@ def _clip_through_owner(original):
         bound = signature.bind(params, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        return _whole_optimizer(params).clip_grad_norm_(
-            a["max_norm"], a.get("norm_type", 2.0), a.get("error_if_nonfinite", False))
+        owner = _whole_optimizer(params)
+        given = {id(p) for p in params}
+        left_out = [i for i, p in enumerate(owner._flat.params) if id(p) not in given]
+        return owner.clip_grad_norm_(a["max_norm"], a.get("norm_type", 2.0),
+                                     a.get("error_if_nonfinite", False), _left_out=left_out)
     return clip
 
 
@@ -353,6 +360,27 @@ def refuse_detached_params(opt) -> None:
                     "every parameter in a flat buffer laid out then; resize the model before "
                     "zero_py.initialize / ZeroOptimizer")
             more = f" (and of {len(moved) - 1} more)" if len(moved) > 1 else ""
+            was = opt._flat.buffers[opt._flat.bucket_buffer[opt._flat.param_bucket[i]]]
+            if p.dtype != was.dtype or p.device != was.device:
+                # model.half() / .to(...) after construction: the advice for a replaced .data
+                # (write in place) cannot apply, a cast cannot be written into the buffer
+                raise RuntimeError(
+                    f"zero_py: parameter {opt._name(p)}{more} is {p.dtype} on {p.device}, but "
+                    f"it was {was.dtype} on {was.device} when the optimizer was built: the "
+                    "model was cast or moved since (model.half(), model.to(torch.bfloat16), "
+                    "model.double(), model.to(device)), which gives each parameter new "
+                    "storage outside the flat buffers that stages 1-2 update, so it would "
+                    "never train again. Cast and move the model before zero_py.initialize / "
+                    "ZeroOptimizer (or save a checkpoint and load it into a cast model)")
+            if not p.is_contiguous():  # same values, other strides: the copy a conversion made
+                raise RuntimeError(
+                    f"zero_py: parameter {opt._name(p)}{more} was converted to another memory "
+                    "format after the optimizer was built (model.to(memory_format="
+                    "torch.channels_last)), which gives each parameter new storage outside "
+                    "the flat buffers that stages 1-2 update, so it would never train again. "
+                    "Stages 1-2 keep every parameter a contiguous view of its flat buffer: "
+                    "leave the parameters contiguous (convolutions take channels_last inputs "
+                    "with contiguous weights)")
             raise RuntimeError(
                 f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "
                 "the optimizer was built (`p.data = t`, or "

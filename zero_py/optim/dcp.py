@@ -26,6 +26,11 @@ DCP would hand back each rank's slices under the full names: partial state that 
   set_optimizer_state_dict(full_state_dict=True) then reads the optimizer's state dict to
   place the loaded values where its own are: one without state shows it placeholders in that
   call only (with_placeholders), which load_state_dict drops.
+- A parameter without elements has nothing to shard and no state in zero_py, where
+  torch.optim keeps a step count and empty moments for it. Full dicts carry that state
+  (empty_param_state) and the loader's placeholders name it: DCP refuses a dict without it
+  into a torch.optim optimizer, and its own loader fails on a loaded key the optimizer's dict
+  lacks.
 
 The callers are recognized by their frames (the module and the function), the only hook DCP
 leaves a non-FSDP optimizer.
@@ -73,6 +78,15 @@ LOSS_SCALER_MESSAGE = (
     "optimizer.consolidate_state_dict() (which carries 'loss_scaler')")
 
 
+STATELESS_MESSAGE = (
+    "this ZeroOptimizer holds no state yet, so the optimizer state dict that "
+    "torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict returns holds "
+    "none (torch.optim's gets zero-filled state from DCP's zero step, which zero_py skips): "
+    "a dcp.load into it loads no optimizer state, and the run resumes with fresh moments and "
+    "step counts. To resume, build the dict to load into after the optimizer has stepped, "
+    "or use zero_py.load_checkpoint, or load a full dict (torch.load) with "
+    "set_optimizer_state_dict")
+
 
 # where a stateless optimizer shows DCP's loader the entries a loaded state will have
 # (a float: DCP's walks take only plain types; the object itself is the mark)
@@ -88,13 +102,12 @@ PLACEHOLDER = _Placeholder("nan")
 DEVICE_MARKER = "zero_py.dcp_device"
 
 
-def _state_keys(opt) -> list:
-    """The keys of the state optimizer_class keeps per parameter (one step of it on a
-    two-element stand-in with a zero gradient), or ["step"] where that fails."""
+def _stand_in_state(opt) -> Optional[dict]:
+    """The state optimizer_class keeps for one parameter after one step (on a two-element
+    stand-in with a zero gradient), or None where it cannot run on a stand-in."""
     import torch
 
-    keys = getattr(opt, "_dcp_state_keys", None)
-    if keys is None:
+    if not hasattr(opt, "_dcp_stand_in"):
         try:
             p = torch.nn.Parameter(torch.zeros(2))
             p.grad = torch.zeros(2)
@@ -102,11 +115,47 @@ def _state_keys(opt) -> list:
             stand_in = opt.optimizer_class([p], **{k: v for k, v in opt.defaults.items()
                                                    if k in takes})
             stand_in.step()
-            keys = list(stand_in.state[p])
+            opt._dcp_stand_in = dict(stand_in.state[p])
         except Exception:  # an optimizer that cannot run on a stand-in
-            keys = ["step"]
-        opt._dcp_state_keys = keys
-    return keys
+            opt._dcp_stand_in = None
+    return opt._dcp_stand_in
+
+
+def _state_keys(opt) -> list:
+    """The keys of the state optimizer_class keeps per parameter, or ["step"] where the
+    stand-in cannot tell."""
+    state = _stand_in_state(opt)
+    return ["step"] if state is None else list(state)
+
+
+def empty_params(opt) -> list:
+    """Indices of the trainable parameters without elements: zero_py lays out and keeps
+    nothing for them (there is nothing to shard), where torch.optim keeps a state for them."""
+    managed = set(opt._managed_index)
+    return [i for i, p in enumerate(opt._all_params)
+            if i not in managed and p.requires_grad and p.numel() == 0]
+
+
+def empty_param_state(opt, p, step: int) -> Optional[dict]:
+    """The state torch.optim holds for parameter p without elements after `step` steps with a
+    gradient: empty tensors of p's shape and the step count. A full dict needs it: DCP's
+    set_optimizer_state_dict into a torch.optim optimizer refuses a dict without state for
+    a parameter that requires gradients ("Missing optimizer state for parameter")."""
+    import torch
+
+    template = _stand_in_state(opt)
+    if template is None:
+        return None
+    out = {}
+    for key, value in template.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[key] = torch.zeros(p.shape, dtype=p.dtype)
+        elif key == "step":
+            out[key] = (torch.tensor(float(step), dtype=value.dtype)
+                        if isinstance(value, torch.Tensor) else step)
+        else:
+            out[key] = value
+    return out
 
 
 def with_placeholders(opt, full: dict) -> dict:
@@ -119,7 +168,10 @@ def with_placeholders(opt, full: dict) -> dict:
 
     keys = _state_keys(opt)
     state = dict(full["state"])
-    for i in opt._managed_index:
+    # parameters without elements too: a DDP run's dict holds their state (step counts), and
+    # DCP's loader, which copies every loaded scalar, fails on a key the optimizer's own dict
+    # lacks (KeyError 'state.<name>.step'); load_state_dict ignores what lands there
+    for i in [*opt._managed_index, *empty_params(opt)]:
         if not state.get(i):
             state[i] = {k: PLACEHOLDER for k in keys}
     if not any(isinstance(v, torch.Tensor) and v.dim() > 0

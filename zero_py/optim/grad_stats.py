@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,13 +40,18 @@ class GradStatistics:
                 kernels.segment_row(piece.numel(), grad=piece.data_ptr()))
         both = kernels.grad_stats(tables, norm_type, flat.device,
                                   n_threads=torch.get_num_threads())
+        # a third element says whether this rank's sum is NaN: a MAX all-reduce (norm_type
+        # inf) compares, and may keep a peer's finite value over a NaN, where torch's norm of
+        # DDP's averaged gradients is NaN
+        both = torch.cat([both, both[:1].isnan().to(both.dtype)])
         if self.executor.device != both.device:
             both = both.to(self.executor.device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         with comm_stats.control():
             work = self.executor.all_reduce(both, op)
         work.wait()
-        return float(both[0]), bool(both[1] > 0)
+        total = float("nan") if float(both[2]) > 0 else float(both[0])
+        return total, bool(both[1] > 0)
 
     def _settle_clip(self) -> None:
         """Stages 2-3, as a backward's pass opens with gradients in the shard: a
@@ -88,33 +93,69 @@ class GradStatistics:
         return mask
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, *,
+                        _left_out: Sequence[int] = ()) -> torch.Tensor:
         """Clips the gradients of all ranks together, as torch.nn.utils.clip_grad_norm_ does on
         DDP's full gradients, and returns the same total norm (of the unscaled gradients). The
         clip coefficient is applied inside the next step()'s update, not as a pass of its own.
-        Call it after backward and before step()."""
+        Call it after backward and before step().
+
+        _left_out: the frozen parameters (indices into the storage's) that a call of torch's
+        function over the trainable ones left out (compat.py): the norm and the coefficient
+        cover every gradient, so one of them holding a gradient is refused."""
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         with torch.no_grad():
-            self._finish_reduction()
+            used = self._finish_reduction()  # the same on every rank: so is a refusal
+            held = [i for i in _left_out if used is not None and used[i]]
+            if held:
+                raise RuntimeError(
+                    f"zero_py: torch.nn.utils.clip_grad_norm_ left out parameter "
+                    f"{self._name(self._flat.params[held[0]])}, which has requires_grad=False "
+                    "but holds a gradient of this step (it was frozen after its backward): "
+                    "torch's function would leave it out of the norm and unclipped, which "
+                    "zero_py's clipping of the whole gradient shard cannot; clip before "
+                    "freezing it, or pass every parameter (model.parameters())")
             sum_pow, nonfinite = self._grad_stats(norm_type)
         self._nonfinite = nonfinite
-        if nonfinite:
-            total = float("nan")
-            if error_if_nonfinite:
-                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
-                                   "non-finite, so it cannot be clipped; set "
-                                   "error_if_nonfinite=False to go on")
-        else:
-            total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
-            # a clip since the last step has not touched the gradients here (its coefficient
-            # waits for the update): torch's would have scaled them, so this norm is of the
-            # clipped gradients (the norm a loop logs after clipping) and the coefficients
-            # compound, as torch's in-place clips do
-            total /= self.loss_scale
-            if self._clip_coef is not None:
-                total *= self._clip_coef
-        self._clip_coef = (None if nonfinite else
-                           (self._clip_coef or 1.0) * min(max_norm / (total + 1e-6), 1.0))
+        if nonfinite and error_if_nonfinite:
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               "non-finite, so it cannot be clipped; set "
+                               "error_if_nonfinite=False to go on")
+        # inf and NaN go through as in torch's: an inf gradient makes the total inf
+        total = (sum_pow if math.isinf(norm_type) else sum_pow ** (1.0 / norm_type))
+        # a clip since the last step has not touched the gradients here (its coefficient
+        # waits for the update): torch's would have scaled them, so this norm is of the
+        # clipped gradients (the norm a loop logs after clipping) and the coefficients
+        # compound, as torch's in-place clips do
+        total /= self.loss_scale
+        if self._clip_coef is not None:
+            total *= self._clip_coef
+        if nonfinite and self.loss_scaler is not None:
+            self._clip_coef = None  # the step is skipped
+            return torch.tensor(total, dtype=torch.float32)
+        # torch multiplies the gradients by clamp(max_norm / (total + 1e-6), max=1) whatever
+        # the total: 0 for an inf total (the finite gradients vanish, an inf one becomes NaN),
+        # NaN for a NaN total (every gradient becomes NaN: _poison_gradients). DDP runs do so
+        # on every rank alike, and so does this: the total is the same on every rank.
+        coef = max_norm / (total + 1e-6)
+        coef = coef if math.isnan(coef) or coef < 1.0 else 1.0
+        self._clip_coef = (1.0 if self._clip_coef is None else self._clip_coef) * coef
         return torch.tensor(total, dtype=torch.float32)
+
+    def _poison_gradients(self) -> None:
+        """A NaN clip coefficient, applied as torch's clip_grad_norm_ applies it: every
+        gradient becomes NaN, so every parameter the step updates does, as under DDP. The
+        kernels take a finite grad_scale only, so the gradient shard itself is filled (and its
+        host copy, when offloaded); overlap_step's early updates, made from the gradients
+        before, are put back first."""
+        self.discard_early_updates()
+        reducer, host = self._reducer, self._host
+        for b in range(self._flat.n_buckets):
+            if reducer.mirror is not None:
+                reducer.mirror.writing(b)
+            reducer.grads.piece(b).fill_(float("nan"))
+            if host is not None:
+                host.grads_ready(b)
+                host.grads.piece(b).fill_(float("nan"))

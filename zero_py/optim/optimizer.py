@@ -11,6 +11,7 @@ torch.optim class) run on the fp32 master shard, and has the storage publish the
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
@@ -34,7 +35,7 @@ from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
 from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
 from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
-                                  warn_ignored_group_options)
+                                  refuse_unhonoured_options, warn_ignored_group_options)
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
 from zero_py.sharding.storage import FlatParams, PieceStore
 
@@ -181,6 +182,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             dtypes = {p.dtype for p in given}
             quantized.check_dtypes(quantized_weights, quantized_grads, grad_reduce_dtype, dtypes)
             check_no_shared_storage(given, self._name)
+            refuse_unhonoured_options(self.param_groups)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
             overlap_step = check_kind_options(optimizer_class, kind, dtypes, stochastic_rounding,
@@ -433,6 +435,17 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             "full torch.optim dict) or zero_py.save_checkpoint; for a second optimizer, build "
             "a new ZeroOptimizer over the copy's parameters and load_state_dict() into it.")
 
+    def join_hook(self, **kwargs):
+        # torch.distributed.algorithms.Join (uneven inputs) asks each joinable for this hook;
+        # a joined rank would have to shadow every collective of its peers' steps (reductions,
+        # gathers, counts, the clipping norm and the overflow check as the script calls them)
+        raise NotImplementedError(
+            "zero_py does not support torch.distributed.algorithms.Join (uneven inputs): give "
+            "every rank the same number of batches per epoch, e.g. DistributedSampler("
+            "drop_last=True), or stop every rank at the first rank's end (all-reduce a flag "
+            "each step); a rank whose peers stopped waits in its next collective until the "
+            "process group's timeout, then raises")
+
     def owned_range(self, p: torch.Tensor) -> Optional[Tuple[int, int]]:
         """The elements [lo, hi) of flattened parameter p whose state this rank keeps (what
         state[p] holds), or None where it keeps none."""
@@ -450,7 +463,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             return {}
         if read:
             self.discard_early_updates([s.bucket])
-        return self._slice_state(s, copy=False) or {}
+        state = self._slice_state(s, copy=False)
+        return self._as_torch_keeps(s, state) if state else {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, as torch.optim does (e.g. layers a fine-tuning script unfreezes).
@@ -482,6 +496,11 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         """`name`: the parameter's name, where known, for the message (else its index i).
         `slices_ok`: p may be a stage-3 shard slice (stage 3's own construction)."""
         what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
+        if p.is_meta:  # it has no values, and cannot be moved: .to() of a meta tensor raises
+            raise ValueError(f"{what} is on the meta device (no values yet): build the model "
+                             "with zero_py.initialize(model, stage=3), which materializes it "
+                             "module by module, or give it values first (model.to_empty("
+                             "device=...) and initialize them) for stages 1-2")
         if not slices_ok and compat.left_sharded(p):
             # its ranks' slices differ in size: laid out again, the first broadcast aborted
             # the process inside gloo
@@ -494,8 +513,15 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")
         if p.dtype not in PARAM_DTYPES:
+            # (a frozen one under stage 3 is refused before, by initialize, with its remedy)
+            if p.is_complex():  # a cast to a real dtype would drop the imaginary part
+                raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
+                                 "bfloat16 and float16 parameters, not complex ones; keep it "
+                                 "as a real parameter of shape (..., 2) and take "
+                                 "torch.view_as_complex of it in the forward")
             raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
-                             "bfloat16 and float16 parameters; cast the model to one of them")
+                             "bfloat16 and float16 parameters; cast the model to one of "
+                             "them")
 
     def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
         """Frozen parameters stay outside the flat buffers but start equal on every rank."""
@@ -504,7 +530,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             for p in self._all_params:
                 if id(p) not in ids and p.numel() > 0:
                     buf = p.detach().contiguous().clone()
-                    self.executor.broadcast(buf, 0).wait()
+                    # as bytes: frozen parameters may be of any dtype (int8 or float8 weights
+                    # of a quantized base model), which gloo does not all take (float8: an
+                    # "Invalid scalar type" that read as a peer's failure)
+                    self.executor.broadcast(buf.view(-1).view(torch.uint8), 0).wait()
                     p.copy_(buf)
 
     def sync_master_from_params(self) -> None:
@@ -656,6 +685,7 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
     def _apply_update(self, used: List[int]) -> None:
         if self.uses_fused_kernel:
             extra = self._state_to_add(self.param_groups)
+            self._update.check_groups(used)  # before anything moves (counts, buckets)
             if extra:
                 self._update.add_keys(extra)
         counts, seed = list(self._step_count), self._sr_seed
@@ -664,7 +694,11 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 self._step_count[i] += 1
         if not any(used):
             return
-        grad_scale = (self._clip_coef or 1.0) / self.loss_scale
+        coef = self._clip_coef  # 0.0 is a coefficient (an inf total norm), not "none"
+        if coef is not None and math.isnan(coef):
+            self._poison_gradients()
+            coef = None
+        grad_scale = (1.0 if coef is None else coef) / self.loss_scale
         self._sr_seed += 1
         touched = [b for b in range(self._flat.n_buckets)
                    if any(used[i] for i in self._flat.bucket_params[b])]
@@ -696,11 +730,12 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update.note_step(used, self._step_count)
         self._flat.publish(self._wire, touched)
 
-    def _state_to_add(self, groups: List[dict]) -> List[str]:
+    def _state_to_add(self, groups: List[dict], fresh: Sequence[dict] = ()) -> List[str]:
         """The state keys of the fused update that `groups` need and it does not keep yet
         (update.added_state: SGD's momentum buffer, once a momentum is switched on after
-        construction), checked to be addable; changes nothing."""
-        extra = added_state(self._kind, self._update.keys, groups)
+        construction; Adam's max where a group `fresh` from add_param_group has amsgrad),
+        checked to be addable; changes nothing."""
+        extra = added_state(self._kind, self._update.keys, groups, fresh)
         if extra is None:
             raise ValueError("the param groups need optimizer state this optimizer does not "
                              f"keep (it keeps {self._update.keys}): amsgrad was switched on "

@@ -12,6 +12,7 @@ resident. The dict formats and their checks are in state_dict.py.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -21,7 +22,8 @@ from zero_py.collectives import gather_object
 from zero_py.optim import agreement, dcp
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
-from zero_py.optim.update import BUFFER, added_state, fused_kind, state_keys
+from zero_py.optim.update import (BUFFER, MAX_SQ, added_state, fused_kind,
+                                  optional_state, refuse_unhonoured_options, state_keys)
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -148,7 +150,13 @@ class StateDicts:
             if self.loss_scaler is not None and not dcp.loading():
                 raise ValueError(dcp.LOSS_SCALER_MESSAGE)
             full = self._full_state_dict(None)
-            return dcp.with_placeholders(self, full) if dcp.loading() else full
+            if dcp.loading():
+                return dcp.with_placeholders(self, full)
+            if self._managed_index and not any(full["state"].get(i)
+                                               for i in self._managed_index):
+                # as a template for dcp.load, it would silently load no optimizer state
+                warnings.warn(dcp.STATELESS_MESSAGE, stacklevel=2)
+            return full
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.resident():
@@ -168,14 +176,27 @@ class StateDicts:
             index = self._managed_index[s.param]
             slices[index] = (s.param_lo, s.param_hi)
             st = self._slice_state(s)
-            if st is not None:
-                state[index] = st
+            if st:  # none, as torch.optim.SGD keeps for a parameter stepped without momentum
+                state[index] = self._as_torch_keeps(s, st)
         meta = {"format": sd_util.FORMAT_VERSION, "stage": self.stage,
                 "world_size": self.executor.world_size, "rank": self.executor.rank,
                 "optimizer": self.optimizer_class.__name__, "slices": slices,
                 "rounding_seed": self._sr_seed}
         return {"state": state, "param_groups": self._groups_for_dict(), "zero_py": meta,
                 "loss_scaler": self._scaler_state()}
+
+    def _as_torch_keeps(self, s, state: dict) -> dict:
+        """Slice s's state less Adam's max_exp_avg_sq where torch.optim keeps none: in a group
+        without amsgrad, for a parameter never stepped with it (its max is all zero). zero_py
+        keeps the tensor for every parameter once any group has amsgrad; a dict with it for
+        the other groups' parameters would not be torch.optim's (merge_shards fills the
+        slices of a parameter whose max some rank left out with zeros, which they are)."""
+        if (self.uses_fused_kernel and MAX_SQ in state
+                and MAX_SQ in optional_state(self._kind, self.param_groups[
+                    self._flat.bucket_group[s.bucket]])
+                and not state[MAX_SQ].any()):
+            state = {k: v for k, v in state.items() if k != MAX_SQ}
+        return state
 
     def _scaler_state(self) -> Optional[dict]:
         return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
@@ -203,6 +224,15 @@ class StateDicts:
                   for i, shape in enumerate(self._flat.param_shapes)}
         shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
         full = sd_util.merge_shards(gathered, shapes)
+        # parameters without elements hold no state here; torch.optim's dict has theirs (empty
+        # moments and a step count), and DCP refuses to load a dict without it into a
+        # torch.optim optimizer: give them the state of a parameter stepped as often as the
+        # most-stepped one (their values are empty whatever the count)
+        step = max(self._step_count, default=0)
+        for i in dcp.empty_params(self) if step else ():
+            st = dcp.empty_param_state(self, self._all_params[i], step)
+            if st is not None:
+                full["state"][i] = st
         full["state"] = {k: full["state"][k] for k in sorted(full["state"])}
         full["loss_scaler"] = self._scaler_state()
         # where the stochastic-rounding stream stands (the shard dicts carry it as their seed):
@@ -296,6 +326,7 @@ class StateDicts:
         this optimizer's update path and state; changes nothing."""
         new = [{**group, **{k: v for k, v in saved.items() if k != "params"}}
                for group, saved in zip(self.param_groups, saved_groups)]
+        refuse_unhonoured_options(new)
         if (fused_kind(self.optimizer_class, new) is None) == self.uses_fused_kernel:
             raise ValueError("the loaded hyperparameters (e.g. a tensor lr, differentiable) need "
                              "another update path than this optimizer was built with; construct "

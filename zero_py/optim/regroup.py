@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from zero_py.optim import agreement, compat
-from zero_py.optim.update import fused_kind, warn_ignored_group_options
+from zero_py.optim.update import (fused_kind, refuse_unhonoured_options,
+                                  warn_ignored_group_options)
 from zero_py.sharding.storage import FlatParams
 
 
@@ -56,12 +57,13 @@ def add_param_group(opt, param_group: dict) -> None:
     if any(p.device != opt._flat.device for p in new):
         raise ValueError(f"the new parameters must be on {opt._flat.device}, the device of "
                          "the others")
+    refuse_unhonoured_options([group], f"param group {len(opt.param_groups)}")
     kind = fused_kind(opt.optimizer_class, opt.param_groups + [group])
     warn_ignored_group_options(opt.optimizer_class, opt.defaults, [group])
     keys = None  # the fused update's state keys over the new groups: the kept ones, then
     if kind == opt._kind and kind is not None:  # SGD's momentum buffer where a momentum is on
         try:  # that no step has used yet (added_state)
-            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group])
+            keys = opt._update.keys + opt._state_to_add(opt.param_groups + [group], [group])
         except ValueError:
             keys = None
     if kind != opt._kind or (kind is not None and keys is None):
@@ -89,6 +91,7 @@ def add_param_group(opt, param_group: dict) -> None:
                 if was is None or (was.param_lo, was.param_hi) != (s.param_lo, s.param_hi):
                     raise RuntimeError("zero_py: the rebuilt layout moved a parameter's "
                                        "slice; this is a bug, please report it")
+        residuals = _kept_residuals(opt._reducer.residuals(), old, storage)
         fresh = [b for b in range(storage.n_buckets)
                  if any(i >= len(old.params) for i in storage.bucket_params[b])]
         pending = [opt.executor.broadcast(storage.bucket_region(b), 0) for b in fresh]
@@ -105,6 +108,9 @@ def add_param_group(opt, param_group: dict) -> None:
         # SGD: the parameters stepped only without momentum so far (their state has no buffer)
         no_buffer = set(getattr(opt._update, "no_momentum_yet", ()))
         opt._build(storage, opt._step_count + [0] * len(new))
+        # grad_error_feedback: what rounding lost is still owed to the next contributions of
+        # the buckets kept (a new reducer starts without residuals, which dropped it)
+        opt._reducer.set_residuals(residuals)
         opt._had_grad[:len(had_grad)] = had_grad
         if keys is not None:
             opt._update.keys = keys
@@ -131,3 +137,19 @@ def add_param_group(opt, param_group: dict) -> None:
             if p.numel() > 0:
                 opt.executor.broadcast(p.data, 0).wait()
     compat.claim(opt, new)
+
+
+def _kept_residuals(residuals: dict, old: FlatParams, storage: FlatParams) -> dict:
+    """The error-feedback residuals of the old layout's buckets, by their index in the new
+    one: a bucket kept (the same parameters, the same elements) keeps its residual, whose
+    chunks follow the bucket's layout; the new group's buckets start without one."""
+    index = {(tuple(storage.bucket_params[b]), storage.bucket_numel[b]): b
+             for b in range(storage.n_buckets)}
+    kept = {}
+    for b, r in residuals.items():
+        nb = index.get((tuple(old.bucket_params[b]), old.bucket_numel[b]))
+        if nb is None:
+            raise RuntimeError("zero_py: the rebuilt layout changed a bucket; this is a bug, "
+                               "please report it")
+        kept[nb] = r
+    return kept

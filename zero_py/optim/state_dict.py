@@ -17,8 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_py import kernels
-from zero_py.optim.update import BUFFER
+from zero_py.optim.update import optional_state
 
 FORMAT_VERSION = 1
 
@@ -263,6 +262,7 @@ def check_loadable(opt, state_dict: dict):
               for k, shape in enumerate(opt._flat.param_shapes)}
     slices = {opt._managed_index[s.param]: s for s in opt._flat.slices}
     keys = opt._update.keys + opt._state_to_add(groups) if opt.uses_fused_kernel else None
+    group_of = [g for g in groups for _ in g["params"]]  # by position, as torch numbers them
     positions = saved_positions(state_dict["param_groups"])
     for k, st in state_dict["state"].items():
         index = positions.get(k) if _hashable(k) else None
@@ -281,7 +281,7 @@ def check_loadable(opt, state_dict: dict):
         check_param_state(index, st, expected, keys, name,
                           opt._masters.dtype_of[opt._flat.param_bucket[
                               opt._managed_of[index]]] is not None,
-                          optional=[BUFFER] if opt._kind == kernels.OPT_SGD else ())
+                          optional=optional_state(opt._kind, group_of[index]))
         saved_state[index] = st
     steps = state_dict.get("rounding_steps")
     if not shard and steps is not None and not (isinstance(steps, int)

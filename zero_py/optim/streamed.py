@@ -213,6 +213,9 @@ class StreamedUpdate(FusedUpdate):
         group_rows: List[list] = []
         row_of: Dict[tuple, int] = {}
         for b in buckets:
+            mine = list(self._runs(b, used, step_count))
+            if not mine:
+                continue  # its group is not read, as in FusedUpdate.step
             grad = self.grads.piece(b)
             key = (flat.bucket_group[b], grad.dtype, flat.bucket_dtype(b))
             if key not in row_of:
@@ -220,8 +223,7 @@ class StreamedUpdate(FusedUpdate):
                 group_rows.append(self._group_row(self.param_groups[key[0]], grad.dtype,
                                                   key[2], grad_scale, seed, stochastic_rounding))
             off = flat.bucket_shard_offset[b]
-            runs += [(off + lo, off + hi, step, b, row_of[key])
-                     for lo, hi, step in self._runs(b, used, step_count)]
+            runs += [(off + lo, off + hi, step, b, row_of[key]) for lo, hi, step in mine]
         if not runs:
             return
         runs.sort()

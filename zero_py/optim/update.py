@@ -13,6 +13,7 @@ of absent gradients work exactly as in torch.
 
 from __future__ import annotations
 
+import re
 import warnings
 from array import array
 from typing import Dict, List, Optional, Sequence
@@ -40,11 +41,25 @@ def fused_kind(optimizer_class, groups: Sequence[dict]) -> Optional[int]:
             return None
         if any(isinstance(v, torch.Tensor) for k, v in g.items() if k != "params"):
             return None  # tensor hyperparameters (e.g. lr as a tensor) stay with torch
-        if kind == kernels.OPT_ADAM and g.get("decoupled_weight_decay", False):
-            return None
-        if kind == kernels.OPT_ADAMW and g.get("decoupled_weight_decay", True) is False:
-            return None
+    # Adam or AdamW with either decoupled_weight_decay: each group's row picks AdamW's decay or
+    # Adam's L2 term (FusedUpdate._group_row), as torch.optim.Adam's step does
     return kind
+
+
+def refuse_unhonoured_options(groups: Sequence[dict], what: Optional[str] = None) -> None:
+    """Refuses the torch.optim options zero_py cannot honour, rather than ignore them:
+    differentiable=True, which asks torch.optim to record the update in the autograd graph (to
+    differentiate through the step, e.g. meta-learning over non-leaf parameters). zero_py
+    updates fp32 shards of the parameters outside autograd and all-gathers the result, so no
+    graph could reach the parameters (torch.optim itself refuses it on leaf parameters).
+    `what` names the dicts in the message (default: param group k)."""
+    for k, g in enumerate(groups):
+        if g.get("differentiable"):
+            raise ValueError(
+                f"differentiable=True ({what or f'param group {k}'}) cannot be honoured: "
+                "zero_py updates fp32 shards of the parameters outside autograd and "
+                "all-gathers them, so the step cannot be differentiated; drop differentiable "
+                "(it changes no value)")
 
 
 def initial_accumulator(defaults: dict) -> float:
@@ -86,6 +101,20 @@ def state_keys(kind: int, groups: Sequence[dict]) -> List[str]:
 
 
 BUFFER = "momentum_buffer"  # SGD's: torch.optim makes it at a parameter's first step with momentum
+# Adam's: torch.optim makes it at a parameter's first step only where its group has amsgrad
+MAX_SQ = "max_exp_avg_sq"
+
+
+def optional_state(kind: Optional[int], group: dict) -> List[str]:
+    """The state keys that a torch.optim state dict may lack for a parameter of `group` (and
+    that a load then starts as torch.optim would): SGD's momentum buffer (none before a step
+    with momentum), and Adam's max_exp_avg_sq in a group without amsgrad (zero_py keeps it for
+    every parameter once any group has amsgrad; torch.optim only for those groups')."""
+    if kind == kernels.OPT_SGD:
+        return [BUFFER]
+    if kind in _ADAM_KINDS and not group.get("amsgrad"):
+        return [MAX_SQ]
+    return []
 
 
 def without_buffer(kind: Optional[int], keys: Sequence[str], saved: Sequence[str]) -> bool:
@@ -99,16 +128,33 @@ def without_buffer(kind: Optional[int], keys: Sequence[str], saved: Sequence[str
             and list(saved) == [k for k in keys if k != BUFFER])
 
 
-def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict]) -> Optional[List[str]]:
+def added_state(kind: int, keys: Sequence[str], groups: Sequence[dict],
+                fresh: Sequence[dict] = ()) -> Optional[List[str]]:
     """The state keys `groups` need beyond `keys` (what an update keeps): [] when none, SGD's
     ["momentum_buffer"] once a momentum is switched on after construction (torch.optim makes
     the buffer at the first step with momentum != 0: OneCycleLR cycles the momentum of an SGD
-    built with momentum=0), and None for any other (amsgrad switched on, which
-    torch.optim.Adam cannot take after its first step either)."""
+    built with momentum=0), Adam's ["max_exp_avg_sq"] where only groups of `fresh` (added by
+    add_param_group, their parameters never stepped) have amsgrad (torch.optim makes it at
+    their first step), and None for any other (amsgrad switched on for parameters that have
+    stepped, which torch.optim.Adam cannot take either)."""
     extra = [k for k in state_keys(kind, groups) if k not in keys]
-    if not extra or extra == ["momentum_buffer"]:
+    if not extra or extra == [BUFFER]:
+        return extra
+    if extra == [MAX_SQ] and all(any(g is f for f in fresh)
+                                 for g in groups if g.get("amsgrad")):
         return extra
     return None
+
+
+def _by_param_group(message: str, group_of_row: Sequence[int]) -> str:
+    """A kernel's refusal of a group row ("opt_step: group 2 (sgd): ...") naming the param
+    group that row was made from (rows are per group and dtype, numbered as met), and saying
+    that torch.optim may take what the fused kernel refuses."""
+    found = re.match(r"opt_step: group (\d+) \((\w+)\): (.*)", message, re.S)
+    if found is None or int(found.group(1)) >= len(group_of_row):
+        return message
+    return (f"param group {group_of_row[int(found.group(1))]}: {found.group(3)} (zero_py's "
+            f"fused {found.group(2)} kernel takes no other value)")
 
 
 class _Update:
@@ -253,8 +299,10 @@ class FusedUpdate(_Update):
 
     def _group_row(self, g: dict, grad_dtype: torch.dtype, param_dtype: torch.dtype,
                    grad_scale: float, seed: int, stochastic_rounding: bool) -> list:
-        flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")),
-                                  bool(g.get("nesterov")),
+        # torch.optim.SGD reads nesterov only where the group has a momentum (its constructor
+        # refuses nesterov without one, but not a param group's momentum=0)
+        nesterov = bool(g.get("nesterov")) and self.kind == kernels.OPT_SGD and g["momentum"] != 0
+        flags = kernels.opt_flags(bool(g.get("maximize")), bool(g.get("amsgrad")), nesterov,
                                   stochastic_rounding and param_dtype == torch.bfloat16)
         kind = self.kind
         if kind in _ADAM_KINDS:
@@ -285,6 +333,9 @@ class FusedUpdate(_Update):
         group_rows: List[list] = []
         row_of: Dict[tuple, int] = {}
         for b in range(flat.n_buckets) if buckets is None else buckets:
+            runs = list(self._runs(b, used, step_count))
+            if not runs:  # its group is not read (a group the step leaves alone may hold
+                continue  # values the kernel refuses, as torch.optim never reads them)
             grad = self.grads.piece(b)
             master = self.master(b)
             param_out = self.param_out(b)
@@ -297,7 +348,7 @@ class FusedUpdate(_Update):
                                                   stochastic_rounding))
             g_size, p_size = grad.element_size(), param_dtype.itemsize
             shard_lo = flat.bucket_shard_offset[b]
-            for lo, hi, step in self._runs(b, used, step_count):
+            for lo, hi, step in runs:
                 at = (shard_lo + lo) * 4  # fp32 bytes into the shard-space state tensors
                 rows.extend(kernels.segment_row(
                     hi - lo, master=master.data_ptr() + lo * 4, grad=grad.data_ptr() + lo * g_size,
@@ -311,7 +362,28 @@ class FusedUpdate(_Update):
             return
         threads = (None if self.device.type != "cpu" else
                    self.host.threads if self.host is not None else torch.get_num_threads())
-        kernels.optim_step_segments(rows, group_rows, self.device, n_threads=threads)
+        try:
+            kernels.optim_step_segments(rows, group_rows, self.device, n_threads=threads)
+        except ValueError as exc:
+            raise ValueError(_by_param_group(str(exc), [key[0] for key in row_of])) from None
+
+    def check_groups(self, used: Sequence[int]) -> None:
+        """Runs the kernel's checks of the hyperparameters of the param groups that the step
+        with `used` (the same on every rank) updates, as a table without segments on the CPU.
+        The optimizer calls it on every rank before a step changes anything, so that a value
+        the kernel refuses (torch.optim may take it: its constructor checks only the defaults)
+        is refused by every rank, whatever part of the shard each would update, and before the
+        step counts or any bucket (offloaded steps go bucket by bucket) move. A group that the
+        step leaves alone is not read, as torch.optim does not read it."""
+        flat = self.flat
+        stepped = sorted({flat.bucket_group[flat.param_bucket[i]] for i, u in enumerate(used)
+                          if u})
+        rows = [self._group_row(self.param_groups[k], torch.float32, torch.float32, 1.0, 0,
+                                False) for k in stepped]
+        try:
+            kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
+        except ValueError as exc:
+            raise ValueError(_by_param_group(str(exc), stepped)) from None
 
     def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
         """Slice s's per-element state tensors (copies, or views of the live state)."""
@@ -327,14 +399,19 @@ class FusedUpdate(_Update):
         its next step with momentum is a first one (no_momentum_yet)."""
         absent = (self.kind == kernels.OPT_SGD and BUFFER in self.keys
                   and state.get(BUFFER) is None)
-        missing = [k for k in self.keys if k not in state and not (absent and k == BUFFER)]
+        # a parameter of a group without amsgrad, saved by torch.optim: no max yet (zeros)
+        no_max = (MAX_SQ in self.keys and state.get(MAX_SQ) is None
+                  and MAX_SQ in optional_state(self.kind, self.param_groups[
+                      self.flat.bucket_group[s.bucket]]))
+        missing = [k for k in self.keys if k not in state
+                   and not (absent and k == BUFFER) and not (no_max and k == MAX_SQ)]
         if missing:
             raise ValueError(f"the loaded state of a parameter lacks {missing}; was it saved by "
                              "another optimizer class or with other options (e.g. amsgrad)?")
         states = self._ensure_states()
         lo = self.flat.bucket_shard_offset[s.bucket] + s.piece_lo
         for k, t in zip(self.keys, states):
-            if absent and k == BUFFER:
+            if (absent and k == BUFFER) or (no_max and k == MAX_SQ):
                 t[lo:lo + s.numel].zero_()
             else:
                 t[lo:lo + s.numel].copy_(state[k].reshape(-1))

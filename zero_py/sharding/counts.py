@@ -8,6 +8,7 @@ each of them with a Count: every rank fills its own row (what it is starting, it
 pass, whether it refuses to go on, and at a step the fingerprint of its param groups' settings)
 and one SUM all-reduce gives every rank all rows. Rows that differ raise the same error on
 every rank, naming each rank's count, before any mismatched collective is waited for.
+Stage 1 counts no passes; its step still compares the param groups' settings in a Count.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ _CALL_ON_EVERY_RANK = (
     "torch.save(sd, path)`; or `sd = zero_py.full_state_dict(model)` on every rank (the "
     "values on rank 0, None elsewhere); a Hugging Face model's save_pretrained(path) called "
     "on every rank writes the files on rank 0 only. On one host with shared memory (the "
-    "default for CPU ranks) a read-only access gathers alone and one rank may call it.")
+    "default for CPU ranks) a read-only access gathers alone and one rank may call it. "
+    "Under stages 1-2 with quantized_weights, zero_py.full_state_dict() gathers the exact "
+    "values collectively: call it on every rank.")
 
 
 class Count:

@@ -573,6 +573,13 @@ class GradReducer:
         if self._finished:
             return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
+            if self.stage == 1:
+                # stage 1 counts no passes, but each rank updates its own shard: the ranks'
+                # param groups' settings are compared before anything is reduced (one small
+                # all-reduce per step), so a refused step changes nothing
+                self._count = Count(self.executor, STEP, self.steps, 0,
+                                    hyper=self.hyperparameters())
+                self._check_count()
             self.reduce_now()
             stray = []
         else:
@@ -585,6 +592,11 @@ class GradReducer:
             self._check_count()
         if stray:
             more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+            # every parameter at once: the usual cause is a DDP wrapper, whose reducer writes
+            # its averaged gradient back into param.grad after zero_py's hook took it
+            ddp = (" Every parameter has one: is the model wrapped in DistributedDataParallel? "
+                   "zero_py reduces the gradients itself; give it the bare model (drop the "
+                   "DDP(...) wrapper)." if len(stray) == len(self.flat.params) > 1 else "")
             raise RuntimeError(
                 f"zero_py: parameter {self.name_of(stray[0])}{more} has a param.grad set "
                 "after the last backward was reduced (e.g. `p.grad = g` after backward, or a "
@@ -592,7 +604,8 @@ class GradReducer:
                 "gradient from backward as it is reduced and leave param.grad None, so this "
                 "step would ignore it. Put such terms into the loss before backward, assign "
                 "gradients only in a step without backward (they are then reduced: the "
-                "torch.autograd.grad idiom), or use stage 1; optimizer.zero_grad() drops them")
+                "torch.autograd.grad idiom), or use stage 1; optimizer.zero_grad() drops them"
+                + ddp)
         self._retire(block_over=0)
         # the update of the parameter shards follows: one-sided readers wait for its end (once:
         # a clip_grad_norm_ and a backward after it finish() twice before the step)

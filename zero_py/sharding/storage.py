@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from zero_py.collectives import quantized
 from zero_py.collectives.peer_memory import PeerMemory
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.between_uses import BetweenUses
@@ -329,9 +330,10 @@ class ShardedParams(PiecesOnFile, FlatLayout):
     def is_gathered(self, b: int) -> bool:
         return self._exposed[b]
 
-    def gather(self, b: int) -> Work:
+    def gather(self, b: int, exact: bool = False) -> Work:
         """Starts the all-gather of bucket b into its buffer; its parameters become their full
-        views at once (their values are valid after the returned work is waited on)."""
+        views at once (their values are valid after the returned work is waited on). `exact`:
+        the peers' pieces as they are, not through a quantized wire (quantized_weights)."""
         buf = self._unfree(b)
         piece = self.shards.piece(b)
         if self.nvme is not None and not self._resident:
@@ -346,8 +348,8 @@ class ShardedParams(PiecesOnFile, FlatLayout):
             mine = buf[self.rank * n:(self.rank + 1) * n]
             mine.copy_(piece, non_blocking=True)
             piece = mine
-        return issue(f"all-gather of {self.describe_bucket(b)}", self.executor.all_gather, buf,
-                     piece)
+        executor = quantized.exact(self.executor) if exact else self.executor
+        return issue(f"all-gather of {self.describe_bucket(b)}", executor.all_gather, buf, piece)
 
     def _unfree(self, b: int) -> torch.Tensor:
         """Bucket b's gather buffer with its storage back and its parameters as full views
@@ -462,13 +464,13 @@ class ShardedParams(PiecesOnFile, FlatLayout):
                                 f"{want.device}"))
         return out
 
-    def publish(self, executor, buckets: Sequence[int]) -> None:
+    def publish(self, executor, buckets: Sequence[int], exact: bool = False) -> None:
         """After an update of the shards: refresh every bucket whose full values exist (the
         persistent unit's, and any held by zero_py.gathered()); the others are gathered from
         the new shards at their next use. Buckets this rank holds alone (held_alone: peers
         may not hold them) are not gathered here but copied again by end_update, once every
-        rank's shards hold the step's values."""
-        pending = [self.gather(b) for b in range(self.n_buckets)
+        rank's shards hold the step's values. `exact`: bypass a quantized wire (gather)."""
+        pending = [self.gather(b, exact=exact) for b in range(self.n_buckets)
                    if self._exposed[b] and b not in self.held_alone]
         for work in pending:
             work.wait()

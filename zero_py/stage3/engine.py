@@ -48,11 +48,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
+from zero_py.collectives import quantized
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
-from zero_py.sharding.between_uses import describe
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
+from zero_py.stage3.entries import entry_points
+from zero_py.stage3.model_changes import ModelChanges
 
 
 def _not_traced(fn):
@@ -99,6 +101,18 @@ _MODULE_CALL = nn.Module._call_impl.__code__
 # the engine's phase between the backward's last gathers and the end of its pass (the C
 # schedule's phase is closed already)
 _BACKWARD_ENDING = -2
+
+
+def _forget_autocast_casts() -> None:
+    """As a forward or a backward starts, drops the casts of parameters that torch.autocast
+    caches for its region (keyed by the parameter: the lower-precision copy and its autograd
+    edge, made at the first use). A pass after another in the same region (a second
+    micro-batch, a training forward after a no_grad one, a backward run inside the region
+    whose checkpointed blocks are recomputed) was given the copies the earlier pass made from
+    units freed since, and its backward failed in AccumulateGrad ("The size of tensor a (144)
+    must match the size of tensor b (32)"). Within a pass the copies stay shared, as under
+    DDP (a unit called twice uses one cast). Outside autocast the cache is empty."""
+    torch.clear_autocast_cache()
 
 
 def merge_orders(rows: List[List[int]], n_units: int) -> List[int]:
@@ -167,6 +181,9 @@ class Stage3Engine:
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
         self._to_free: List[int] = []  # freed once the backward's pass ended
         self._backward_needs: Set[int] = set()  # units this backward will need
+        # units run by the training forwards since the last backward began: a backward may
+        # reach several forwards' graphs (an encoder run alone, then the model on its output)
+        self._ran: Set[int] = set()
         self._lazy: List[int] = []  # skipped units to free once their gathers completed
         self.raw = False  # True: model.state_dict() gives torch's own entries (the slices)
         n = len(units)
@@ -185,18 +202,8 @@ class Stage3Engine:
         self._set_order(list(range(n)))
         for storage in self.storages:  # failed gathers name the unit's module
             storage.unit_names = [name for name, _ in units]
-        # where the model registers each sharded parameter: check_model() finds the ones
-        # replaced since (e.g. by model.to(device) where torch makes new Parameters)
-        managed = {id(p) for s in self.storages for p in s.params}
-        self._registered = [(m, f"{mn}.{n}" if mn else n, n, p)
-                            for mn, m in model.named_modules() for n, p in m._parameters.items()
-                            if p is not None and id(p) in managed]
-        # each module's children as initialize saw them, and whether each holds parameters:
-        # check_model() finds a submodule with parameters replaced, added or deleted since
-        self._children = [(mn, m, dict(m._modules),
-                           {k: c is not None and next(c.parameters(), None) is not None
-                            for k, c in m._modules.items()})
-                          for mn, m in model.named_modules()]
+        # what initialize saw of the model: check_model() finds what was changed since
+        self._changes = ModelChanges(model, self.storages)
         # how errors name each parameter (between_uses.describe): its first name, its unit
         names: Dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -225,6 +232,14 @@ class Stage3Engine:
         self._hooks.append(units[0][1].register_forward_hook(
             _not_traced(lambda module, args, output: self._forward_ended()
                         if module is units[0][1] else None), always_call=True))
+        self._entries: List[nn.Module] = []  # entry points whose call opened the phase
+        for entry in entry_points(model, units):
+            self._hooks.append(entry.register_forward_pre_hook(
+                self._make_entry_pre(entry), with_kwargs=True, prepend=True))
+            self._hooks.append(entry.register_forward_hook(self._make_entry_post(entry)))
+            self._hooks.append(entry.register_forward_hook(
+                _not_traced(lambda module, args, output, entry=entry: self._entry_ended(entry)
+                            if module is entry else None), always_call=True))
 
     @property
     def persistent_unit(self) -> int:
@@ -247,66 +262,9 @@ class Stage3Engine:
 
     def check_model(self) -> Optional[str]:
         """None, or what was changed in the model since zero_py.initialize that stage 3 would
-        silently undo: a parameter cast or moved (model.half(), model.to(torch.bfloat16),
-        model.double(), model.to(device): only its shard slice changed, and the next gather
-        puts back the dtype and device it was sharded with), its .data replaced, the
-        Parameter itself replaced in its module (which the engine no longer gathers), or a
-        submodule holding parameters replaced, added or deleted.
-        Under a microsecond a parameter or module: run at each forward and step."""
-        for mn, m, was, held in self._children:
-            now = m._modules
-            if len(now) == len(was) and all(now.get(k) is c for k, c in was.items()):
-                continue
-            for k in {**was, **now}:
-                old, new = was.get(k), now.get(k)
-                new_held = new is not None and next(new.parameters(), None) is not None
-                if old is new or not (held.get(k) or new_held):
-                    continue  # a module without parameters (e.g. a Dropout) stays harmless
-                where = f"{mn}.{k}" if mn else k
-                what = ("deleted" if new is None else "added" if k not in was else
-                        f"replaced by a {type(new).__name__}")
-                return (
-                    f"zero_py stage 3: the model was changed after zero_py.initialize: "
-                    f"submodule {where!r} was {what}. Stage 3 gathers, reduces and trains the "
-                    "parameters it sharded at initialize; a new module's parameters would be "
-                    "neither gathered nor reduced (each rank would train its own copy) and the "
-                    "old ones would no longer be trained. Change the model (adapters, "
-                    "resized embeddings, replaced heads) before zero_py.initialize, or build "
-                    "a new model and optimizer with zero_py.initialize after the change.")
-        late = self.reducer.late_hook()
-        if late is not None:
-            return late
-        found = []
-        for m, name, n, p in self._registered:
-            now = m._parameters.get(n)
-            if now is not p:
-                with torch._C.DisableTorchFunctionSubclass():
-                    what = ("removed" if now is None else
-                            f"replaced by another Parameter ({now.dtype} on {now.device})")
-                found.append(f"parameter {name!r} was {what}")
-        for s in self.storages:
-            for i, now, was in s.changed_params():
-                found.append(f"parameter {describe(s.params[i])} is {now}, but it was sharded "
-                             f"as {was}" if now != was else
-                             f"the .data of parameter {describe(s.params[i])} was replaced "
-                             "(`p.data = t`, e.g. by torch.nn.utils.vector_to_parameters)")
-        if not found:
-            return None
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        return (
-            f"zero_py stage 3: the model was changed after zero_py.initialize: {found[0]}{more}. "
-            "Under stage 3 a cast or a move after initialize (model.half(), "
-            "model.to(torch.bfloat16), model.double(), model.to(device)) changes only this "
-            "rank's shard slices, and the next gather would silently bring back the sharded "
-            "dtype and device (a replaced Parameter would no longer be gathered or trained). "
-            "Cast and move the model before zero_py.initialize: for mixed precision, "
-            "model.to(torch.bfloat16) (or float16) before initialize keeps an fp32 master of "
-            "every shard and updates it there (add grad_reduce_dtype=torch.float32 for an fp32 "
-            "gradient sum, loss_scaler=zero_py.LossScaler() for fp16), or pass config= with a "
-            "DeepSpeed bf16/fp16 section, which casts it for you; to compute in low precision "
-            "over fp32 parameters, run the forward under torch.autocast. To change values, "
-            "use model.load_state_dict(...) or write them inside `with "
-            "zero_py.gathered(module, modifier_rank=0, optimizer=optimizer):`.")
+        silently undo (model_changes.py), or a gradient hook it would run too late. Run at
+        each forward and step."""
+        return self._changes.submodules() or self.reducer.late_hook() or self._changes.params()
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -329,6 +287,32 @@ class Stage3Engine:
         def hook(module, args, output):
             return self._post_forward(u, output) if module is unit else None
         return _not_traced(hook)
+
+    # An entry point (entries.py) called on its own, outside the model's forward, runs as a
+    # forward of the model: its call opens the phase as the root's does (the root unit, which
+    # holds the entry's own parameters, gathered until its end), and its units run in it.
+    def _make_entry_pre(self, entry: nn.Module):
+        def hook(module, args, kwargs):
+            if module is not entry or self._phase is not None or self._held or _in_backward():
+                return None  # inside the model's forward (its usual use), gathered(), a recompute
+            self._entries.append(entry)
+            return self._pre_forward(0, args, kwargs)
+        return _not_traced(hook)
+
+    def _make_entry_post(self, entry: nn.Module):
+        def hook(module, args, output):
+            if self._entries and self._entries[-1] is entry and module is entry:
+                self._entries.pop()
+                return self._post_forward(0, output)
+            return None
+        return _not_traced(hook)
+
+    def _entry_ended(self, entry: nn.Module) -> None:
+        """After an entry point's forward, returned or raised: one that raised ends its phase
+        (as _forward_ended does for the root's)."""
+        if self._entries and self._entries[-1] is entry:
+            self._entries.pop()
+            self._forward_ended()
 
     def _pre_forward(self, u: int, args, kwargs):
         if _in_backward():
@@ -384,7 +368,10 @@ class Stage3Engine:
             return None  # inside gathered()
         self._run(self.prefetch.done(u))
         if u == 0:
+            training = self._phase == _C.PF_FORWARD
             self._run(self.prefetch.end())
+            if training:
+                self._ran.update(self.prefetch.seen())
             self._phase = None
         return None
 
@@ -481,6 +468,7 @@ class Stage3Engine:
         self._phase = None
 
     def _begin_forward(self) -> None:
+        _forget_autocast_casts()
         self.reducer.settle_failed_backward()
         self._close_phase()
         if self._order_pending is not None:
@@ -525,6 +513,7 @@ class Stage3Engine:
         self._post_pending = [0] * len(self.units)
 
     def _begin_backward(self) -> None:
+        _forget_autocast_casts()
         # a backward that raised before this one: its phase ends first (_failed_backward)
         self.reducer.settle_failed_backward()
         if self.reducer.sync_enabled:
@@ -535,12 +524,13 @@ class Stage3Engine:
         if self.reducer.begin_pass():  # queues the end of backward, which calls _end_backward
             # the units this rank's forward did not run give no gradient: their buckets go
             # now, as DDP's find_unused_parameters, not at the end (peers that ran them wait)
-            ran = set(self.prefetch.seen()) | {self.persistent_unit}
+            ran = set(self.prefetch.seen()) | self._ran | {self.persistent_unit}
             self.reducer.mark_unused(i for i, u in enumerate(self.flat.param_unit)
                                      if u not in ran)
-        # and backward needs no unit that its forward did not run (recomputation included):
+        # and backward needs no unit that its forwards did not run (recomputation included):
         # those are gathered and freed as the schedule reaches them (_skip_ahead)
-        self._backward_needs = set(self.prefetch.seen()) | {0}
+        self._backward_needs = set(self.prefetch.seen()) | self._ran | {0}
+        self._ran = set()
         self._skip_ahead()
 
     def _drain_backward(self) -> None:
@@ -622,11 +612,13 @@ class Stage3Engine:
     _PHASE_NAMES = {_C.PF_FORWARD: "the forward", _C.PF_FORWARD_EVAL: "a no_grad forward",
                     _C.PF_BACKWARD: "the backward"}
 
-    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None) -> None:
+    def _gather(self, u: int, scheduled: bool = True, alone: Optional[bool] = None,
+                exact: bool = False) -> None:
         """Starts gathering unit u: collectively, or from the peers' shards in shared memory
         with no collective (a no_grad forward, which one rank may run alone, and a gather only
         this rank makes) where the storages allow it; `alone` decides instead where given (a
-        read-only hold that reads_alone())."""
+        read-only hold that reads_alone()). `exact`: a collective gather bypasses a quantized
+        wire (a one-sided one reads the shards as they are anyway)."""
         phase = self._PHASE_NAMES.get(self._phase, "zero_py.gathered()")
         if alone is None:
             # an unscheduled gather of a training forward or backward reads alone: every
@@ -640,7 +632,7 @@ class Stage3Engine:
             return
         # collective: right where every rank makes the same unscheduled gathers (a unit run
         # twice per forward on every rank); across hosts, ranks must agree on them
-        works = [s.gather(b) for s in self.storages for b in s.unit_buckets[u]]
+        works = [s.gather(b, exact=exact) for s in self.storages for b in s.unit_buckets[u]]
         self._pending[u] = [w.named(f"{w.what} for {phase}") for w in works]
         # offload_params="nvme": the next units' records start being read now, so the disk
         # works while this gather and the compute before the next ones run
@@ -699,7 +691,8 @@ class Stage3Engine:
         BaseException, for which torch runs no always_call hook (_forward_ended)."""
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is self.model:
+            if frame.f_code is _MODULE_CALL and (frame.f_locals.get("self") is self.model or
+                                                 frame.f_locals.get("self") in self._entries):
                 return True
             frame = frame.f_back
         return False
@@ -729,14 +722,29 @@ class Stage3Engine:
         # here (up to the whole model) is the caller's, and is not counted in it
         meter = self.flat.meter
         peak_before = meter.peak_bytes
-        for u in opened:
-            self._gather(u, alone=alone)
-            if alone:  # peers may not hold it: a step inside the block refreshes it alone
+        # exact: what a state dict exports, and what a modifier rank's broadcast writes into
+        # every rank's shards, are the parameters themselves, never their quantized copies
+        # (quantized_weights: those would replace the peers' shards with a rounded version).
+        # A unit gathered already (the persistent parameters) holds such copies, as the last
+        # publish left them: it is gathered exactly for the block and given back its copies
+        # after, so that training goes on from them as it would have.
+        kept = ([u for u in wanted if u not in opened]
+                if any(quantized.weights_quantized(s.executor) for s in self.storages) else [])
+        saved = {}
+        for u in kept:
+            self._wait(u)
+            saved.update({(k, b): s.full_buffer(b).clone() for k, s in enumerate(self.storages)
+                          for b in s.unit_buckets[u]})
+        for u in opened + kept:
+            self._gather(u, alone=alone, exact=True)
+            if alone and u in opened:  # peers may not hold it: a step inside it refreshes it
                 for s in self.storages:
                     s.held_alone.update(s.unit_buckets[u])
         for u in wanted:  # a unit gathered ahead by a forward that raised may be in flight
             self._wait(u)
+        outer = set().union(*self._held)
         self._held.append(set(wanted))
+        modified = False
         try:
             yield
             if modifier_rank is not None:
@@ -749,8 +757,20 @@ class Stage3Engine:
                         for s, b, work in pending:
                             work.wait()
                             s.load_pieces_from(b, s.full_buffer(b))
+                modified = True
         finally:
             self._held.pop()
             for u in opened:
                 self._free(u)
+            for u in kept:
+                if modified:  # the new values, as a publish leaves them (no step publishes
+                    # frozen parameters: theirs stay exact, as construction made them)
+                    for work in [s.gather(b, exact=u in outer or s is not self.flat)
+                                 for s in self.storages for b in s.unit_buckets[u]]:
+                        work.wait()
+                elif u not in outer:  # an enclosing block keeps its exact values
+                    with torch.no_grad():
+                        for k, s in enumerate(self.storages):
+                            for b in s.unit_buckets[u]:
+                                s.full_buffer(b).copy_(saved[(k, b)])
             meter.peak_bytes = max(peak_before, meter.bytes)

@@ -301,6 +301,7 @@ def _main(args) -> int:
         print("python -m zero_py plot needs matplotlib: python3 -m pip install matplotlib "
               "(or pip install 'zero_py[plot]')", file=sys.stderr)
         return 2
+    os.makedirs(args.out, exist_ok=True)  # before minutes of measuring, not after
     records: List[dict] = []
     for path in args.json:
         with open(path) as f:
