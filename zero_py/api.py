@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
 
 import torch
@@ -25,8 +26,8 @@ from zero_py.collectives import channel, make_executor, make_hybrid_executor, qu
 from zero_py.offload import ParamStore, check_offload_dir
 from zero_py.optim import agreement, compat
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES,
-                                     check_no_aliased_buffers, check_no_shared_storage,
-                                     fingerprint)
+                                     check_kind_options, check_no_aliased_buffers,
+                                     check_no_shared_storage, fingerprint)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
 from zero_py.sharding.between_uses import full_numel
@@ -168,7 +169,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                             hybrid=hybrid, _param_names=names,
                             _agreement=_buffer_entries(model), **kwargs)
         _start_buffers(model, opt, broadcast_buffers)
-        model._zero_py = compat.ModelManager(opt)
+        model._zero_py = compat.ModelManager(opt, weak=True)  # the model goes on without it
         opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
         return model, opt
     if stage != 3:
@@ -224,11 +225,15 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
         groups = None if meta else _param_groups(model.parameters() if params is None
                                                  else params)
-        if kwargs.get("stochastic_rounding") and fused_kind(optimizer_class, [
-                {**defaults, **{k: v for k, v in g.items() if k != "params"}}
-                for g in groups or [{}]]) is None:
-            raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                             f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+        # the optimizer's own refusals, before anything is sharded: raised by ZeroOptimizer
+        # after it, they left the parameters as this rank's shard slices (a model neither
+        # trainable nor usable as a plain model)
+        check_kind_options(optimizer_class, fused_kind(optimizer_class, [
+            {**defaults, **{k: v for k, v in g.items() if k != "params"}}
+            for g in groups or [{}]]),
+            {p.dtype for g in groups for p in g["params"]} if groups else
+            {p.dtype for p in model.parameters()}, kwargs.get("stochastic_rounding", False),
+            kwargs.get("offload_optimizer"), kwargs.get("overlap_step", 0.0), 3)
         strangers = [p for g in groups or () for p in g["params"] if id(p) not in unit_of]
         if strangers:
             raise ValueError(f"params holds {len(strangers)} tensor(s) that are not parameters "
@@ -323,9 +328,17 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
                                           align, meter, persistence_threshold, uninitialized,
                                           host_shards, **files)
-    opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
-                        executor=dp, storage=storage,
-                        _param_names={id(p): n for n, p in model.named_parameters()}, **kwargs)
+    try:
+        opt = ZeroOptimizer(groups, optimizer_class, stage=3, process_group=process_group,
+                            executor=dp, storage=storage,
+                            _param_names={id(p): n for n, p in model.named_parameters()},
+                            **kwargs)
+    except BaseException as exc:  # e.g. the NVMe offload file refused on a rank
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note("zero_py: the model's parameters were already sharded (each is this "
+                         "rank's 1-D slice now): build the model again before another "
+                         "zero_py.initialize")
+        raise
     storage.frozen_storage = frozen_storage
     engine = Stage3Engine(model, units, [s for s in (storage, frozen_storage) if s is not None],
                           dp, opt.reducer, bool(reshard_after_forward), prefetch_bytes)
@@ -525,10 +538,13 @@ class _BufferSync:
     first)."""
 
     def __init__(self, model: nn.Module, opt: ZeroOptimizer):
-        self.model, self.opt = model, opt
+        # the optimizer weakly, and its hooks go with it: the model holds them, and must not
+        # keep a dropped stages 1-2 optimizer alive (compat.ModelManager)
+        self.model, self.opt = model, weakref.ref(opt)
         self.pending = True
-        model.register_forward_pre_hook(self._pre_forward, prepend=True)
-        model.register_forward_hook(self._post_forward)
+        opt._buffer_hooks = compat.release_on_collect(opt, [
+            model.register_forward_pre_hook(self._pre_forward, prepend=True),
+            model.register_forward_hook(self._post_forward)])
 
     def __deepcopy__(self, memo):
         # a copy of the model keeps these hooks, bound to this object: they skip the copy
@@ -536,11 +552,11 @@ class _BufferSync:
 
     def _pre_forward(self, module, args) -> None:
         if self.pending and module is self.model:
-            _broadcast_buffers(self.model, self.opt.executor)
+            _broadcast_buffers(self.model, self.opt().executor)
 
     def _post_forward(self, module, args, output) -> None:
         if module is self.model:
-            self.pending = torch.is_grad_enabled() and self.opt.reducer.sync_enabled
+            self.pending = torch.is_grad_enabled() and self.opt().reducer.sync_enabled
 
 
 def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:

@@ -96,13 +96,34 @@ def channel(executor):
         return NcclExecutor(executor.group, executor.device, executor.timeout,
                             label=executor.stats.label + ".gather")
     if isinstance(executor, TorchDistExecutor):
-        ranks = [executor.global_rank(r) for r in range(executor.world_size)]
-        # the user's timeout, not new_group's default (30 min): a dead peer must not hold the
-        # gathers longer than it holds the user's own collectives
-        group = dist.new_group(ranks, backend=dist.get_backend(executor.group),
-                               timeout=group_timeout(executor.group),
-                               use_local_synchronization=True)
+        group = _channel_group(executor)
         # stage 3 gathers on this channel: through shared memory where the ranks share a host
         return TorchDistExecutor(group, executor.device, shared_memory=True,
                                  label=executor.stats.label + ".gather")
     return executor
+
+
+# (user's group, its timeout) -> the channel group made for it. torch.distributed keeps every
+# group until destroy_process_group(), so a new group per stage-3 model leaked its sockets and
+# gloo's threads (5 descriptors, 3 threads at 2 ranks) for each model a process built and
+# dropped (a notebook, a hyperparameter search). Models over one group share its channel: its
+# collectives are issued in program order on every rank, as the user's group's are.
+_CHANNEL_GROUPS: list = []
+
+
+def _channel_group(executor) -> dist.ProcessGroup:
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if live is not None:  # destroy_process_group() dropped them: a new world needs new ones
+        _CHANNEL_GROUPS[:] = [e for e in _CHANNEL_GROUPS if e[0] in live and e[2] in live]
+    timeout = group_timeout(executor.group)
+    for parent, parent_timeout, group in _CHANNEL_GROUPS:
+        if parent is executor.group and parent_timeout == timeout:
+            return group
+    ranks = [executor.global_rank(r) for r in range(executor.world_size)]
+    # the user's timeout, not new_group's default (30 min): a dead peer must not hold the
+    # gathers longer than it holds the user's own collectives
+    group = dist.new_group(ranks, backend=dist.get_backend(executor.group), timeout=timeout,
+                           use_local_synchronization=True)
+    if live is not None:  # without the registry a stale group could not be told apart
+        _CHANNEL_GROUPS.append((executor.group, timeout, group))
+    return group

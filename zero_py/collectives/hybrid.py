@@ -42,6 +42,7 @@ its timing, so no other collective may share their group.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -225,6 +226,9 @@ def _node_groups(world) -> Tuple[Any, Any]:
     if error is not None:
         raise ValueError(error)
     timeout = _world_timeout()
+    for key, groups in _NODE_GROUPS:
+        if key == (per_node, n, timeout) and _live(groups):
+            return groups
     shard_group = replicate_group = None
     # every rank takes part in making every group (new_group is collective over the world)
     for node in range(n // per_node):
@@ -235,7 +239,57 @@ def _node_groups(world) -> Tuple[Any, Any]:
         g = dist.new_group(list(range(local, n, per_node)), timeout=timeout)
         if local == dist.get_rank() % per_node:
             replicate_group = g
+    if _live([]):  # torch's registry is there to tell a destroyed group apart
+        _NODE_GROUPS.append(((per_node, n, timeout), (shard_group, replicate_group)))
     return shard_group, replicate_group
+
+
+# torch.distributed keeps every group until destroy_process_group(), so groups made per
+# optimizer leaked for each one a process built and dropped (hybrid="node" at 2 ranks: 14
+# file descriptors and 9 gloo threads per optimizer). hybrid="node"'s groups are made once per
+# world layout and shared, as a user's own groups are: ((per_node, world size, timeout),
+# (shard group, replicate group)).
+_NODE_GROUPS: List[Tuple[tuple, tuple]] = []
+# The replicate all-reduces' groups of their own: (members, backend, timeout) -> [group, in
+# use], an entry freed when the executor over it is collected and taken again by a later
+# optimizer once every rank has freed it (_own_group).
+_OWN_GROUPS: Dict[tuple, List[list]] = {}
+
+
+def _live(groups) -> bool:
+    """Whether every group of `groups` is still registered (not destroyed); False where torch
+    has no registry to ask."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return live is not None and all(g in live for g in groups)
+
+
+def _own_group(world, members: List[int], replicate_group):
+    """A group of `members` for one optimizer's replicate all-reduces, no other optimizer's
+    meanwhile: a free one of an earlier, collected optimizer where every rank has freed it
+    (the ranks collect at different moments: one exchange over the world decides), else a
+    new one. Returns (group, its pool entry)."""
+    backend = dist.get_backend(replicate_group)
+    timeout = _group_timeout(replicate_group)
+    key = (tuple(members), str(backend), timeout)
+    pool = _OWN_GROUPS.setdefault(key, [])
+    pool[:] = [e for e in pool if _live([e[0]])]  # a destroy_process_group() did it everywhere
+    free = [i for i, e in enumerate(pool) if not e[1]]
+    common = set(free)
+    for other in gather_json(world, free, dst=None):
+        common &= set(other)
+    if common:
+        entry = pool[min(common)]
+    else:
+        entry = [dist.new_group(members, backend=backend, timeout=timeout,
+                                use_local_synchronization=True), True]
+        if _live([]):
+            pool.append(entry)
+    entry[1] = True
+    return entry
+
+
+def _free(entry: list) -> None:
+    entry[1] = False
 
 
 def _group_timeout(group):
@@ -357,9 +411,8 @@ def make_hybrid_executor(process_group, replicate_group, device_mesh, hybrid,
     # the replicate all-reduces start when a poll finds their reduce-scatter done, a moment
     # that differs per rank: on a group of their own, no other collective (the user's on
     # replicate_group, another optimizer's) can come between them on one rank and not another
-    own = dist.new_group(mine["replicate"], backend=dist.get_backend(replicate_group),
-                         timeout=_group_timeout(replicate_group),
-                         use_local_synchronization=True)
-    return HybridExecutor(make_executor(process_group, device, executor),
-                          make_executor(own, device, executor, label="replicate"), world, root,
-                          [list(g) for g in rows])
+    entry = _own_group(world, mine["replicate"], replicate_group)
+    replicate = make_executor(entry[0], device, executor, label="replicate")
+    weakref.finalize(replicate, _free, entry)
+    return HybridExecutor(make_executor(process_group, device, executor), replicate, world,
+                          root, [list(g) for g in rows])

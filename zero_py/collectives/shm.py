@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Optional
 
 import torch
@@ -107,6 +108,38 @@ class _Job:
         self.done.wait()  # the thread's own waits are bounded by the timeout
         if self.error is not None:
             raise RuntimeError(self.error)
+
+
+def _serve(owner: "weakref.ref[HostAllGather]", jobs, lock) -> None:
+    """The thread: every collective in issue order. Waits first until every rank read the
+    slot's previous use, copies this rank's chunk in and publishes it; then waits for every
+    rank's chunk, copies them out and publishes that it read them. Ends at the None that _stop
+    queues when the HostAllGather is collected."""
+    while True:
+        with lock:
+            while not jobs:
+                lock.wait()
+            job = jobs[0]
+        gather = owner() if job is not None else None
+        if gather is None:
+            with lock:  # a Work outliving its all-gather fails instead of waiting for ever
+                for left in jobs:
+                    if left is not None:
+                        left.error = "the shared-memory all-gather was closed"
+                        left.done.set()
+            return
+        gather._serve_one(job)
+        del gather  # neither is held while waiting for the next job (the job holds the
+        with lock:  # mapping)
+            jobs.popleft()
+        job.done.set()
+        del job
+
+
+def _stop(jobs, lock) -> None:
+    with lock:
+        jobs.append(None)
+        lock.notify()
 
 
 class HostAllGather:
@@ -210,31 +243,26 @@ class HostAllGather:
             self._jobs.append(job)
             self._lock.notify()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, daemon=True,
-                                            name="zero_py-shm-all-gather")
+            # the thread holds this object weakly, and ends when it is collected: a thread
+            # holding it (a bound method) kept it, its mapping and the thread itself alive for
+            # the life of the process, one per stage-3 model a process built and dropped
+            self._thread = threading.Thread(target=_serve,
+                                            args=(weakref.ref(self), self._jobs, self._lock),
+                                            daemon=True, name="zero_py-shm-all-gather")
+            weakref.finalize(self, _stop, self._jobs, self._lock)
             self._thread.start()
         return Work(job, keep=(input, output),
                     what=f"all-gather of {output.numel()} elements (shared memory)")
 
-    def _serve(self) -> None:
-        """The thread: every collective in issue order. Waits first until every rank read the
-        slot's previous use, copies this rank's chunk in and publishes it; then waits for
-        every rank's chunk, copies them out and publishes that it read them."""
-        while True:
-            with self._lock:
-                while not self._jobs:
-                    self._lock.wait()
-                job = self._jobs[0]
-            try:
-                if self._error is not None:
-                    raise RuntimeError(self._error)
-                self._run(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                self._error = self._error or str(exc)
-                job.error = str(exc)
-            with self._lock:
-                self._jobs.popleft()
-            job.done.set()
+    def _serve_one(self, job: "_Job") -> None:
+        """Runs `job` on the thread (_serve); a failure fails it and every later one."""
+        try:
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            self._run(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            self._error = self._error or str(exc)
+            job.error = str(exc)
 
     def _run(self, job: "_Job") -> None:
         slots, flags, pids = job.mapping

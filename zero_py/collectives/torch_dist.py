@@ -115,6 +115,18 @@ class TorchDistExecutor:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
+    def _check_group(self) -> None:
+        """Refuses a collective on a group destroy_process_group() destroyed (an optimizer
+        kept across a new init_process_group), which torch refused with "Group ... is not
+        registered" (and the shared-memory all-gather did not refuse at all)."""
+        live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+        if live is not None and self.group not in live:
+            raise ValueError(  # as torch's, and not taken for a failed collective
+                "zero_py: this optimizer's process group was destroyed "
+                "(torch.distributed.destroy_process_group()); an optimizer cannot move to a "
+                "new one: after init_process_group, build a new optimizer (for stage 3, over "
+                "a new model: load the weights saved before into it)")
+
     @staticmethod
     def _size(t: torch.Tensor) -> str:
         return f"{t.numel()} {str(t.dtype).replace('torch.', '')} elements"
@@ -122,6 +134,7 @@ class TorchDistExecutor:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = this rank's chunk of the sum of `input` over ranks. `input` is scratch:
         its contents are undefined afterwards (the all-reduce fallback sums into it)."""
+        self._check_group()
         work = issue(f"reduce-scatter of {self._size(input)}", self._reduce_scatter, output,
                      input)
         self._count("reduce_scatter", input)
@@ -150,6 +163,7 @@ class TorchDistExecutor:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         """output = the concatenation of every rank's `input` (input may alias its chunk)."""
+        self._check_group()
         work = issue(f"all-gather of {self._size(output)}", self._all_gather, output, input)
         self._count("all_gather", output)
         return work
@@ -252,6 +266,7 @@ class TorchDistExecutor:
         chunks; the quantized reduce-scatter's one hop). Point-to-point messages on gloo,
         all_to_all_single elsewhere."""
         check_all_to_all(output, input, self.world_size)
+        self._check_group()
         work = issue(f"all-to-all of {self._size(input)}", self._all_to_all, output, input)
         self._count("all_to_all", input)
         return work
@@ -273,6 +288,7 @@ class TorchDistExecutor:
                           group_timeout(self.group)))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> Work:
+        self._check_group()
         work = Work(None) if self.world_size == 1 else issue(
             f"all-reduce of {self._size(tensor)}", dist.all_reduce, tensor, op, self.group, True)
         self._count("all_reduce", tensor)
@@ -285,6 +301,7 @@ class TorchDistExecutor:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} is not a rank of this group of "
                              f"{self.world_size}")
+        self._check_group()
         work = Work(None) if self.world_size == 1 else issue(
             f"broadcast of {self._size(tensor)} from rank {src}", dist.broadcast, tensor,
             self.global_rank(src), self.group, True)

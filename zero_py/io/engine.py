@@ -18,6 +18,7 @@ import errno
 import mmap
 import os
 import warnings
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -46,6 +47,10 @@ class DirectFile:
         global _warned_fallback
         self.path = os.fspath(path)
         self.fd, self.direct = _C.io_open(self.path, writable, truncate, direct)
+        # a file dropped without close() (an optimizer collected after del) closes its
+        # descriptor: the offload files are unlinked at once, so a leaked descriptor also kept
+        # their reserved space on the drive until the process ended
+        self._closer = weakref.finalize(self, os.close, self.fd)
         if direct and not self.direct and not _warned_fallback:
             _warned_fallback = True
             warnings.warn(f"zero_py: the file system of {self.path} refuses direct I/O "
@@ -59,6 +64,7 @@ class DirectFile:
 
     def close(self) -> None:
         if self.fd >= 0:
+            self._closer.detach()
             os.close(self.fd)
             self.fd = -1
 

@@ -117,6 +117,31 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     return dict(probe.defaults)
 
 
+def check_kind_options(optimizer_class, kind: Optional[str], dtypes, stochastic_rounding: bool,
+                       offload_optimizer: Optional[str], overlap_step, stage: int) -> float:
+    """The options that need a fused optimizer (`kind`: fused_kind's answer) or bf16
+    parameters (`dtypes`: the parameters' dtypes); returns overlap_step as a share. Stage 3's
+    initialize runs them before it shards the model, so that a refusal leaves it untouched."""
+    if kind is None and stochastic_rounding:
+        raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
+                         f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
+    if stochastic_rounding and torch.bfloat16 not in dtypes:
+        # it would change nothing: fp16 parameters round to nearest even
+        raise ValueError("stochastic_rounding rounds bf16 parameters from their fp32 "
+                         "masters, and this optimizer has none (its parameters are "
+                         f"{sorted(str(d) for d in dtypes)}): cast the model to "
+                         "torch.bfloat16, or drop stochastic_rounding")
+    if kind is None and offload_optimizer == "nvme":
+        raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
+                         "Adam, SGD, Adagrad, zero_py.Lion), not "
+                         f"{optimizer_class.__name__}; use offload_optimizer='cpu'")
+    overlap_step = check_overlap_step(overlap_step, offload_optimizer, stage)
+    if overlap_step and kind is None:
+        raise ValueError("overlap_step runs the fused kernels (AdamW, Adam, SGD, Adagrad, "
+                         f"zero_py.Lion) during backward, not {optimizer_class.__name__}")
+    return overlap_step
+
+
 def check_no_shared_storage(params: Sequence[torch.Tensor], name_of) -> None:
     """Refuses two distinct parameters whose elements overlap in memory (one a view of the
     other, or both views of one tensor): zero_py gives each parameter a place of its own in

@@ -63,18 +63,37 @@ def owner_of(p: torch.Tensor):
     return entry[1]()
 
 
+def left_sharded(p: torch.Tensor) -> bool:
+    """Whether p is a stage-3 shard slice that no live optimizer manages: what a stage-3
+    initialize that failed after sharding leaves (a deep copy made inside gathered() is full
+    size, and a live model's parameters have their optimizer)."""
+    shape = getattr(p, "_zero_py_shape", None)
+    return shape is not None and tuple(p.shape) != tuple(shape) and owner_of(p) is None
+
+
 class ModelManager:
     """model._zero_py, set by zero_py.initialize: the optimizer that manages the model. A copy
     of the model (copy.deepcopy: torch.optim.swa_utils.AveragedModel, an EMA teacher) or a
     pickle of it (torch.save(model)) is an ordinary model whose parameters no optimizer
     manages, so the reference follows neither: the copy's _zero_py is None (a deep copy of
     the optimizer itself was a broken half, and made initialize(copy) say "already
-    managed")."""
+    managed").
 
-    __slots__ = ("optimizer",)
+    A stage-3 model needs its optimizer (its engine gathers the parameters), so it holds it;
+    a stages 1-2 model's parameters are plain tensors, so it holds the optimizer weakly
+    (`weak`): dropping the optimizer then removes its gradient hooks, as for a ZeroOptimizer
+    built directly. (Held strongly, a dropped stage-2 optimizer lived on with the model and
+    its hooks took every later gradient into its shard: plain training of the model with
+    torch.optim silently did nothing, and a new initialize was refused.)"""
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    __slots__ = ("_optimizer",)
+
+    def __init__(self, optimizer, weak: bool = False):
+        self._optimizer = weakref.ref(optimizer) if weak else (lambda: optimizer)
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
 
     def __deepcopy__(self, memo):
         return None

@@ -21,14 +21,15 @@ import torch.distributed as dist
 from zero_py.collectives import HybridExecutor, make_executor, make_hybrid_executor
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
-from zero_py.offload.early import EarlyStep, check_overlap_step
+from zero_py.offload.early import EarlyStep
 from zero_py.offload.written import WrittenParams
 from zero_py.collectives import quantized
 from zero_py.optim import agreement, compat, dcp, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
                                      DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
-                                     check_no_shared_storage, fingerprint, first_tensor)
+                                     check_kind_options, check_no_shared_storage, fingerprint,
+                                     first_tensor)
 from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
@@ -184,23 +185,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             refuse_unhonoured_options(self.param_groups)
             kind = fused_kind(optimizer_class, self.param_groups)
             warn_ignored_group_options(optimizer_class, self.defaults, self.param_groups)
-            if kind is None and stochastic_rounding:
-                raise ValueError("stochastic_rounding needs a fused optimizer (AdamW, Adam, SGD, "
-                                 f"Adagrad or zero_py.Lion), not {optimizer_class.__name__}")
-            if stochastic_rounding and torch.bfloat16 not in dtypes:
-                # it would change nothing: fp16 parameters round to nearest even
-                raise ValueError("stochastic_rounding rounds bf16 parameters from their fp32 "
-                                 "masters, and this optimizer has none (its parameters are "
-                                 f"{sorted(str(d) for d in dtypes)}): cast the model to "
-                                 "torch.bfloat16, or drop stochastic_rounding")
-            if kind is None and offload_optimizer == "nvme":
-                raise ValueError("offload_optimizer='nvme' streams the fused optimizers (AdamW, "
-                                 "Adam, SGD, Adagrad, zero_py.Lion), not "
-                                 f"{optimizer_class.__name__}; use offload_optimizer='cpu'")
-            overlap_step = check_overlap_step(overlap_step, offload_optimizer, stage)
-            if overlap_step and kind is None:
-                raise ValueError("overlap_step runs the fused kernels (AdamW, Adam, SGD, Adagrad, "
-                                 f"zero_py.Lion) during backward, not {optimizer_class.__name__}")
+            overlap_step = check_kind_options(optimizer_class, kind, dtypes, stochastic_rounding,
+                                              offload_optimizer, overlap_step, stage)
         except (TypeError, ValueError) as exc:
             problem = exc
         self.optimizer_class = optimizer_class
@@ -247,7 +233,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if (p.requires_grad and p.numel() > 0) if owned is None else id(p) in owned:
-                    self._check_param(p, index, self._names.get(id(p)))
+                    self._check_param(p, index, self._names.get(id(p)),
+                                      slices_ok=owned is not None)
                     managed.append(p)
                     groups_of.append(gi)
                     self._managed_index.append(index)
@@ -291,12 +278,19 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                              "its trainable ones, or in another order")
         if not storage.shards_frozen:
             self._broadcast_frozen(managed)
-        self._build(storage, [0] * len(managed))
-        if not isinstance(self._update, StreamedUpdate):  # its file was written from them
-            self.sync_master_from_params()
+        self._release = compat.release_on_collect(self, self._hook_handles)
+        try:
+            self._build(storage, [0] * len(managed))
+            if not isinstance(self._update, StreamedUpdate):  # its file was written from them
+                self.sync_master_from_params()
+        except BaseException:
+            # a failed construction (the NVMe file refused on a rank) takes its gradient hooks
+            # back: left on the parameters, they fed a dead reducer, and a later optimizer over
+            # the model failed in its first backward
+            self._release()
+            raise
         self._sr_seed = self._rounding_seed_base()
         compat.claim(self, managed)
-        self._release = compat.release_on_collect(self, self._hook_handles)
         compat.install_clip_guards()
         compat.install_module_zero_grad()
         self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
@@ -359,9 +353,13 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
                                        self.param_groups, self._host, self.defaults)
             if self._host is not None and self._overlap_step:
-                # ahead of the host side as the reducer's mirror: it starts the early updates
+                # ahead of the host side as the reducer's mirror: it starts the early updates.
+                # Its guess holds the optimizer weakly, as the reducer's other callbacks do
+                # (a bound method here kept every dropped overlap_step optimizer alive)
+                me = weakref.ref(self)
                 self._early = self._reducer.mirror = EarlyStep(
-                    self._host, self._update, self._overlap_step, self._early_guess)
+                    self._host, self._update, self._overlap_step,
+                    lambda b: me()._early_guess(b))
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host)
@@ -493,14 +491,24 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         regroup.add_param_group(self, param_group)
 
     @staticmethod
-    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None) -> None:
-        """`name`: the parameter's name, where known, for the message (else its index i)."""
+    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None,
+                     slices_ok: bool = False) -> None:
+        """`name`: the parameter's name, where known, for the message (else its index i).
+        `slices_ok`: p may be a stage-3 shard slice (stage 3's own construction)."""
         what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
         if p.is_meta:  # it has no values, and cannot be moved: .to() of a meta tensor raises
             raise ValueError(f"{what} is on the meta device (no values yet): build the model "
                              "with zero_py.initialize(model, stage=3), which materializes it "
                              "module by module, or give it values first (model.to_empty("
                              "device=...) and initialize them) for stages 1-2")
+        if not slices_ok and compat.left_sharded(p):
+            # its ranks' slices differ in size: laid out again, the first broadcast aborted
+            # the process inside gloo
+            raise ValueError(
+                f"{what} is a stage-3 shard slice (shape {tuple(p.shape)}, full shape "
+                f"{tuple(p._zero_py_shape)}) that no optimizer manages: a zero_py.initialize"
+                "(stage=3) of this model failed after sharding its parameters. Build the model "
+                "again (or load its weights into a new one) before zero_py.initialize")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
                              "parameters; move the model to one of them")

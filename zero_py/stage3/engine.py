@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -60,6 +61,17 @@ def _not_traced(fn):
     """fn, run eagerly under torch.compile (torch._dynamo.disable) where torch has dynamo."""
     dynamo = getattr(torch, "_dynamo", None)
     return dynamo.disable(fn) if dynamo is not None and hasattr(dynamo, "disable") else fn
+
+
+def _weakly(method):
+    """A callable that runs the bound `method` while its object lives (else nothing)."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        m = ref()
+        if m is not None:
+            m()
+    return call
 
 
 def _guard_module_hooks() -> None:
@@ -202,9 +214,12 @@ class Stage3Engine:
                 where = ("kept whole: persistence_threshold" if u == s.persistent_unit else
                          f"unit {units[u][0] or '(the root module)'!r}")
                 p._zero_py_describe = f"{names.get(id(p), '?')!r} ({where})"
-        reducer.before_backward_end(self._drain_backward)
-        reducer.on_backward_end(self._end_backward)
-        reducer.on_failed_backward(self._failed_backward)
+        # weakly: the parameters' gradient hooks hold the reducer from C++, where the garbage
+        # collector cannot see them, so a strong reference from the reducer to the engine (and
+        # through it the model and its optimizer) kept a dropped stage-3 model alive for ever
+        reducer.before_backward_end(_weakly(self._drain_backward))
+        reducer.on_backward_end(_weakly(self._end_backward))
+        reducer.on_failed_backward(_weakly(self._failed_backward))
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         _guard_module_hooks()
         for u, (_, module) in enumerate(units):
