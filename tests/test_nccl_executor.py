@@ -53,7 +53,7 @@ def test_zero_optimizer_executor_argument(single_rank_group):
     opt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, executor="torch", lr=0.1)
     assert isinstance(opt.executor, TorchDistExecutor)
     meta = torch.nn.Linear(8, 4, device="meta")
-    with pytest.raises(ValueError, match="CPU and CUDA"):
+    with pytest.raises(ValueError, match="on the meta device .*zero_py.initialize"):
         zero_py.ZeroOptimizer(meta.parameters(), torch.optim.AdamW)
 
 
