@@ -8,7 +8,10 @@ record that a parameter has no momentum buffer yet kept through add_param_group,
 and state dicts), and module buffers (BatchNorm running statistics) broadcast at construction
 and, with broadcast_buffers=True, before forwards as DDP does; torch.optim.swa_utils
 (AveragedModel as SWA and EMA, SWALR, update_bn, the averaged copy run by one rank alone), the
-step hooks, and deepcopy/pickle of the optimizer refused.
+step hooks, and deepcopy/pickle of the optimizer refused; forward hooks on stage-3 units
+(torch.nn.utils' old-style weight_norm and prune registered before the optimizer, a user's
+pre-hook, a user's forward hook with_kwargs/always_call registered after it), and an EMA
+vector loaded with vector_to_parameters inside gathered(modifier_rank=0).
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -19,10 +22,13 @@ import copy
 import inspect
 import os
 import pickle
+import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.utils.prune as prune
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
@@ -566,6 +572,78 @@ def averaged_batchnorm(rank, stage):
     return {"rel": worst}
 
 
+def _rel_named(zmodel: nn.Module, ref: nn.Module) -> float:
+    """_rel by name, over full values (gathered under stage 3)."""
+    with zero_py.gathered(zmodel) if stage_of(zmodel) == 3 else contextlib.nullcontext():
+        got = {n: p.detach().clone() for n, p in zmodel.named_parameters()}
+    return max(models.max_rel_diff(got[n], p) for n, p in ref.named_parameters())
+
+
+def stage_of(model: nn.Module) -> int:
+    return 3 if getattr(model, "_zero_py", None) is not None else 1
+
+
+def _hooked_mlp() -> nn.Module:
+    """An MLP whose Linears carry forward hooks registered before the optimizer, as
+    torch.nn.utils does: the old-style weight_norm (a pre-hook computing weight from weight_g
+    and weight_v), prune (a pre-hook computing weight from weight_orig and a mask), and a
+    user's pre-hook that reads the module's bias."""
+    torch.manual_seed(0)
+    m = models.MLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old-style weight_norm
+        nn.utils.weight_norm(m.fc1)
+    prune.l1_unstructured(m.fc2, "weight", amount=0.3)
+    m.head.register_forward_pre_hook(lambda mod, args: (args[0] + mod.bias.mean(),))
+    return m
+
+
+def unit_forward_hooks(rank, stage):
+    """Under stage 3 with every Linear a unit, the hooks above ran before the unit's gather,
+    on shard slices: weight_norm's corrupted the heap (free(): invalid next size, SIGABRT),
+    prune's and the user's raised a raw shape or 'got a gradient while its unit is not
+    gathered' error. A forward hook registered after initialize (with_kwargs, always_call)
+    ran after the unit was freed: a norm it logged was the slice's, and a term it added to
+    the output was refused at backward. Now every hook on a unit runs while it is gathered,
+    as DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
+    ref = _hooked_mlp()
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    zmodel, zopt = _zero(_hooked_mlp(), stage,
+                         **({"wrap_policy": {nn.Linear}} if stage == 3 else {}))
+    norms = {}
+    for m in (ref, zmodel):
+        def logged(mod, args, kwargs, out, m=m):
+            with torch.no_grad():
+                norms.setdefault(id(m), []).append(float(mod.weight.norm()))
+            return out + 0.1 * mod.bias.sum()
+        m.fc2.register_forward_hook(logged, with_kwargs=True, always_call=True)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+        worst = max(worst, _rel_named(zmodel, ref))
+    return {"rel": worst, "norms": (norms[id(ref)], norms[id(zmodel)])}
+
+
+def vector_loaded_in_gathered(rank, stage):
+    """An EMA kept as one vector (parameters_to_vector) loaded into the model with
+    vector_to_parameters inside gathered(model, modifier_rank=0), which replaces each
+    parameter's .data: stage 3 broadcast the gathered buffer instead, so the load was
+    silently dropped (the model 1.0 off the loaded values, 1.1 after a step). Now the new
+    .data is what is broadcast."""
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    with torch.no_grad():
+        ema = parameters_to_vector(ref.parameters()) * 0.5 + 0.01
+        vector_to_parameters(ema.clone(), ref.parameters())
+        with zero_py.gathered(zmodel, modifier_rank=0):
+            vector_to_parameters(ema.clone(), zmodel.parameters())
+    loaded = _rel_named(zmodel, ref)
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    return {"rel": max(loaded, _rel_named(zmodel, ref))}
+
+
 def _all(rank, world_size, tmp):
     out = {}
     for how, stage, mixed in MOMENTUM_RECORD:
@@ -589,6 +667,9 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2):
         out[("add_group", stage)] = add_param_group(rank, stage)
         out[("add_group", stage, "amsgrad")] = add_param_group(rank, stage, amsgrad=True)
+    for stage in (1, 2, 3):
+        out[("unit_hooks", stage)] = unit_forward_hooks(rank, stage)
+    out[("vector_loaded", 3)] = vector_loaded_in_gathered(rank, 3)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
         out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
@@ -625,6 +706,9 @@ def test_torch_idioms_match_ddp(tmp_path):
                 assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
                     res[key]["viewed"]
         for stage in (1, 2, 3):
+            ref_norms, got = res[("unit_hooks", stage)]["norms"]
+            assert len(got) == len(ref_norms) == 4  # the hook saw full weights, DDP's
+            assert all(abs(a - b) <= RTOL * a for a, b in zip(got, ref_norms)), (got, ref_norms)
             st = res[("state", stage)]
             assert st["held"] == st["len"] > 0
             assert st["note"] == "post"

@@ -1,0 +1,46 @@
+"""How stage 3 meets what user code does to a unit's modules and parameters while the unit is
+gathered: the forward hooks a user (or torch.nn.utils) put on a unit, and a parameter's
+`.data` replaced inside `zero_py.gathered(model, modifier_rank=r)`.
+
+Invariant: every forward hook on a unit but the root runs while the unit is gathered, as under
+DDP, where parameters are always whole. torch runs a module's forward pre-hooks and hooks in
+registration order, so the engine's pre-hook is registered first among them (prepend) and its
+post-hook is moved back to the end of the hooks before each call (keep_post_hook_last)."""
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+
+def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
+    """Moves the engine's post-forward hook (its handle's id) after any forward hook
+    registered since. A hook registered after initialize (e.g. an activation statistic that
+    reads `module.weight`, or one that adds a term computed from it to the output) would
+    otherwise run after the unit was freed, on this rank's shard slices: its values silently
+    wrong, and a term that reaches the loss refused at backward. torch copies a module's
+    hooks before running them, so moving one during the call's pre-hooks is safe."""
+    hooks = module._forward_hooks
+    if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
+        hooks.move_to_end(hook_id)
+
+
+def adopt_replaced_data(storages, units: Sequence[int]) -> None:
+    """Inside `gathered(model, modifier_rank=r)`, before the modifier's values are broadcast:
+    a parameter given another tensor as `.data` (`p.data = t`, as
+    torch.nn.utils.vector_to_parameters and some EMA code do) has its new values copied into
+    its gathered view, which is what the broadcast sends, and becomes that view again. The
+    edit was silently dropped before (the next free put the shard slice back). A tensor of
+    another element count cannot be the parameter: it is left for check_model to refuse."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        for s in storages:
+            for u in units:
+                for b in s.unit_buckets[u]:
+                    for i in s.bucket_params[b]:
+                        p, view = s.params[i], s.full_view(i)
+                        if (view is None or p.data_ptr() == view.data_ptr()
+                                or p.numel() != view.numel()):
+                            continue
+                        view.copy_(p.data.reshape(view.shape))
+                        p.data = view
+
