@@ -11,7 +11,9 @@ and, with broadcast_buffers=True, before forwards as DDP does; torch.optim.swa_u
 step hooks, and deepcopy/pickle of the optimizer refused; forward hooks on stage-3 units
 (torch.nn.utils' old-style weight_norm and prune registered before the optimizer, a user's
 pre-hook, a user's forward hook with_kwargs/always_call registered after it), and an EMA
-vector loaded with vector_to_parameters inside gathered(modifier_rank=0).
+vector loaded with vector_to_parameters inside gathered(modifier_rank=0); under stage 3,
+torch.func.functional_call over other tensors (per-sample gradients) and prune after
+initialize refused by name.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -644,6 +646,32 @@ def vector_loaded_in_gathered(rank, stage):
     return {"rel": max(loaded, _rel_named(zmodel, ref))}
 
 
+def stage3_functional_and_prune(rank):
+    """Under stage 3, torch.func.functional_call with tensors other than the model's own
+    Parameters (per-sample gradients under torch.func.grad/vmap, a MAML inner step) and a
+    weight pruned after initialize were refused on every rank with a message about casts
+    and moves ("replaced by another Parameter", "was removed") that named neither. Now each
+    is named, with what to do; training goes on after the refused functional_call."""
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, 3)
+    out = {"refused": []}
+    x, y = models.mlp_batch(gen)
+    params = {n: p.detach() for n, p in zmodel.named_parameters()}
+    try:  # one sample's gradient, as torch.func.vmap(torch.func.grad(loss)) takes it
+        torch.func.grad(lambda ps: models.mlp_loss(
+            lambda t: torch.func.functional_call(zmodel, ps, (t,)), (x[:1], y[:1])))(params)
+    except RuntimeError as exc:
+        out["refused"].append(str(exc))
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    out["rel"] = _rel_named(zmodel, ref)
+    with zero_py.gathered(zmodel, modifier_rank=0):
+        prune.l1_unstructured(zmodel.fc2, "weight", amount=0.3)
+    try:
+        models.mlp_loss(zmodel, models.mlp_batch(gen))
+    except RuntimeError as exc:
+        out["refused"].append(str(exc))
+    return out
+
+
 def _all(rank, world_size, tmp):
     out = {}
     for how, stage, mixed in MOMENTUM_RECORD:
@@ -670,6 +698,7 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2, 3):
         out[("unit_hooks", stage)] = unit_forward_hooks(rank, stage)
     out[("vector_loaded", 3)] = vector_loaded_in_gathered(rank, 3)
+    out[("functional_prune", 3)] = stage3_functional_and_prune(rank)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
         out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
@@ -705,6 +734,11 @@ def test_torch_idioms_match_ddp(tmp_path):
                 assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
                 assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
                     res[key]["viewed"]
+        functional, pruned = res[("functional_prune", 3)]["refused"]
+        assert "'fc1.weight' is a plain tensor in this forward" in functional, functional
+        assert "torch.func.functional_call" in functional and "stage 1 or 2" in functional
+        assert "'fc2.weight' is now registered as 'fc2.weight_orig'" in pruned, pruned
+        assert "torch.nn.utils.prune" in pruned
         for stage in (1, 2, 3):
             ref_norms, got = res[("unit_hooks", stage)]["norms"]
             assert len(got) == len(ref_norms) == 4  # the hook saw full weights, DDP's

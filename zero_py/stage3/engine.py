@@ -53,7 +53,8 @@ from zero_py.sharding.between_uses import describe
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.entries import entry_points
-from zero_py.stage3.user_edits import adopt_replaced_data, keep_post_hook_last
+from zero_py.stage3.user_edits import (adopt_replaced_data, changed_registration,
+                                       keep_post_hook_last)
 
 
 def _not_traced(fn):
@@ -280,6 +281,9 @@ class Stage3Engine:
         for m, name, n, p in self._registered:
             now = m._parameters.get(n)
             if now is not p:
+                special = changed_registration(m, name, n, p, now)
+                if special is not None:  # not a cast: functional_call, prune (user_edits.py)
+                    return special
                 with torch._C.DisableTorchFunctionSubclass():
                     what = ("removed" if now is None else
                             f"replaced by another Parameter ({now.dtype} on {now.device})")

@@ -1,13 +1,15 @@
 """How stage 3 meets what user code does to a unit's modules and parameters while the unit is
 gathered: the forward hooks a user (or torch.nn.utils) put on a unit, and a parameter's
-`.data` replaced inside `zero_py.gathered(model, modifier_rank=r)`.
+`.data` replaced inside `zero_py.gathered(model, modifier_rank=r)`; and what check_model says
+of a parameter no longer registered where initialize found it for a reason other than a cast
+(torch.func.functional_call over other tensors, prune).
 
 Invariant: every forward hook on a unit but the root runs while the unit is gathered, as under
 DDP, where parameters are always whole. torch runs a module's forward pre-hooks and hooks in
 registration order, so the engine's pre-hook is registered first among them (prepend) and its
 post-hook is moved back to the end of the hooks before each call (keep_post_hook_last)."""
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,3 +46,28 @@ def adopt_replaced_data(storages, units: Sequence[int]) -> None:
                         view.copy_(p.data.reshape(view.shape))
                         p.data = view
 
+
+def changed_registration(module: nn.Module, name: str, attr: str, param: torch.Tensor,
+                         now) -> Optional[str]:
+    """check_model's message for a sharded parameter that `module` no longer registers as
+    `attr` where the change is not a cast (whose message check_model gives): None otherwise.
+    `now` is what `module._parameters[attr]` holds instead."""
+    prefix = name[:len(name) - len(attr)]
+    if now is not None and not isinstance(now, nn.Parameter):
+        return (
+            f"zero_py stage 3: parameter {name!r} is a plain tensor in this forward, as inside "
+            "torch.func.functional_call(model, tensors, ...) with tensors other than the "
+            "model's own Parameters (per-sample gradients under torch.func.grad and vmap, a "
+            "MAML inner step). Stage 3 gathers and trains the Parameters it sharded, and "
+            "between uses they are this rank's 1-D shard slices, which such a call cannot "
+            "compute with. Use stage 1 or 2 for it (both match DDP there); "
+            "functional_call with dict(model.named_parameters()) itself works under stage 3.")
+    moved = [k for k, q in module._parameters.items() if q is param]
+    if now is None and moved:
+        return (
+            f"zero_py stage 3: parameter {name!r} is now registered as {prefix + moved[0]!r} "
+            "after zero_py.initialize (as torch.nn.utils.prune and "
+            "torch.nn.utils.parametrize do when they reparametrize a weight); stage 3's "
+            "gathers and state dicts follow the model as initialize saw it. Prune or "
+            "reparametrize before zero_py.initialize (both match DDP then).")
+    return None
