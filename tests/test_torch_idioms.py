@@ -606,7 +606,8 @@ def unit_forward_hooks(rank, stage):
     prune's and the user's raised a raw shape or 'got a gradient while its unit is not
     gathered' error. A forward hook registered after initialize (with_kwargs, always_call)
     ran after the unit was freed: a norm it logged was the slice's, and a term it added to
-    the output was refused at backward. Now every hook on a unit runs while it is gathered,
+    the output was refused at backward, as was a pre-hook registered after it with
+    prepend=True (it ran before the gather). Now every hook on a unit runs while it is gathered,
     as DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
     ref = _hooked_mlp()
     ddp = DDP(ref)
@@ -620,6 +621,8 @@ def unit_forward_hooks(rank, stage):
                 norms.setdefault(id(m), []).append(float(mod.weight.norm()))
             return out + 0.1 * mod.bias.sum()
         m.fc2.register_forward_hook(logged, with_kwargs=True, always_call=True)
+        m.fc1.register_forward_pre_hook(lambda mod, args: (args[0] - mod.bias.mean(),),
+                                        prepend=True)
     gen = torch.Generator().manual_seed(rank)
     worst = 0.0
     for _ in range(4):

@@ -54,7 +54,7 @@ from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.user_edits import (adopt_replaced_data, changed_registration,
-                                       keep_post_hook_last)
+                                       keep_post_hook_last, keep_pre_hooks_first)
 
 
 def _not_traced(fn):
@@ -206,12 +206,12 @@ class Stage3Engine:
         reducer.on_failed_backward(self._failed_backward)
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         _guard_module_hooks()
-        self._post_hook_ids = []  # a unit's hooks run while it is gathered (user_edits.py)
+        self._hook_ids = []  # a unit's hooks run while it is gathered (user_edits.py)
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
                 self._make_pre_forward(u), with_kwargs=True, prepend=u > 0))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(u)))
-            self._post_hook_ids.append(self._hooks[-1].id)
+            self._hook_ids.append((self._hooks[-2].id, self._hooks[-1].id))
         # after the root's own post-forward hook, and also when its forward raised: a forward
         # that raised (on every rank alike: a bad batch, out of memory) ends its phase at once,
         # freeing the units it gathered, instead of holding them until the next forward
@@ -327,7 +327,9 @@ class Stage3Engine:
             if module is not unit:
                 return None
             if u:  # the root's post-hooks end the forward: they stay in their order
-                keep_post_hook_last(unit, self._post_hook_ids[u])
+                keep_post_hook_last(unit, self._hook_ids[u][1])
+            else:
+                keep_pre_hooks_first(self.units, [pre for pre, _ in self._hook_ids])
             return self._pre_forward(u, args, kwargs)
         return _not_traced(hook)
 

@@ -7,7 +7,8 @@ of a parameter no longer registered where initialize found it for a reason other
 Invariant: every forward hook on a unit but the root runs while the unit is gathered, as under
 DDP, where parameters are always whole. torch runs a module's forward pre-hooks and hooks in
 registration order, so the engine's pre-hook is registered first among them (prepend) and its
-post-hook is moved back to the end of the hooks before each call (keep_post_hook_last)."""
+post-hook is moved back to the end of the hooks before each call (keep_post_hook_last), and
+its pre-hook back to the front at each forward of the model (keep_pre_hooks_first)."""
 
 from typing import Optional, Sequence
 
@@ -25,6 +26,17 @@ def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
     hooks = module._forward_hooks
     if hooks and next(reversed(hooks)) != hook_id and hook_id in hooks:
         hooks.move_to_end(hook_id)
+
+
+def keep_pre_hooks_first(units, hook_ids: Sequence[int]) -> None:
+    """At the root's pre-forward: moves each unit's pre-forward hook (`hook_ids[u]`, u > 0)
+    back before any pre-hook registered since with prepend=True, which would otherwise run
+    on shard slices (a use that reaches the loss refused at backward: "got a gradient while
+    its unit is not gathered"). The units' pre-hooks have not run yet in this forward."""
+    for u in range(1, len(units)):
+        hooks = units[u][1]._forward_pre_hooks
+        if next(iter(hooks)) != hook_ids[u]:
+            hooks.move_to_end(hook_ids[u], last=False)
 
 
 def adopt_replaced_data(storages, units: Sequence[int]) -> None:
