@@ -635,8 +635,9 @@ def vector_loaded_in_gathered(rank, stage):
     """An EMA kept as one vector (parameters_to_vector) loaded into the model with
     vector_to_parameters inside gathered(model, modifier_rank=0), which replaces each
     parameter's .data: stage 3 broadcast the gathered buffer instead, so the load was
-    silently dropped (the model 1.0 off the loaded values, 1.1 after a step). Now the new
-    .data is what is broadcast."""
+    silently dropped (the model 1.0 off the loaded values, 1.1 after a step); stages 1-2
+    refused the next step (the flat buffer the step updates no longer held the parameter).
+    Now the new .data is what is broadcast and trained."""
     ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
     with torch.no_grad():
@@ -700,7 +701,8 @@ def _all(rank, world_size, tmp):
         out[("add_group", stage, "amsgrad")] = add_param_group(rank, stage, amsgrad=True)
     for stage in (1, 2, 3):
         out[("unit_hooks", stage)] = unit_forward_hooks(rank, stage)
-    out[("vector_loaded", 3)] = vector_loaded_in_gathered(rank, 3)
+    for stage in (1, 2, 3):
+        out[("vector_loaded", stage)] = vector_loaded_in_gathered(rank, stage)
     out[("functional_prune", 3)] = stage3_functional_and_prune(rank)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)

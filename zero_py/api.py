@@ -578,6 +578,16 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
     yield
     if modifier_rank is not None:
         with torch.no_grad():
+            flat = opt._flat
+            # a parameter given new values as a whole in the block (`p.data = t`, as
+            # vector_to_parameters does) is an edit too: into the flat buffer, where the
+            # broadcast and the step read it (step() would refuse it otherwise)
+            for i in flat.moved_params():
+                p = flat.params[i]
+                if id(p) in ids and p.numel() == flat.param_numel[i]:
+                    view = flat.param_view(i)
+                    view.copy_(p.data.reshape(-1))
+                    p.data = view.view_as(p)
             for p in opt._flat.params:
                 if id(p) in ids:
                     opt.executor.broadcast(p.data, modifier_rank).wait()
