@@ -637,17 +637,25 @@ def vector_loaded_in_gathered(rank, stage):
     parameter's .data: stage 3 broadcast the gathered buffer instead, so the load was
     silently dropped (the model 1.0 off the loaded values, 1.1 after a step); stages 1-2
     refused the next step (the flat buffer the step updates no longer held the parameter).
-    Now the new .data is what is broadcast and trained."""
+    Now the new .data is what is broadcast and trained. Inside a read-only gathered() the
+    load is dropped (stage 3) or kept on this rank (stages 1-2, where the step then refuses
+    it): stage 3 refuses it at the block's exit, naming the parameter."""
     ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
     with torch.no_grad():
         ema = parameters_to_vector(ref.parameters()) * 0.5 + 0.01
         vector_to_parameters(ema.clone(), ref.parameters())
+        refused = None
+        try:  # read-only: the block's edits are dropped, which was silent for this one
+            with zero_py.gathered(zmodel):
+                vector_to_parameters(ema.clone(), zmodel.parameters())
+        except RuntimeError as exc:
+            refused = str(exc)
         with zero_py.gathered(zmodel, modifier_rank=0):
             vector_to_parameters(ema.clone(), zmodel.parameters())
     loaded = _rel_named(zmodel, ref)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
-    return {"rel": max(loaded, _rel_named(zmodel, ref))}
+    return {"rel": max(loaded, _rel_named(zmodel, ref)), "refused": refused}
 
 
 def stage3_functional_and_prune(rank):
@@ -739,6 +747,10 @@ def test_torch_idioms_match_ddp(tmp_path):
                 assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
                 assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
                     res[key]["viewed"]
+        read_only = res[("vector_loaded", 3)]["refused"] or ""
+        assert "'fc1.weight' (unit '(the root module)') (and 5 more) was replaced inside a " \
+            "read-only `zero_py.gathered(model)`" in read_only, read_only
+        assert "modifier_rank=0" in read_only
         functional, pruned = res[("functional_prune", 3)]["refused"]
         assert "'fc1.weight' is a plain tensor in this forward" in functional, functional
         assert "torch.func.functional_call" in functional and "stage 1 or 2" in functional

@@ -780,8 +780,8 @@ class Stage3Engine:
         self._held.append(set(wanted))
         try:
             yield
+            adopt_replaced_data(self.storages, wanted, modifier=modifier_rank is not None)
             if modifier_rank is not None:
-                adopt_replaced_data(self.storages, wanted)
                 with torch.no_grad(), contextlib.ExitStack() as writing:
                     for s in self.storages:  # one-sided readers wait for the writes
                         writing.enter_context(s.writing())

@@ -1,6 +1,6 @@
 """How stage 3 meets what user code does to a unit's modules and parameters while the unit is
 gathered: the forward hooks a user (or torch.nn.utils) put on a unit, and a parameter's
-`.data` replaced inside `zero_py.gathered(model, modifier_rank=r)`; and what check_model says
+`.data` replaced inside `zero_py.gathered()`; and what check_model says
 of a parameter no longer registered where initialize found it for a reason other than a cast
 (torch.func.functional_call over other tensors, prune).
 
@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+
+from zero_py.sharding.between_uses import describe
 
 
 def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
@@ -39,13 +41,16 @@ def keep_pre_hooks_first(units, hook_ids: Sequence[int]) -> None:
             hooks.move_to_end(hook_ids[u], last=False)
 
 
-def adopt_replaced_data(storages, units: Sequence[int]) -> None:
-    """Inside `gathered(model, modifier_rank=r)`, before the modifier's values are broadcast:
-    a parameter given another tensor as `.data` (`p.data = t`, as
-    torch.nn.utils.vector_to_parameters and some EMA code do) has its new values copied into
-    its gathered view, which is what the broadcast sends, and becomes that view again. The
-    edit was silently dropped before (the next free put the shard slice back). A tensor of
-    another element count cannot be the parameter: it is left for check_model to refuse."""
+def adopt_replaced_data(storages, units: Sequence[int], modifier: bool) -> None:
+    """At the end of a `gathered()` block over `units`: a parameter given another tensor as
+    `.data` there (`p.data = t`, as torch.nn.utils.vector_to_parameters and some EMA code
+    do) becomes its gathered view again. With a modifier rank (`modifier`) its new values are
+    copied into the view first, which is what the broadcast sends; they were silently dropped
+    before (the next free put the shard slice back). Without one the block's edits are
+    dropped, which for a whole new tensor was silent too: it is refused here, naming the
+    parameter (raised on the ranks that replaced one; the block's exit is not collective). A
+    tensor of another element count cannot be the parameter: it is left for check_model."""
+    dropped = []
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for s in storages:
             for u in units:
@@ -55,9 +60,20 @@ def adopt_replaced_data(storages, units: Sequence[int]) -> None:
                         if (view is None or p.data_ptr() == view.data_ptr()
                                 or p.numel() != view.numel()):
                             continue
-                        view.copy_(p.data.reshape(view.shape))
+                        if modifier:
+                            view.copy_(p.data.reshape(view.shape))
+                        else:
+                            dropped.append(describe(p))
                         p.data = view
-
+    if dropped:
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        raise RuntimeError(
+            f"zero_py stage 3: the .data of parameter {dropped[0]}{more} was replaced inside "
+            "a read-only `zero_py.gathered(model)` (`p.data = t`, e.g. by "
+            "torch.nn.utils.vector_to_parameters): without modifier_rank the block's edits "
+            "are dropped on exit, so this one would be lost. Write it inside `with "
+            "zero_py.gathered(model, modifier_rank=0):` on every rank (rank 0's values become "
+            "every rank's), or load the values with model.load_state_dict(...).")
 
 def changed_registration(module: nn.Module, name: str, attr: str, param: torch.Tensor,
                          now) -> Optional[str]:
