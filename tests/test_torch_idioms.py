@@ -588,8 +588,9 @@ def stage_of(model: nn.Module) -> int:
 def _hooked_mlp() -> nn.Module:
     """An MLP whose Linears carry forward hooks registered before the optimizer, as
     torch.nn.utils does: the old-style weight_norm (a pre-hook computing weight from weight_g
-    and weight_v), prune (a pre-hook computing weight from weight_orig and a mask), and a
-    user's pre-hook that reads the module's bias."""
+    and weight_v), prune (a pre-hook computing weight from weight_orig and a mask), a
+    user's pre-hook that reads the module's bias, and one on the root that scales the input
+    by a parameter of the root's."""
     torch.manual_seed(0)
     m = models.MLP()
     with warnings.catch_warnings():
@@ -597,6 +598,8 @@ def _hooked_mlp() -> nn.Module:
         nn.utils.weight_norm(m.fc1)
     prune.l1_unstructured(m.fc2, "weight", amount=0.3)
     m.head.register_forward_pre_hook(lambda mod, args: (args[0] + mod.bias.mean(),))
+    m.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))  # the root unit's, stage 3
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * mod.scale,))
     return m
 
 
@@ -607,8 +610,10 @@ def unit_forward_hooks(rank, stage):
     gathered' error. A forward hook registered after initialize (with_kwargs, always_call)
     ran after the unit was freed: a norm it logged was the slice's, and a term it added to
     the output was refused at backward, as was a pre-hook registered after it with
-    prepend=True (it ran before the gather). Now every hook on a unit runs while it is gathered,
-    as DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
+    prepend=True (it ran before the gather). The root's pre-hook ran before the root was
+    gathered: the rank whose slice of `scale` did not broadcast raised, and its peer waited in
+    the forward's gathers (a hang). Now every hook on a unit runs while it is gathered, as
+    DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
     ref = _hooked_mlp()
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)

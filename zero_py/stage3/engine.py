@@ -209,7 +209,7 @@ class Stage3Engine:
         self._hook_ids = []  # a unit's hooks run while it is gathered (user_edits.py)
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
-                self._make_pre_forward(u), with_kwargs=True, prepend=u > 0))
+                self._make_pre_forward(u), with_kwargs=True, prepend=True))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(u)))
             self._hook_ids.append((self._hooks[-2].id, self._hooks[-1].id))
         # after the root's own post-forward hook, and also when its forward raised: a forward

@@ -4,8 +4,9 @@ gathered: the forward hooks a user (or torch.nn.utils) put on a unit, and a para
 of a parameter no longer registered where initialize found it for a reason other than a cast
 (torch.func.functional_call over other tensors, prune).
 
-Invariant: every forward hook on a unit but the root runs while the unit is gathered, as under
-DDP, where parameters are always whole. torch runs a module's forward pre-hooks and hooks in
+Invariant: every forward hook on a unit runs while the unit is gathered, as under DDP, where
+parameters are always whole (on the root: the post-hooks, which end the forward, and the
+pre-hooks registered before initialize). torch runs a module's forward pre-hooks and hooks in
 registration order, so the engine's pre-hook is registered first among them (prepend) and its
 post-hook is moved back to the end of the hooks before each call (keep_post_hook_last), and
 its pre-hook back to the front at each forward of the model (keep_pre_hooks_first)."""
