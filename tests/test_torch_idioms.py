@@ -8,7 +8,12 @@ record that a parameter has no momentum buffer yet kept through add_param_group,
 and state dicts), and module buffers (BatchNorm running statistics) broadcast at construction
 and, with broadcast_buffers=True, before forwards as DDP does; torch.optim.swa_utils
 (AveragedModel as SWA and EMA, SWALR, update_bn, the averaged copy run by one rank alone), the
-step hooks, and deepcopy/pickle of the optimizer refused.
+step hooks, and deepcopy/pickle of the optimizer refused; forward hooks on stage-3 units
+(torch.nn.utils' old-style weight_norm and prune registered before the optimizer, a user's
+pre-hook, a user's forward hook with_kwargs/always_call registered after it), and an EMA
+vector loaded with vector_to_parameters inside gathered(modifier_rank=0); under stage 3,
+torch.func.functional_call over other tensors (per-sample gradients) and prune after
+initialize refused by name.
 
 Every scenario runs in one set of 2 processes (start-up dominates). Tolerance 1e-5 relative
 (fp32: the two differ only in the order of float operations).
@@ -19,10 +24,13 @@ import copy
 import inspect
 import os
 import pickle
+import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.utils.prune as prune
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
@@ -566,6 +574,121 @@ def averaged_batchnorm(rank, stage):
     return {"rel": worst}
 
 
+def _rel_named(zmodel: nn.Module, ref: nn.Module) -> float:
+    """_rel by name, over full values (gathered under stage 3)."""
+    with zero_py.gathered(zmodel) if stage_of(zmodel) == 3 else contextlib.nullcontext():
+        got = {n: p.detach().clone() for n, p in zmodel.named_parameters()}
+    return max(models.max_rel_diff(got[n], p) for n, p in ref.named_parameters())
+
+
+def stage_of(model: nn.Module) -> int:
+    return 3 if getattr(model, "_zero_py", None) is not None else 1
+
+
+def _hooked_mlp() -> nn.Module:
+    """An MLP whose Linears carry forward hooks registered before the optimizer, as
+    torch.nn.utils does: the old-style weight_norm (a pre-hook computing weight from weight_g
+    and weight_v), prune (a pre-hook computing weight from weight_orig and a mask), a
+    user's pre-hook that reads the module's bias, and one on the root that scales the input
+    by a parameter of the root's."""
+    torch.manual_seed(0)
+    m = models.MLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old-style weight_norm
+        nn.utils.weight_norm(m.fc1)
+    prune.l1_unstructured(m.fc2, "weight", amount=0.3)
+    m.head.register_forward_pre_hook(lambda mod, args: (args[0] + mod.bias.mean(),))
+    m.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))  # the root unit's, stage 3
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * mod.scale,))
+    return m
+
+
+def unit_forward_hooks(rank, stage):
+    """Under stage 3 with every Linear a unit, the hooks above ran before the unit's gather,
+    on shard slices: weight_norm's corrupted the heap (free(): invalid next size, SIGABRT),
+    prune's and the user's raised a raw shape or 'got a gradient while its unit is not
+    gathered' error. A forward hook registered after initialize (with_kwargs, always_call)
+    ran after the unit was freed: a norm it logged was the slice's, and a term it added to
+    the output was refused at backward, as was a pre-hook registered after it with
+    prepend=True (it ran before the gather). The root's pre-hook ran before the root was
+    gathered: the rank whose slice of `scale` did not broadcast raised, and its peer waited in
+    the forward's gathers (a hang). Now every hook on a unit runs while it is gathered, as
+    DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
+    ref = _hooked_mlp()
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    zmodel, zopt = _zero(_hooked_mlp(), stage,
+                         **({"wrap_policy": {nn.Linear}} if stage == 3 else {}))
+    norms = {}
+    for m in (ref, zmodel):
+        def logged(mod, args, kwargs, out, m=m):
+            with torch.no_grad():
+                norms.setdefault(id(m), []).append(float(mod.weight.norm()))
+            return out + 0.1 * mod.bias.sum()
+        m.fc2.register_forward_hook(logged, with_kwargs=True, always_call=True)
+        m.fc1.register_forward_pre_hook(lambda mod, args: (args[0] - mod.bias.mean(),),
+                                        prepend=True)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+        worst = max(worst, _rel_named(zmodel, ref))
+    return {"rel": worst, "norms": (norms[id(ref)], norms[id(zmodel)])}
+
+
+def vector_loaded_in_gathered(rank, stage):
+    """An EMA kept as one vector (parameters_to_vector) loaded into the model with
+    vector_to_parameters inside gathered(model, modifier_rank=0), which replaces each
+    parameter's .data: stage 3 broadcast the gathered buffer instead, so the load was
+    silently dropped (the model 1.0 off the loaded values, 1.1 after a step); stages 1-2
+    refused the next step (the flat buffer the step updates no longer held the parameter).
+    Now the new .data is what is broadcast and trained. Inside a read-only gathered() the
+    load is dropped (stage 3) or kept on this rank (stages 1-2, where the step then refuses
+    it): stage 3 refuses it at the block's exit, naming the parameter."""
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    with torch.no_grad():
+        ema = parameters_to_vector(ref.parameters()) * 0.5 + 0.01
+        vector_to_parameters(ema.clone(), ref.parameters())
+        refused = None
+        try:  # read-only: the block's edits are dropped, which was silent for this one
+            with zero_py.gathered(zmodel):
+                vector_to_parameters(ema.clone(), zmodel.parameters())
+        except RuntimeError as exc:
+            refused = str(exc)
+        with zero_py.gathered(zmodel, modifier_rank=0):
+            vector_to_parameters(ema.clone(), zmodel.parameters())
+    loaded = _rel_named(zmodel, ref)
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    return {"rel": max(loaded, _rel_named(zmodel, ref)), "refused": refused}
+
+
+def stage3_functional_and_prune(rank):
+    """Under stage 3, torch.func.functional_call with tensors other than the model's own
+    Parameters (per-sample gradients under torch.func.grad/vmap, a MAML inner step) and a
+    weight pruned after initialize were refused on every rank with a message about casts
+    and moves ("replaced by another Parameter", "was removed") that named neither. Now each
+    is named, with what to do; training goes on after the refused functional_call."""
+    ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, 3)
+    out = {"refused": []}
+    x, y = models.mlp_batch(gen)
+    params = {n: p.detach() for n, p in zmodel.named_parameters()}
+    try:  # one sample's gradient, as torch.func.vmap(torch.func.grad(loss)) takes it
+        torch.func.grad(lambda ps: models.mlp_loss(
+            lambda t: torch.func.functional_call(zmodel, ps, (t,)), (x[:1], y[:1])))(params)
+    except RuntimeError as exc:
+        out["refused"].append(str(exc))
+    _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
+    out["rel"] = _rel_named(zmodel, ref)
+    with zero_py.gathered(zmodel, modifier_rank=0):
+        prune.l1_unstructured(zmodel.fc2, "weight", amount=0.3)
+    try:
+        models.mlp_loss(zmodel, models.mlp_batch(gen))
+    except RuntimeError as exc:
+        out["refused"].append(str(exc))
+    return out
+
+
 def _all(rank, world_size, tmp):
     out = {}
     for how, stage, mixed in MOMENTUM_RECORD:
@@ -589,6 +712,11 @@ def _all(rank, world_size, tmp):
     for stage in (1, 2):
         out[("add_group", stage)] = add_param_group(rank, stage)
         out[("add_group", stage, "amsgrad")] = add_param_group(rank, stage, amsgrad=True)
+    for stage in (1, 2, 3):
+        out[("unit_hooks", stage)] = unit_forward_hooks(rank, stage)
+    for stage in (1, 2, 3):
+        out[("vector_loaded", stage)] = vector_loaded_in_gathered(rank, stage)
+    out[("functional_prune", 3)] = stage3_functional_and_prune(rank)
     for stage in (1, 2, 3):
         out[("averaged", stage)] = averaged_model_and_step_hooks(rank, stage)
         out[("averaged_bn", stage)] = averaged_batchnorm(rank, stage)
@@ -624,7 +752,19 @@ def test_torch_idioms_match_ddp(tmp_path):
                 assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
                 assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
                     res[key]["viewed"]
+        read_only = res[("vector_loaded", 3)]["refused"] or ""
+        assert "'fc1.weight' (unit '(the root module)') (and 5 more) was replaced inside a " \
+            "read-only `zero_py.gathered(model)`" in read_only, read_only
+        assert "modifier_rank=0" in read_only
+        functional, pruned = res[("functional_prune", 3)]["refused"]
+        assert "'fc1.weight' is a plain tensor in this forward" in functional, functional
+        assert "torch.func.functional_call" in functional and "stage 1 or 2" in functional
+        assert "'fc2.weight' is now registered as 'fc2.weight_orig'" in pruned, pruned
+        assert "torch.nn.utils.prune" in pruned
         for stage in (1, 2, 3):
+            ref_norms, got = res[("unit_hooks", stage)]["norms"]
+            assert len(got) == len(ref_norms) == 4  # the hook saw full weights, DDP's
+            assert all(abs(a - b) <= RTOL * a for a, b in zip(got, ref_norms)), (got, ref_norms)
             st = res[("state", stage)]
             assert st["held"] == st["len"] > 0
             assert st["note"] == "post"

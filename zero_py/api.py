@@ -618,6 +618,15 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         yield
         if modifier_rank is not None:
             with torch.no_grad():
+                # a parameter given new values as a whole in the block (`p.data = t`, as
+                # vector_to_parameters does) is an edit too: into the flat buffer, where the
+                # broadcast and the step read it (step() would refuse it otherwise)
+                for i in fp.moved_params():
+                    p = fp.params[i]
+                    if id(p) in ids and p.numel() == fp.param_numel[i]:
+                        view = fp.param_view(i)
+                        view.copy_(p.data.reshape(-1))
+                        p.data = view.view_as(p)
                 for p in fp.params:
                     if id(p) in ids:
                         opt.executor.broadcast(p.data, modifier_rank).wait()

@@ -55,6 +55,8 @@ from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
+from zero_py.stage3.user_edits import (adopt_replaced_data, keep_post_hook_last,
+                                       keep_pre_hooks_first)
 
 
 def _not_traced(fn):
@@ -222,10 +224,12 @@ class Stage3Engine:
         reducer.on_failed_backward(_weakly(self._failed_backward))
         reducer.check_at_once = True  # a rank must not start the backward's gathers alone
         _guard_module_hooks()
+        self._hook_ids = []  # a unit's hooks run while it is gathered (user_edits.py)
         for u, (_, module) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(
-                self._make_pre_forward(u), with_kwargs=True))
+                self._make_pre_forward(u), with_kwargs=True, prepend=True))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(u)))
+            self._hook_ids.append((self._hooks[-2].id, self._hooks[-1].id))
         # after the root's own post-forward hook, and also when its forward raised: a forward
         # that raised (on every rank alike: a bad batch, out of memory) ends its phase at once,
         # freeing the units it gathered, instead of holding them until the next forward
@@ -278,7 +282,13 @@ class Stage3Engine:
         unit = self.units[u][1]
 
         def hook(module, args, kwargs):
-            return self._pre_forward(u, args, kwargs) if module is unit else None
+            if module is not unit:
+                return None
+            if u:  # the root's post-hooks end the forward: they stay in their order
+                keep_post_hook_last(unit, self._hook_ids[u][1])
+            else:
+                keep_pre_hooks_first(self.units, [pre for pre, _ in self._hook_ids])
+            return self._pre_forward(u, args, kwargs)
         return _not_traced(hook)
 
     def _make_post_forward(self, u: int):
@@ -747,6 +757,7 @@ class Stage3Engine:
         modified = False
         try:
             yield
+            adopt_replaced_data(self.storages, wanted, modifier=modifier_rank is not None)
             if modifier_rank is not None:
                 with torch.no_grad(), contextlib.ExitStack() as writing:
                     for s in self.storages:  # one-sided readers wait for the writes

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from zero_py.sharding.between_uses import describe
 from zero_py.sharding.storage import ShardedParams
+from zero_py.stage3.user_edits import changed_registration
 
 
 class ModelChanges:
@@ -66,6 +67,9 @@ class ModelChanges:
         for m, name, n, p in self._registered:
             now = m._parameters.get(n)
             if now is not p:
+                special = changed_registration(m, name, n, p, now)
+                if special is not None:  # not a cast: functional_call, prune (user_edits.py)
+                    return special
                 with torch._C.DisableTorchFunctionSubclass():
                     what = ("removed" if now is None else
                             f"replaced by another Parameter ({now.dtype} on {now.device})")
