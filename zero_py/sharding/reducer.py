@@ -573,14 +573,26 @@ class GradReducer:
         if self._finished:
             return self._global_used
         if self.stage == 1 or self.passes_since_step == 0:
+            settings = None
             if self.stage == 1:
                 # stage 1 counts no passes, but each rank updates its own shard: the ranks'
-                # param groups' settings are compared before anything is reduced (one small
-                # all-reduce per step), so a refused step changes nothing
-                self._count = Count(self.executor, STEP, self.steps, 0,
-                                    hyper=self.hyperparameters())
-                self._check_count()
+                # param groups' settings are compared in a small all-reduce issued before the
+                # reduction and checked once that is under way (checked first, it would make
+                # the ranks wait for each other before copying their gradients in: ~8 ms a
+                # step here). A refused step changes nothing: its sums are dropped, and the
+                # next step() reduces param.grad again
+                settings = Count(self.executor, STEP, self.steps, 0,
+                                 hyper=self.hyperparameters())
             self.reduce_now()
+            if settings is not None:
+                try:
+                    settings.check()
+                except RuntimeError:
+                    self._retire(block_over=0)
+                    if self._used_pending is not None:
+                        self._used_pending.wait()
+                        self._used_pending = None
+                    raise
             stray = []
         else:
             stray = [i for i, p in enumerate(self.flat.params)
