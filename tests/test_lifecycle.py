@@ -35,6 +35,17 @@ from zero_py.offload import nvme
 CYCLES = 1  # after the first: each must give back everything it took
 
 
+
+def _train_both(model, opt, ref, ref_opt, rank, steps=2):
+    """`steps` steps of the MLP on this rank's batches, zero_py's side and the reference's."""
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        batch = models.mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            models.mlp_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+
 def _resources() -> dict:
     with open("/proc/self/maps") as f:
         shm = sum(1 for line in f if "/dev/shm/" in line)
@@ -117,13 +128,7 @@ def refused_stage3(rank) -> dict:
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
                                     lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        batch = models.mlp_batch(gen)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            models.mlp_loss(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    _train_both(model, opt, ref, ref_opt, rank)
     with zero_py.gathered(model):
         rel = max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
                                                              ref.module.parameters()))
@@ -241,13 +246,7 @@ def failed_offload_file(rank, stage, tmp) -> dict:
     except ValueError as exc:
         return {"raised": raised, "hooks": hooks, "again": str(exc)}
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        batch = models.mlp_batch(gen)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            models.mlp_loss(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    _train_both(model, opt, ref, ref_opt, rank)
     rel = max(models.max_rel_diff(a, b) for a, b in zip(model.parameters(),
                                                          ref.module.parameters()))
     return {"raised": raised, "hooks": hooks, "again": None, "rel": rel}
