@@ -6,7 +6,7 @@ it they would be this rank's shard slices. The usual calls: transformers' genera
 encoder-decoder's `get_encoder()` by itself; a multimodal script embeds with
 `model.get_input_embeddings()(ids)` and passes `inputs_embeds=`; a chunked loss applies
 `model.lm_head(hidden)` after the forward; scripts read `model.model(...)`'s hidden states.
-Modules inside another unit are not entry points (their unit's own hooks refuse a call
+Units and the modules inside them are not entry points (a unit's own hooks refuse a call
 outside the model's forward, with what to do instead).
 """
 
@@ -18,20 +18,9 @@ import torch.nn as nn
 
 
 def entry_points(model: nn.Module, units: Sequence[Tuple[str, nn.Module]]) -> List[nn.Module]:
-    """The modules of the root unit's part of `model` (not the root, not inside another unit)
-    that hold parameters, and the model's get_encoder() / get_decoder() even where the wrap
-    policy made them units of their own."""
+    """The modules of the root unit's part of `model` (not the root, not a unit, not inside
+    one) that hold parameters: an encoder or decoder a wrap policy made a unit of its own is
+    not one (calling it alone is refused as any unit's call is)."""
     inner = {id(m) for _, unit in units[1:] for m in unit.modules()}
-    found = [m for m in model.modules()
-             if m is not model and id(m) not in inner and next(m.parameters(), None) is not None]
-    present = {id(m) for m in model.modules()}
-    for getter in ("get_encoder", "get_decoder"):
-        fn = getattr(model, getter, None)
-        try:
-            m = fn() if callable(fn) else None
-        except Exception:  # noqa: BLE001 - a model without one raises its own way
-            m = None
-        if (isinstance(m, nn.Module) and m is not model and id(m) in present
-                and all(m is not f for f in found)):
-            found.append(m)
-    return found
+    return [m for m in model.modules()
+            if m is not model and id(m) not in inner and next(m.parameters(), None) is not None]
