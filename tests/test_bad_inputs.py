@@ -655,8 +655,10 @@ def test_parameters_zero_py_cannot_lay_out_are_refused_with_a_remedy(single_rank
     with pytest.raises(ValueError, match=match):
         if stage == 3:
             zero_py.initialize(model, torch.optim.AdamW, stage=3)
-        else:  # named, as initialize passes them: the message names the parameter
-            zero_py.ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage)
+        else:  # named as initialize names them (an optimizer takes named_parameters() only
+            # from torch 2.6; initialize refuses a meta model at stages 1-2 before this check)
+            zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                  _param_names={id(p): n for n, p in model.named_parameters()})
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
