@@ -39,6 +39,7 @@ import models
 import zero_py
 
 RTOL = 1e-5
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _rel(zmodel: nn.Module, ref: nn.Module) -> float:
@@ -757,8 +758,11 @@ def test_torch_idioms_match_ddp(tmp_path):
             "read-only `zero_py.gathered(model)`" in read_only, read_only
         assert "modifier_rank=0" in read_only
         functional, pruned = res[("functional_prune", 3)]["refused"]
-        assert "'fc1.weight' is a plain tensor in this forward" in functional, functional
-        assert "torch.func.functional_call" in functional and "stage 1 or 2" in functional
+        if _TORCH < (2, 6) and "doesn't have storage" in functional:
+            pass  # torch 2.4's functorch wrappers have no storage: torch refuses them first
+        else:
+            assert "'fc1.weight' is a plain tensor in this forward" in functional, functional
+            assert "torch.func.functional_call" in functional and "stage 1 or 2" in functional
         assert "'fc2.weight' is now registered as 'fc2.weight_orig'" in pruned, pruned
         assert "torch.nn.utils.prune" in pruned
         for stage in (1, 2, 3):

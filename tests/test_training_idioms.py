@@ -176,6 +176,20 @@ def _autocast_region(model, module, opt, batch, step):
     opt.zero_grad()
 
 
+def _autocast_caches_no_grad_casts() -> bool:
+    """Whether this torch's autocast gives a forward the weight casts that an earlier no_grad
+    forward in the region cached (torch 2.4 does): no gradient reaches those weights, so
+    _autocast_region's own reference, DDP, fails there."""
+    lin = nn.Linear(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            lin(torch.ones(1, 2))
+        return not lin(torch.ones(1, 2)).requires_grad
+
+
+AUTOCAST_REGION_SKIP = _autocast_caches_no_grad_casts()
+
+
 def _accumulate(model, module, opt, batch, step):
     idx, tgt = batch
     for k in range(2):  # two micro-batches, each backward reduced (no no_sync)
@@ -651,9 +665,11 @@ def _all(rank, world_size):
     for ckpt in ("reentrant", "non_reentrant"):  # stage 3's: tests/test_stage3.py
         out["checkpoint_" + ckpt, 2] = _gpt_run(rank, 2, _plain, checkpoint=ckpt)
     out["autocast", 3] = _gpt_run(rank, 3, _autocast, repeat=1)  # a block called twice: one cast
-    out["autocast_region", 3] = _gpt_run(rank, 3, _autocast_region, checkpoint="non_reentrant")
-    out["autocast_region_reentrant", 3] = _gpt_run(rank, 3, _autocast_region,
-                                                   checkpoint="reentrant")
+    if not AUTOCAST_REGION_SKIP:
+        out["autocast_region", 3] = _gpt_run(rank, 3, _autocast_region,
+                                             checkpoint="non_reentrant")
+        out["autocast_region_reentrant", 3] = _gpt_run(rank, 3, _autocast_region,
+                                                       checkpoint="reentrant")
     out["accumulate", 3] = _gpt_run(rank, 3, _accumulate)
     return out
 
@@ -677,6 +693,9 @@ IDIOMS = ["gan", "gan_r1", "gan_frozen_d", "split_ema", "layers", "retain_graph"
 
 @pytest.mark.parametrize("name", IDIOMS)
 def test_idiom_matches_ddp(results, name):
+    if name.startswith("autocast_region") and AUTOCAST_REGION_SKIP:
+        pytest.skip("this torch's autocast gives a forward the casts a no_grad forward cached "
+                    "(no gradient reaches the weights): the DDP reference fails")
     cases = list(_cases(results, name))
     assert cases
     for where, _, r in cases:
