@@ -116,15 +116,20 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
+        # a 0-dim parameter with no reset_parameters(), set by the init_fn (CLIP's logit_scale;
+        # realize_meta used to fail on it: expand of a [1] to shape [])
+        self.scale = nn.Parameter(torch.empty(()))
 
     def forward(self, idx):
         x = self.emb(idx)
         for b in self.blocks:
             x = b(x)
-        return self.head(x)
+        return self.head(x) * self.scale
 
 
 def net_init(m):
+    if isinstance(m, Net):
+        nn.init.constant_(m.scale, 1.5)
     if isinstance(m, nn.Linear):
         nn.init.normal_(m.weight, std=0.02)
         if m.bias is not None:
