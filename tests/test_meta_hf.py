@@ -1,6 +1,7 @@
 """Partitioned construction of models whose init writes a child module's parameters, on gloo at
 2 ranks: Hugging Face GPT-2 (its _init_weights, called on GPT2Attention and GPT2MLP, writes their
-Conv1D child's c_proj.weight), a tiny Llama, and a plain torch model with the same pattern.
+Conv1D child's c_proj.weight), a tiny Llama, a tiny CLIP (a 0-dim logit_scale that only its
+constructor sets), and a plain torch model with the same pattern.
 
 What partitioned construction reproduces (zero_py/stage3/meta_init.py) is, from the seed, every
 module's reset_parameters() children first, then model.apply(init_fn). For a torch model whose
@@ -116,15 +117,20 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
+        # a 0-dim parameter with no reset_parameters(), set by the init_fn (CLIP's logit_scale;
+        # realize_meta used to fail on it: expand of a [1] to shape [])
+        self.scale = nn.Parameter(torch.empty(()))
 
     def forward(self, idx):
         x = self.emb(idx)
         for b in self.blocks:
             x = b(x)
-        return self.head(x)
+        return self.head(x) * self.scale
 
 
 def net_init(m):
+    if isinstance(m, Net):
+        nn.init.constant_(m.scale, 1.5)
     if isinstance(m, nn.Linear):
         nn.init.normal_(m.weight, std=0.02)
         if m.bias is not None:
@@ -268,6 +274,49 @@ def llama(rank):
     return out
 
 
+def clip(rank):
+    """CLIP: a 0-dim logit_scale that only its constructor sets (realize_meta failed on the
+    0-dim shape; _init_weights leaves it alone, so it is refused until an init_fn sets it)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=16, patch_size=8),
+        projection_dim=16)
+
+    def meta_build():
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = CLIPModel(cfg)
+        return model, {t for t in map(type, model.modules())
+                       if t.__name__ in model._no_split_modules}
+
+    def init_fn(model):
+        def init(m):
+            model._init_weights(m)
+            if isinstance(m, CLIPModel):
+                nn.init.constant_(m.logit_scale, cfg.logit_scale_init_value)
+        return init
+
+    out = {}
+    model, blocks = meta_build()
+    try:
+        zero_py.initialize(model, stage=3, wrap_policy=blocks, init_fn=model._init_weights, **LR)
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    model, blocks = meta_build()
+    zm, _ = zero_py.initialize(model, stage=3, wrap_policy=blocks, init_fn=init_fn(model), **LR)
+    full = zero_py.full_state_dict(zm)
+    if rank == 0:
+        ref = CLIPModel(cfg)
+        out["equal_replayed"] = _equal(full, _replayed(ref, init_fn(ref)).state_dict())
+        out["logit_scale"] = full["logit_scale"].item()
+    return out
+
+
 def _all(rank, world_size, hf):
     out = {"torch": plain_torch(rank)}
     if hf:
@@ -275,6 +324,7 @@ def _all(rank, world_size, hf):
         transformers.logging.set_verbosity_error()
         out["gpt2"] = gpt2(rank)
         out["llama"] = llama(rank)
+        out["clip"] = clip(rank)
     return out
 
 
@@ -360,3 +410,15 @@ def test_llama(results):
     for res in results:
         assert all(math.isfinite(x) for x in res["llama"]["losses"])
         assert res["llama"]["loss_rel"] < LOSS_RTOL, res["llama"]["loss_rel"]
+
+
+@NEEDS_HF
+def test_clip_zero_dim_parameter(results):
+    """A 0-dim parameter built on the meta device (CLIP's logit_scale): refused, naming it, while
+    no initializer sets it; with an init_fn that does, the values equal the replay's bitwise."""
+    for res in results:
+        msg = res["clip"]["refused"]
+        assert "'logit_scale'" in msg and "not initialized" in msg, msg
+    r = results[0]["clip"]
+    assert r["equal_replayed"]
+    assert abs(r["logit_scale"] - 2.6592) < 1e-4, r["logit_scale"]

@@ -93,8 +93,9 @@ def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
                 continue
             if id(p) not in new:
                 # the right shape and dtype over one element (stride 0): nothing the size of
-                # the parameter is allocated; build_flat points it at its gather buffer
-                t = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
+                # the parameter is allocated; build_flat points it at its gather buffer. One 1
+                # per dimension: a 0-dim parameter (CLIP's logit_scale) takes no expand of [1]
+                t = torch.empty([1] * p.dim(), dtype=p.dtype, device=device).expand(p.shape)
                 new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
             m._parameters[name] = new[id(p)]
     return {id(p) for p in new.values()}
