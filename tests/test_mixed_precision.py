@@ -220,17 +220,13 @@ def clipping(rank, stage, norm_type):
     return {"rel": _rel(zm, ref), "norm_rel": norm_rel, "clipped": clipped}
 
 
-def clip_while_unfreezing(rank, stage):
-    """A fine-tuning loop that freezes a layer for some steps (requires_grad_(False) after the
-    optimizer was built) and clips the parameters that train now, [p for p in
-    model.parameters() if p.requires_grad], against DDP(find_unused_parameters=True) + AdamW:
-    zero_py refused that call as clipping some of its parameters only. Then a layer frozen
-    between backward and the clip (its gradient there, left out of torch's norm): refused on
-    every rank, since zero_py clips the whole gradient shard."""
+def _clipped_mlp(stage, find_unused=False):
+    """The MLP under DDP + AdamW(weight_decay=0.1) and its copy under zero_py at `stage`:
+    (ref, ddp, ref_opt, zero_py's model, zero_py's optimizer)."""
     torch.manual_seed(0)
     ref = models.MLP()
     zm = copy.deepcopy(ref)
-    ddp = DDP(ref, find_unused_parameters=True)
+    ddp = DDP(ref, find_unused_parameters=find_unused)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     if stage == 3:
         zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
@@ -238,6 +234,17 @@ def clip_while_unfreezing(rank, stage):
     else:
         zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
                                      bucket_bytes=1024)
+    return ref, ddp, ref_opt, zm, zopt
+
+
+def clip_while_unfreezing(rank, stage):
+    """A fine-tuning loop that freezes a layer for some steps (requires_grad_(False) after the
+    optimizer was built) and clips the parameters that train now, [p for p in
+    model.parameters() if p.requires_grad], against DDP(find_unused_parameters=True) + AdamW:
+    zero_py refused that call as clipping some of its parameters only. Then a layer frozen
+    between backward and the clip (its gradient there, left out of torch's norm): refused on
+    every rank, since zero_py clips the whole gradient shard."""
+    ref, ddp, ref_opt, zm, zopt = _clipped_mlp(stage, find_unused=True)
     gen = torch.Generator().manual_seed(rank)
     norm_rel = 0.0
     for step in range(6):
@@ -325,17 +332,7 @@ def nonfinite_clipping(rank, stage, bad, norm_type, max_norm):
     total (the finite gradients were applied unclipped, 1.4e-2 off; a NaN stayed in one
     element), return NaN for an inf total, drop a NaN peer's total under norm_type=inf (a
     finite norm, nothing clipped), and take a coefficient of 0 for "no clipping"."""
-    torch.manual_seed(0)
-    ref = models.MLP()
-    zm = copy.deepcopy(ref)
-    ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
-    if stage == 3:
-        zm, zopt = zero_py.initialize(zm, torch.optim.AdamW, stage=3, wrap_policy={nn.Linear},
-                                      lr=1e-2, weight_decay=0.1)
-    else:
-        zopt = zero_py.ZeroOptimizer(zm.parameters(), stage=stage, lr=1e-2, weight_decay=0.1,
-                                     bucket_bytes=1024)
+    ref, ddp, ref_opt, zm, zopt = _clipped_mlp(stage)
     gen = torch.Generator().manual_seed(rank)
     norms = []
     for step in range(2 if bad else 4):
