@@ -238,30 +238,103 @@ def dcp_refuses_loss_scaler(rank):
     return None
 
 
-def dcp_template_of_a_stateless_optimizer(rank):
+class _RefusesZeroGradients(torch.optim.SGD):
+    """An optimizer that takes an all-zero gradient for a broken graph: it cannot be stepped
+    on DCP's or zero_py's zero-gradient stand-in, so the state it keeps is unknown until it
+    steps."""
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and not p.grad.any():
+                    raise RuntimeError("an all-zero gradient")
+        return super().step(closure)
+
+
+def _batches(gen, n, dtype):
+    return [tuple(t.to(dtype) for t in models.mlp_batch(gen)) for _ in range(n)]
+
+
+def dcp_torchtitan_resume(rank, tmp, stage):
     """The torchtitan resume: a fresh model and optimizer, get_state_dict as the template,
-    dcp.load into it, set_state_dict. A ZeroOptimizer without state gives a template without
-    optimizer state, so the load brings none (torch.optim's zero step fills its template);
-    before, silently: resumed with fresh moments, 83% off (of a tensor's largest value) the
-    run that never stopped after two steps. It warns now; after a step it does not."""
+    dcp.load into it, set_state_dict, train on. torch.optim's template is filled by DCP's zero
+    step, which zero_py skips; before, a ZeroOptimizer without state gave a template without
+    optimizer state, so the load brought none: resumed with fresh moments, 83% off (of a
+    tensor's largest value) the run that never stopped after two steps. Checked against the
+    run that never stopped: from a zero_py checkpoint in fp32 (AdamW, SGD) and bf16 (its fp32
+    masters come back), and a DDP bf16 checkpoint (no masters: loaded with allow_partial_load,
+    the masters follow the parameters, as the same dict loaded by load_state_dict gives). An
+    optimizer class that cannot be stepped on a stand-in warns."""
     import warnings
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    torch.manual_seed(0)
-    m = _make()
-    opt = zero_py.ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
     out = {}
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        _, optim_sd = get_state_dict(m, opt)
-        out["fresh"] = [str(w.message) for w in seen if "holds no state yet" in str(w.message)]
-        out["template state"] = len(optim_sd["state"])
-        _train(m, opt, [models.mlp_batch(torch.Generator().manual_seed(rank))])
-        del seen[:]
-        get_state_dict(m, opt)
-        out["after a step"] = [str(w.message) for w in seen
-                               if "holds no state yet" in str(w.message)]
+    cases = (("adamw", torch.float32, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), None),
+             ("sgd", torch.float32, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), None),
+             ("adamw_bf16", torch.bfloat16, torch.optim.AdamW, dict(lr=1e-2), None))
+    for name, dtype, cls, kw, groups in cases:
+        gen = torch.Generator().manual_seed(rank)
+        first, later = _batches(gen, 2, dtype), _batches(gen, 2, dtype)
+
+        def build(seed, dtype=dtype, cls=cls, kw=kw, groups=groups):
+            torch.manual_seed(seed)
+            return _zero(_make().to(dtype), stage, cls, kw, groups)
+
+        zm, zo = build(0)
+        _train(zm, zo, first)
+        path = os.path.join(tmp, f"titan-{stage}-{name}")
+        model_sd, optim_sd = get_state_dict(zm, zo)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        _train(zm, zo, later)  # the run that never stopped
+        rm, ro = build(1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model_sd, optim_sd = get_state_dict(rm, ro)
+        out[name, "warnings"] = [str(w.message) for w in seen]
+        out[name, "template state"] = len(optim_sd["state"])
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(rm, ro, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        _train(rm, ro, later)
+        out[name] = _rel(rm, zm.module if hasattr(zm, "module") else zm) if stage < 3 else \
+            max(models.max_rel_diff(v, zm.state_dict()[k]) for k, v in rm.state_dict().items())
+    # a DDP bf16 dict (no fp32 masters) into the template with allow_partial_load
+    gen = torch.Generator().manual_seed(rank)
+    first, later = _batches(gen, 2, torch.bfloat16), _batches(gen, 2, torch.bfloat16)
+    torch.manual_seed(0)
+    ref = _make().to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(DDP(ref), ref_opt, first)
+    path = os.path.join(tmp, f"titan-{stage}-ddp")
+    model_sd, optim_sd = get_state_dict(ref, ref_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    plain = (ref.state_dict(), ref_opt.state_dict())
+    torch.manual_seed(1)
+    am, ao = _zero(_make().to(torch.bfloat16), stage, torch.optim.AdamW, dict(lr=1e-2))
+    am.load_state_dict(plain[0])
+    ao.load_state_dict(plain[1])
+    _train(am, ao, later)
+    torch.manual_seed(2)
+    rm, ro = _zero(_make().to(torch.bfloat16), stage, torch.optim.AdamW, dict(lr=1e-2))
+    model_sd, optim_sd = get_state_dict(rm, ro)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(rm, ro, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _train(rm, ro, later)
+    a, r = am.state_dict(), rm.state_dict()
+    out["ddp_bf16"] = max(models.max_rel_diff(r[k], a[k]) for k in a)
+    if stage == 2:
+        torch.manual_seed(0)
+        m = _make()
+        opt = zero_py.ZeroOptimizer(m.parameters(), _RefusesZeroGradients, stage=2, lr=1e-2,
+                                    momentum=0.9)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            get_state_dict(m, opt)
+        out["unknown state"] = [str(w.message) for w in seen]
     return out
 
 
@@ -289,7 +362,8 @@ def _all(rank, world_size, tmp):
         for mode in ("full", "sharded"):
             out["dcp_empty", stage, mode] = dcp_zero_element_params(rank, stage, mode)
     out["dcp_scaler"] = dcp_refuses_loss_scaler(rank)
-    out["dcp_stateless"] = dcp_template_of_a_stateless_optimizer(rank)
+    for stage in (1, 2, 3):
+        out["dcp_titan", stage] = dcp_torchtitan_resume(rank, tmp, stage)
     return out
 
 
@@ -339,9 +413,17 @@ def test_dcp_get_refuses_to_drop_the_loss_scaler(results):
         assert msg is not None and "loss scaler" in msg and "save_checkpoint" in msg, msg
 
 
-def test_dcp_template_of_an_optimizer_without_state_warns(results):
-    for res in results:
-        r = res["dcp_stateless"]
-        assert len(r["fresh"]) == 1 and "dcp.load into it loads no optimizer state" in \
-            r["fresh"][0], r
-        assert r["template state"] == 0 and r["after a step"] == [], r
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dcp_torchtitan_resume_from_a_fresh_optimizer(results, stage):
+    for rank, res in enumerate(results):
+        r = res["dcp_titan", stage]
+        for case in ("adamw", "sgd", "adamw_bf16"):
+            assert r[case, "warnings"] == [] and r[case, "template state"] > 0, (case, r)
+            assert r[case] <= RTOL, f"rank {rank} {case}: differs from the run that never " \
+                f"stopped by {r[case]:.2e}"
+        assert r["ddp_bf16"] == 0.0, f"rank {rank}: a DDP bf16 dict through the template " \
+            f"differs from the same dict loaded by load_state_dict by {r['ddp_bf16']:.2e}"
+        if stage == 2:
+            msgs = r["unknown state"]
+            assert len(msgs) == 1 and "_RefusesZeroGradients" in msgs[0] and \
+                "loads no optimizer state" in msgs[0], msgs

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from typing import Optional
 
 DCP_MODULE = "torch.distributed.checkpoint.state_dict"
@@ -79,12 +80,12 @@ LOSS_SCALER_MESSAGE = (
 
 
 STATELESS_MESSAGE = (
-    "this ZeroOptimizer holds no state yet, so the optimizer state dict that "
+    "this ZeroOptimizer holds no state yet, and its optimizer class ({cls}) cannot be stepped "
+    "on a stand-in to tell which state it keeps, so the optimizer state dict that "
     "torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict returns holds "
-    "none (torch.optim's gets zero-filled state from DCP's zero step, which zero_py skips): "
-    "a dcp.load into it loads no optimizer state, and the run resumes with fresh moments and "
-    "step counts. To resume, build the dict to load into after the optimizer has stepped, "
-    "or use zero_py.load_checkpoint, or load a full dict (torch.load) with "
+    "none: a dcp.load into it loads no optimizer state, and the run resumes with fresh "
+    "moments and step counts. To resume, build the dict to load into after the optimizer has "
+    "stepped, or use zero_py.load_checkpoint, or load a full dict (torch.load) with "
     "set_optimizer_state_dict")
 
 
@@ -102,23 +103,28 @@ PLACEHOLDER = _Placeholder("nan")
 DEVICE_MARKER = "zero_py.dcp_device"
 
 
-def _stand_in_state(opt) -> Optional[dict]:
+def _stand_in_state(opt, settings: Optional[dict] = None) -> Optional[dict]:
     """The state optimizer_class keeps for one parameter after one step (on a two-element
-    stand-in with a zero gradient), or None where it cannot run on a stand-in."""
+    stand-in with a zero gradient) with `settings` (a param group's; the defaults if None),
+    or None where it cannot run on a stand-in."""
     import torch
 
-    if not hasattr(opt, "_dcp_stand_in"):
+    settings = opt.defaults if settings is None else settings
+    key = repr(sorted((k, repr(v)) for k, v in settings.items() if k != "params"))
+    cache = opt.__dict__.setdefault("_dcp_stand_in", {})
+    if key not in cache:
         try:
             p = torch.nn.Parameter(torch.zeros(2))
             p.grad = torch.zeros(2)
             takes = inspect.signature(opt.optimizer_class.__init__).parameters
-            stand_in = opt.optimizer_class([p], **{k: v for k, v in opt.defaults.items()
-                                                   if k in takes})
+            stand_in = opt.optimizer_class([p], **{k: v for k, v in settings.items()
+                                                   if k in takes and k != "params"},
+                                           **getattr(opt, "_class_kwargs", {}))
             stand_in.step()
-            opt._dcp_stand_in = dict(stand_in.state[p])
+            cache[key] = dict(stand_in.state[p])
         except Exception:  # an optimizer that cannot run on a stand-in
-            opt._dcp_stand_in = None
-    return opt._dcp_stand_in
+            cache[key] = None
+    return cache[key]
 
 
 def _state_keys(opt) -> list:
@@ -158,6 +164,59 @@ def empty_param_state(opt, p, step: int) -> Optional[dict]:
     return out
 
 
+# master_param templates handed to DCP (ids of NaN-filled tensors; see template_state)
+_MASTER_TEMPLATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def template_state(opt, full: dict) -> Optional[dict]:
+    """`full` (a stateless optimizer's full dict, for get_state_dict) with the state every
+    trainable parameter will have once stepped, zero-filled: the template that dcp.load fills
+    in place in the torchtitan-style resume. torch.optim's gets it from DCP's zero step
+    (which zero_py skips); without it the load would bring no optimizer state. Keys, shapes
+    and dtypes are those of the full dict after a step: the state optimizer_class keeps under
+    each group's settings (none where it keeps none, as SGD without momentum), in fp32 (the
+    state is over the fp32 masters), the step 0 (a template left unloaded loads as a fresh
+    state), and master_param for bf16/fp16 parameters, NaN-filled and remembered: one that no
+    load replaced is dropped by load_state_dict, so the master follows the parameter (a
+    dcp.load with allow_partial_load from a dict without masters) instead of being zero.
+    None where the optimizer class cannot run on a stand-in."""
+    import torch
+
+    state = dict(full["state"])
+    group_of = {}
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            group_of[id(p)] = g
+    # the parameters' full shapes (under stage 3 a parameter is its shard slice)
+    shapes = dict(zip(opt._managed_index, opt._flat.param_shapes))
+    for i in opt._managed_index:
+        p, shape = opt._all_params[i], torch.Size(shapes[i])
+        kept = _stand_in_state(opt, opt.param_groups[group_of[id(p)]])
+        if kept is None:
+            return None
+        st = {}
+        for key, value in kept.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                st[key] = torch.zeros(shape, dtype=torch.float32)
+            elif key == "step":
+                st[key] = (torch.tensor(0.0, dtype=value.dtype)
+                           if isinstance(value, torch.Tensor) else 0)
+            else:
+                st[key] = value
+        if not st:
+            continue
+        if p.dtype != torch.float32:
+            master = torch.full(shape, float("nan"), dtype=torch.float32)
+            _MASTER_TEMPLATES[id(master)] = master
+            st["master_param"] = master
+        state[i] = st
+    return {**full, "state": {k: state[k] for k in sorted(state)}}
+
+
+def _unloaded_template(v) -> bool:
+    return _MASTER_TEMPLATES.get(id(v)) is v and bool(v.isnan().all())
+
+
 def with_placeholders(opt, full: dict) -> dict:
     """`full` (the optimizer's full dict, for set_optimizer_state_dict(full_state_dict=True)),
     with placeholders where a parameter has no state yet: DCP's loader places a loaded scalar
@@ -189,7 +248,8 @@ def drop_placeholders(state_dict: dict) -> dict:
         return state_dict
 
     def placeholder(key, v) -> bool:
-        return v is PLACEHOLDER or key == DEVICE_MARKER
+        return (v is PLACEHOLDER or key == DEVICE_MARKER
+                or (key == "master_param" and _unloaded_template(v)))
 
     if not any(isinstance(st, dict) and any(placeholder(k, v) for k, v in st.items())
                for st in state.values()):

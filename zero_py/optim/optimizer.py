@@ -175,6 +175,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                                          offload_optimizer=offload_optimizer,
                                          offload_dir=offload_dir, overlap_step=overlap_step,
                                          **optimizer_kwargs)
+            # what optimizer_class takes besides its hyperparameters (its defaults): the inner
+            # optimizer over the shards is built with them too
+            self._class_kwargs = {k: v for k, v in optimizer_kwargs.items() if k not in probe}
             self._constructing = True
             super().__init__(params, probe)  # add_param_group checks ownership
             self._constructing = False
@@ -362,7 +365,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                     lambda b: me()._early_guess(b))
         else:
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
-                                       self._masters, self.param_groups, self._host)
+                                       self._masters, self.param_groups, self._host,
+                                       self._class_kwargs)
         # stages 1-2 offloaded: an fp32 parameter's master is a copy, which must follow writes
         # into the parameter as the parameter itself (its master without offload) does
         self._written = (WrittenParams(fp) if self.offload_optimizer and not fp.params_sharded

@@ -154,8 +154,13 @@ class StateDicts:
                 return dcp.with_placeholders(self, full)
             if self._managed_index and not any(full["state"].get(i)
                                                for i in self._managed_index):
+                # the template of the torchtitan-style resume: dcp.load fills it in place
+                template = dcp.template_state(self, full)
+                if template is not None:
+                    return template
                 # as a template for dcp.load, it would silently load no optimizer state
-                warnings.warn(dcp.STATELESS_MESSAGE, stacklevel=2)
+                warnings.warn(dcp.STATELESS_MESSAGE.format(cls=self.optimizer_class.__name__),
+                              stacklevel=2)
             return full
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -275,6 +280,30 @@ class StateDicts:
             self._load_checked(state_dict, groups, shard, saved_state, scaler)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def follow_loaded_params(self) -> None:
+        """The fp32 masters follow the bf16/fp16 parameters where a model load gave them other
+        values: elementwise, a master whose rounding is the parameter's value is kept (a
+        stage-3 model.load_state_dict ends here). torch.distributed.checkpoint's set_state_dict
+        loads the optimizer before the model: the loaded masters (master_param) must survive
+        the model's load of their own roundings (copied, as sync_master_from_params does, they
+        lost their low bits: a resumed bf16 run was up to 1 ulp off the one that never
+        stopped). With stochastic_rounding an element rounded away from the nearest follows
+        the parameter. Offloaded masters follow as sync_master_from_params has them."""
+        if self._host is not None or (isinstance(self._update, StreamedUpdate)
+                                      and not self._update.is_resident):
+            self.sync_master_from_params()
+            return
+        self.discard_early_updates()
+        with torch.no_grad():
+            for b in range(self._flat.n_buckets):
+                master = self._masters.piece(b)
+                if master is not None:
+                    piece = self._flat.bucket_piece(b)
+                    torch.where(master.to(piece.dtype) == piece, master, piece.float(),
+                                out=master)
+        if self._written is not None:
+            self._written.mark()
 
     def _load_checked(self, state_dict: dict, groups: List[dict], shard: bool,
                       saved_state: dict, scaler: Optional[dict]) -> None:

@@ -434,7 +434,7 @@ class FusedUpdate(_Update):
 
 class TorchUpdate(_Update):
     def __init__(self, optimizer_class, flat: FlatLayout, grads: PieceStore, masters: PieceStore,
-                 param_groups: List[dict], host=None):
+                 param_groups: List[dict], host=None, class_kwargs: Optional[dict] = None):
         super().__init__(flat, grads, masters, param_groups, host)
         groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}}
                   for g in param_groups]
@@ -443,7 +443,9 @@ class TorchUpdate(_Update):
             view = self.master(s.bucket)[s.piece_lo:s.piece_hi]
             self.views[s.param] = view
             groups[flat.bucket_group[s.bucket]]["params"].append(view)
-        self.inner = optimizer_class(groups) if self.views else None
+        # class_kwargs: what the class takes besides its hyperparameters (kept in its defaults,
+        # which the groups carry), such as a custom optimizer's constructor argument
+        self.inner = optimizer_class(groups, **(class_kwargs or {})) if self.views else None
 
     def step(self, used: Sequence[int], step_count: Sequence[int], grad_scale: float,
              seed: int, stochastic_rounding: bool) -> None:

@@ -240,7 +240,7 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
                 for b in range(s.n_buckets):
                     if s.is_gathered(b):
                         s.load_pieces_from(b, s.full_buffer(b))
-            optimizer.sync_master_from_params()
+            optimizer.follow_loaded_params()
 
     for module in model.modules():
         if not any(id(p) in managed for p in module.parameters()):
