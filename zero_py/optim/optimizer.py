@@ -367,10 +367,10 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
                                        self._masters, self.param_groups, self._host,
                                        self._class_kwargs)
-        # stages 1-2 offloaded: an fp32 parameter's master is a copy, which must follow writes
-        # into the parameter as the parameter itself (its master without offload) does
-        self._written = (WrittenParams(fp) if self.offload_optimizer and not fp.params_sharded
-                         else None)
+        # stages 1-2: a master that is a copy (bf16/fp16 parameters; fp32 ones offloaded) must
+        # follow writes into its parameter (offload/written.py)
+        self._written = (WrittenParams(fp, bool(self.offload_optimizer))
+                         if not fp.params_sharded else None)
 
     def _streamed_update(self, fp) -> StreamedUpdate:
         """The NVMe update, its offload file made on every rank or on none: a rank whose file
@@ -560,19 +560,22 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
             self._written.mark()
 
     def _follow_written_params(self, buckets: Optional[Sequence[int]] = None) -> None:
-        """Offloaded stages 1-2: the masters of the fp32 parameters written in place since
-        they last followed them (model.load_state_dict, DCP's set_state_dict, p.copy_(t)) are
-        pulled from the parameters, of `buckets` only if given (offload/written.py). Early
-        updates (overlap_step) made before such a write are put back first."""
+        """Stages 1-2: the masters of the parameters written in place since they last
+        followed them (model.load_state_dict, DCP's set_state_dict, p.copy_(t)) follow the
+        parameters, of `buckets` only if given (offload/written.py): elementwise, where the
+        master's rounding is not the parameter's value (follow_masters). Early updates
+        (overlap_step) made before such a write are put back first."""
         written = self._written.written(buckets) if self._written is not None else []
         if not written:
             return
         if self._early is not None and buckets is None:
             self._early.discard()
-        if self._host is not None:
-            self._host.pull_params(written)
-        else:
+        if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
             self._update.pull_masters(written)  # a failed write marks nothing: pulled again
+        else:
+            if self._host is not None:
+                self._host.pull_params(written)
+            self.follow_masters(written)
         self._written.mark(written)
 
     # -- training -------------------------------------------------------------------------------

@@ -282,28 +282,34 @@ class StateDicts:
             post_hook(self)
 
     def follow_loaded_params(self) -> None:
-        """The fp32 masters follow the bf16/fp16 parameters where a model load gave them other
-        values: elementwise, a master whose rounding is the parameter's value is kept (a
-        stage-3 model.load_state_dict ends here). torch.distributed.checkpoint's set_state_dict
-        loads the optimizer before the model: the loaded masters (master_param) must survive
-        the model's load of their own roundings (copied, as sync_master_from_params does, they
-        lost their low bits: a resumed bf16 run was up to 1 ulp off the one that never
-        stopped). With stochastic_rounding an element rounded away from the nearest follows
-        the parameter. Offloaded masters follow as sync_master_from_params has them."""
+        """The fp32 masters follow the parameters after a stage-3 model.load_state_dict (its
+        load hook ends here), elementwise as follow_masters has them. Offloaded masters follow
+        as sync_master_from_params has them."""
         if self._host is not None or (isinstance(self._update, StreamedUpdate)
                                       and not self._update.is_resident):
             self.sync_master_from_params()
             return
         self.discard_early_updates()
-        with torch.no_grad():
-            for b in range(self._flat.n_buckets):
-                master = self._masters.piece(b)
-                if master is not None:
-                    piece = self._flat.bucket_piece(b)
-                    torch.where(master.to(piece.dtype) == piece, master, piece.float(),
-                                out=master)
+        self.follow_masters()
         if self._written is not None:
             self._written.mark()
+
+    def follow_masters(self, buckets=None) -> None:
+        """The bf16/fp16 parameters' fp32 masters (of `buckets`, or all) follow the
+        parameters where a write gave them other values: elementwise, a master whose rounding
+        is the parameter's value is kept. torch.distributed.checkpoint's set_state_dict loads
+        the optimizer before the model: the loaded masters (master_param) must survive the
+        model's load of their own roundings (copied, as sync_master_from_params does, they
+        lost their low bits: a resumed bf16 run was up to 1 ulp off the one that never
+        stopped). With stochastic_rounding an element rounded away from the nearest follows
+        the parameter."""
+        with torch.no_grad():
+            for b in range(self._flat.n_buckets) if buckets is None else buckets:
+                master = self._masters.piece(b)
+                if master is not None:
+                    piece = self._flat.bucket_piece(b).to(master.device)
+                    torch.where(master.to(piece.dtype) == piece, master, piece.float(),
+                                out=master)
 
     def _load_checked(self, state_dict: dict, groups: List[dict], shard: bool,
                       saved_state: dict, scaler: Optional[dict]) -> None:
