@@ -645,7 +645,8 @@ def vector_loaded_in_gathered(rank, stage):
     refused the next step (the flat buffer the step updates no longer held the parameter).
     Now the new .data is what is broadcast and trained. Inside a read-only gathered() the
     load is dropped (stage 3) or kept on this rank (stages 1-2, where the step then refuses
-    it): stage 3 refuses it at the block's exit, naming the parameter."""
+    it): stage 3 refuses it at the block's exit, naming the parameter, and an in-place write
+    there too (dropped silently before)."""
     ref, zmodel, zopt, ddp, ref_opt, gen = _pair(rank, stage)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
     with torch.no_grad():
@@ -657,11 +658,19 @@ def vector_loaded_in_gathered(rank, stage):
                 vector_to_parameters(ema.clone(), zmodel.parameters())
         except RuntimeError as exc:
             refused = str(exc)
+        written = None
+        if stage == 3:  # an in-place write, dropped as silently before
+            try:
+                with zero_py.gathered(zmodel):
+                    zmodel.fc2.weight.mul_(2.0)
+            except RuntimeError as exc:
+                written = str(exc)
         with zero_py.gathered(zmodel, modifier_rank=0):
             vector_to_parameters(ema.clone(), zmodel.parameters())
     loaded = _rel_named(zmodel, ref)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
-    return {"rel": max(loaded, _rel_named(zmodel, ref)), "refused": refused}
+    return {"rel": max(loaded, _rel_named(zmodel, ref)), "refused": refused,
+            "written": written}
 
 
 def stage3_functional_and_prune(rank):
@@ -757,6 +766,10 @@ def test_torch_idioms_match_ddp(tmp_path):
         assert "'fc1.weight' (unit '(the root module)') (and 5 more) was replaced inside a " \
             "read-only `zero_py.gathered(model)`" in read_only, read_only
         assert "modifier_rank=0" in read_only
+        written = res[("vector_loaded", 3)]["written"] or ""
+        assert "'fc2.weight' (unit '(the root module)') was written in place inside a " \
+            "read-only `zero_py.gathered(model)`" in written and "modifier_rank=0" in written, \
+            written
         functional, pruned = res[("functional_prune", 3)]["refused"]
         if _TORCH < (2, 6) and "doesn't have storage" in functional:
             pass  # torch 2.4's functorch wrappers have no storage: torch refuses them first

@@ -56,7 +56,8 @@ from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
 from zero_py.stage3.user_edits import (adopt_replaced_data, keep_post_hook_last,
-                                       keep_pre_hooks_first)
+                                       keep_pre_hooks_first, param_versions,
+                                       refuse_dropped_writes)
 
 
 def _not_traced(fn):
@@ -755,9 +756,12 @@ class Stage3Engine:
         outer = set().union(*self._held)
         self._held.append(set(wanted))
         modified = False
+        versions = param_versions(self.storages, wanted) if modifier_rank is None else None
         try:
             yield
             adopt_replaced_data(self.storages, wanted, modifier=modifier_rank is not None)
+            if versions is not None:
+                refuse_dropped_writes(self.storages, wanted, versions)
             if modifier_rank is not None:
                 with torch.no_grad(), contextlib.ExitStack() as writing:
                     for s in self.storages:  # one-sided readers wait for the writes

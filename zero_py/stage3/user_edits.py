@@ -76,6 +76,31 @@ def adopt_replaced_data(storages, units: Sequence[int], modifier: bool) -> None:
             "zero_py.gathered(model, modifier_rank=0):` on every rank (rank 0's values become "
             "every rank's), or load the values with model.load_state_dict(...).")
 
+def param_versions(storages, units: Sequence[int]) -> dict:
+    """The version counters of the parameters of `units` (ids to counts), at the start of a
+    read-only `gathered()` block: refuse_dropped_writes compares them at its end."""
+    return {id(s.params[i]): s.params[i]._version for s in storages for u in units
+            for b in s.unit_buckets[u] for i in s.bucket_params[b]}
+
+
+def refuse_dropped_writes(storages, units: Sequence[int], before: dict) -> None:
+    """At the end of a read-only `gathered()` block over `units`: a parameter written in place
+    there (`p.mul_(...)`, `nn.init.*_`, `p.copy_(t)`: its version counter moved) would have
+    its edit dropped when the unit is freed, silently. Refused, naming the parameter (on the
+    ranks that wrote; the block's exit is not collective)."""
+    written = [describe(s.params[i]) for s in storages for u in units
+               for b in s.unit_buckets[u] for i in s.bucket_params[b]
+               if before.get(id(s.params[i]), s.params[i]._version) != s.params[i]._version]
+    if written:
+        more = f" (and {len(written) - 1} more)" if len(written) > 1 else ""
+        raise RuntimeError(
+            f"zero_py stage 3: parameter {written[0]}{more} was written in place inside a "
+            "read-only `zero_py.gathered(model)` (no modifier_rank): the block's edits are "
+            "dropped when it ends, so this one is lost. Write it inside `with "
+            "zero_py.gathered(model, modifier_rank=0):` on every rank (rank 0's values become "
+            "every rank's), or load the values with model.load_state_dict(...).")
+
+
 def changed_registration(module: nn.Module, name: str, attr: str, param: torch.Tensor,
                          now) -> Optional[str]:
     """check_model's message for a sharded parameter that `module` no longer registers as
