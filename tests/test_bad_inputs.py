@@ -304,6 +304,13 @@ def _wrapped_in_ddp(where, stage):
     return build
 
 
+def _sparse_embedding(stage):
+    def build(_):
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        return model, None, lambda: zero_py.initialize(model, stage=stage)
+    return build
+
+
 def _grad_scaler(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer(model.parameters())
@@ -475,6 +482,10 @@ CALL_CASES = [
      r"the model is wrapped in DistributedDataParallel.*drop the DDP\(\.\.\.\)"),
     ("initialize a DDP submodule stage 3", _wrapped_in_ddp("child", 3), ValueError,
      "submodule '1' is wrapped in DistributedDataParallel"),
+    ("initialize a sparse embedding stage 1", _sparse_embedding(1), ValueError,
+     r"Embedding '0' has sparse=True.*sparse=False"),
+    ("initialize a sparse embedding stage 3", _sparse_embedding(3), ValueError,
+     r"Embedding '0' has sparse=True.*sparse=False"),
     ("broadcast_buffers not a bool", _bad_broadcast_buffers, TypeError, "broadcast_buffers"),
     ("stage 3: bad lr", _stage3({"lr": -1.0}), ValueError, "Invalid learning rate"),
     ("stage 3: bad bucket_bytes", _stage3({"bucket_bytes": 0}), ValueError, "bucket_bytes"),

@@ -135,11 +135,13 @@ def test_state_switched_on_that_cannot_be_added_is_refused(single_rank_group, tm
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_bad_gradient_names_its_parameter(single_rank_group, stage):
     """A sparse gradient is refused in the gradient hook, naming the parameter (stage 3's
-    storage indices mean nothing to the user)."""
-    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    storage indices mean nothing to the user). initialize refuses an embedding built with
+    sparse=True; one switched to it afterwards reaches the hook."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
     # initialize passes the names at every stage (named_parameters() to ZeroOptimizer would
     # too, where torch's optimizers take (name, tensor) pairs: not torch 2.4)
     model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage)
+    model[0].sparse = True
     with pytest.raises(RuntimeError, match="parameter '0.weight' has a sparse gradient"):
         model(torch.randint(0, 10, (3,))).sum().backward()
     assert opt.stage == stage  # alive until here: its gradient hooks make the check

@@ -136,6 +136,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
                          "once per model and keep the (model, optimizer) it returned")
     _refuse_data_parallel_wrappers(model)
+    _refuse_sparse_gradients(model)
     names = {id(p): n for n, p in model.named_parameters()}
     compat.check_unowned(model.parameters(), lambda p: repr(names.get(id(p), "?")))
     if not isinstance(broadcast_buffers, bool):
@@ -386,6 +387,20 @@ def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
                 "the wrapper would reduce them a second time. Give zero_py.initialize the "
                 "bare model (drop the DDP(...) / FSDP wrapper; `model.module` is the one "
                 "inside)")
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """An nn.Embedding / nn.EmbeddingBag with sparse=True and a trainable weight gives sparse
+    gradients, which zero_py does not reduce: refused here rather than in the first backward
+    (after a forward, on every rank)."""
+    for name, m in model.named_modules():
+        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                and m.weight.requires_grad):
+            raise ValueError(
+                f"{type(m).__name__} {name or '(root)'!r} has sparse=True: its weight gets "
+                "sparse gradients, which zero_py does not reduce or shard. Construct it with "
+                "sparse=False (the default; dense gradients train to the same values), or "
+                "freeze its weight")
 
 
 def _refuse_in_place_forward_writes(model: nn.Module) -> None:
