@@ -262,9 +262,9 @@ def dcp_torchtitan_resume(rank, tmp, stage):
     optimizer state, so the load brought none: resumed with fresh moments, 83% off (of a
     tensor's largest value) the run that never stopped after two steps. Checked against the
     run that never stopped: from a zero_py checkpoint in fp32 (AdamW, SGD) and bf16 (its fp32
-    masters come back), and a DDP bf16 checkpoint (no masters: loaded with allow_partial_load,
-    the masters follow the parameters, as the same dict loaded by load_state_dict gives). An
-    optimizer class that cannot be stepped on a stand-in warns."""
+    masters come back, offloaded too), and a DDP bf16 checkpoint (no masters: loaded with
+    allow_partial_load, the masters follow the parameters, as the same dict loaded by
+    load_state_dict gives). An optimizer class that cannot be stepped on a stand-in warns."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -274,7 +274,9 @@ def dcp_torchtitan_resume(rank, tmp, stage):
     out = {}
     cases = (("adamw", torch.float32, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), None),
              ("sgd", torch.float32, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), None),
-             ("adamw_bf16", torch.bfloat16, torch.optim.AdamW, dict(lr=1e-2), None))
+             ("adamw_bf16", torch.bfloat16, torch.optim.AdamW, dict(lr=1e-2), None),
+             ("adamw_bf16_offloaded", torch.bfloat16, torch.optim.AdamW,
+              dict(lr=1e-2, offload_optimizer="cpu"), None))
     for name, dtype, cls, kw, groups in cases:
         gen = torch.Generator().manual_seed(rank)
         first, later = _batches(gen, 2, dtype), _batches(gen, 2, dtype)
@@ -417,7 +419,7 @@ def test_dcp_get_refuses_to_drop_the_loss_scaler(results):
 def test_dcp_torchtitan_resume_from_a_fresh_optimizer(results, stage):
     for rank, res in enumerate(results):
         r = res["dcp_titan", stage]
-        for case in ("adamw", "sgd", "adamw_bf16"):
+        for case in ("adamw", "sgd", "adamw_bf16", "adamw_bf16_offloaded"):
             assert r[case, "warnings"] == [] and r[case, "template state"] > 0, (case, r)
             assert r[case] <= RTOL, f"rank {rank} {case}: differs from the run that never " \
                 f"stopped by {r[case]:.2e}"

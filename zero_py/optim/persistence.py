@@ -283,13 +283,14 @@ class StateDicts:
 
     def follow_loaded_params(self) -> None:
         """The fp32 masters follow the parameters after a stage-3 model.load_state_dict (its
-        load hook ends here), elementwise as follow_masters has them. Offloaded masters follow
-        as sync_master_from_params has them."""
-        if self._host is not None or (isinstance(self._update, StreamedUpdate)
-                                      and not self._update.is_resident):
+        load hook ends here), elementwise as follow_masters has them (an fp32 parameter's
+        host copy is pulled). Masters on NVMe follow as sync_master_from_params has them."""
+        if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
             self.sync_master_from_params()
             return
         self.discard_early_updates()
+        if self._host is not None:
+            self._host.pull_params()
         self.follow_masters()
         if self._written is not None:
             self._written.mark()
