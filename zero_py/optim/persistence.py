@@ -33,6 +33,17 @@ def rounding_seed_base_of(rank: int) -> int:
     return 0x5EED + 7919 * rank
 
 
+def _rounds_to(master: torch.Tensor, piece: torch.Tensor, stochastic: bool) -> torch.Tensor:
+    """Where the bf16/fp16 `piece` is a rounding of the fp32 `master`: the nearest, or under
+    stochastic rounding either neighbour."""
+    nearest = master.to(piece.dtype)
+    same = nearest == piece
+    if stochastic:
+        away = torch.where(master > nearest.float(), float("inf"), float("-inf"))
+        same |= torch.nextafter(nearest, away.to(piece.dtype)) == piece
+    return same
+
+
 class StateDicts:
     """The state-dict half of ZeroOptimizer (it reads the optimizer's layout, updater, masters,
     step counts and executor)."""
@@ -302,15 +313,14 @@ class StateDicts:
         the optimizer before the model: the loaded masters (master_param) must survive the
         model's load of their own roundings (copied, as sync_master_from_params does, they
         lost their low bits: a resumed bf16 run was up to 1 ulp off the one that never
-        stopped). With stochastic_rounding an element rounded away from the nearest follows
-        the parameter."""
+        stopped). With stochastic_rounding, either neighbour of the master is its rounding."""
         with torch.no_grad():
             for b in range(self._flat.n_buckets) if buckets is None else buckets:
                 master = self._masters.piece(b)
                 if master is not None:
                     piece = self._flat.bucket_piece(b).to(master.device)
-                    torch.where(master.to(piece.dtype) == piece, master, piece.float(),
-                                out=master)
+                    torch.where(_rounds_to(master, piece, self.stochastic_rounding), master,
+                                piece.float(), out=master)
 
     def _load_checked(self, state_dict: dict, groups: List[dict], shard: bool,
                       saved_state: dict, scaler: Optional[dict]) -> None:
