@@ -255,6 +255,8 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
                       "aliases['pos_emb.weight'] is also the name of a parameter"),
     "hostile_extra": ("rank 1's extra not decodable (an unnamed TypeError)",
                       "rank00001.safetensors: the header's __metadata__['extra']"),
+    "hostile_duplicate": ("a manifest with a key twice (JSON readers disagree on which wins)",
+                          "has the key 'world_size' twice in one object"),
     "hostile_lr": ("an lr of 'abc' (loaded; every step then failed)",
                    "optimizer.param_groups: could not convert string to float: 'abc'"),
 }
@@ -321,6 +323,8 @@ HOSTILE = {  # case: what it does to a copy of C
         d, lambda m: m["aliases"].update({"pos_emb.weight": "tok_emb.weight"})),
     "hostile_extra": lambda d: _rewrite_header(
         d, 1, lambda h: h["__metadata__"].update(extra='{"x": {"__items__": 5}}')),
+    "hostile_duplicate": lambda d: open(os.path.join(d, "manifest.json"), "r+").write(
+        open(os.path.join(d, "manifest.json")).read()[:-1] + ', "world_size": 2}'),
     "hostile_lr": lambda d: _edit_manifest(
         d, lambda m: m["optimizer"]["param_groups"][0].update(lr="abc")),
 }

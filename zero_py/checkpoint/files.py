@@ -167,11 +167,22 @@ def open_regular(path: str):
         raise
 
 
+def _unique_keys(pairs: List[Tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # readers that keep the first and the last would differ
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"it has the key {twice!r} twice in one object")
+    return out
+
+
 def parse_json(text, what: str):
     """json.loads of an untrusted document: JSON nested deeper than Python's recursion limit
-    raises ValueError (naming `what`) like any other invalid JSON, not RecursionError."""
+    raises ValueError (naming `what`) like any other invalid JSON, not RecursionError, and so
+    does an object with a key twice (a tensor named twice in a header, where another reader
+    could take the other entry)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ValueError(f"{what} nests deeper than this reader follows") from None
 
