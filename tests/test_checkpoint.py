@@ -1101,6 +1101,14 @@ def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(single_rank_gro
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 1})
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 2})
     assert zero_py.load_checkpoint(tmp_path / "target", model, opt) == {"n": 2}
+    # a directory of the user's whose manifest.json links to a checkpoint's is not one: it was
+    # replaced, and its files deleted with it
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "notes.txt").write_text("mine")
+    os.symlink(tmp_path / "target" / "manifest.json", tmp_path / "linked" / "manifest.json")
+    with pytest.raises(zero_py.CheckpointError, match="remove it or save elsewhere"):
+        zero_py.save_checkpoint(tmp_path / "linked", model, opt)
+    assert (tmp_path / "linked" / "notes.txt").read_text() == "mine"
 
 
 def _tiny_run(seed):
