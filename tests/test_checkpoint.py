@@ -257,6 +257,8 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
                       "rank00001.safetensors: the header's __metadata__['extra']"),
     "hostile_duplicate": ("a manifest with a key twice (JSON readers disagree on which wins)",
                           "has the key 'world_size' twice in one object"),
+    "hostile_void": ("rank 1's extra a numpy void scalar of 10**9 bytes (allocated)",
+                     "numpy dtype 'V8' is not one zero_py checkpoints store"),
     "hostile_lr": ("an lr of 'abc' (loaded; every step then failed)",
                    "optimizer.param_groups: could not convert string to float: 'abc'"),
 }
@@ -325,10 +327,14 @@ HOSTILE = {  # case: what it does to a copy of C
         d, 1, lambda h: h["__metadata__"].update(extra='{"x": {"__items__": 5}}')),
     "hostile_duplicate": lambda d: open(os.path.join(d, "manifest.json"), "r+").write(
         open(os.path.join(d, "manifest.json")).read()[:-1] + ', "world_size": 2}'),
+    "hostile_void": lambda d: _rewrite_header(
+        d, 1, lambda h: h["__metadata__"].update(extra='{"x": {"__numpy__": 1000000000, '
+                                                 '"dtype": "V8"}}')),
     "hostile_lr": lambda d: _edit_manifest(
         d, lambda m: m["optimizer"]["param_groups"][0].update(lr="abc")),
 }
-LOAD_ONLY = {"hostile_extra", "hostile_lr"}  # what inspect and consolidate do not read
+# what inspect and consolidate do not read
+LOAD_ONLY = {"hostile_extra", "hostile_void", "hostile_lr"}
 
 
 def make_damaged(tmp):
