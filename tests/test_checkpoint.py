@@ -233,6 +233,34 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
                     "manifest.json: params['tok_emb.weight'].pieces[0] is [7, 0, "),
     "layout_dtype": ("a dtype other than the file's",
                      "safetensors: tensor param/blocks.0.ln1.weight is F32, where "),
+    # hostile directories (HOSTILE below): each used to crash a reader, hang it or the other
+    # ranks, exhaust memory, or load what every step then refused
+    "hostile_world": ("a world size of 10**9 (a list of 10**9 file names: MemoryError)",
+                      "'world_size' is 1000000000"),
+    "hostile_fifo": ("manifest.json a FIFO (its open waited forever)",
+                     "manifest.json is not a regular file"),
+    "hostile_link": ("rank00001 a symbolic link to a file outside the directory",
+                     "rank00001.safetensors is a symbolic link"),
+    "hostile_nested": ("manifest.json nested 10**5 deep (RecursionError)",
+                       "nests deeper than this reader follows"),
+    "hostile_metadata": ("a header whose __metadata__ is a list (AttributeError)",
+                         "rank00000.safetensors: the header's __metadata__ is [1]"),
+    "hostile_crc_type": ("a file entry whose crc32c is a list (inspect: TypeError)",
+                         "files['rank00000.safetensors'].crc32c is [1], not 8 hex digits"),
+    "hostile_step": ("a step count of 2**63 (loaded; the owner's step failed, the other rank "
+                     "hung)", "params['pos_emb.weight'].step is 9223372036854775808"),
+    "hostile_overlap": ("a tensor's byte range over another's (read another tensor's bytes)",
+                        "overlapping or with bytes between them"),
+    "hostile_alias": ("a tied alias named as a parameter (consolidate wrote an unreadable file)",
+                      "aliases['pos_emb.weight'] is also the name of a parameter"),
+    "hostile_extra": ("rank 1's extra not decodable (an unnamed TypeError)",
+                      "rank00001.safetensors: the header's __metadata__['extra']"),
+    "hostile_duplicate": ("a manifest with a key twice (JSON readers disagree on which wins)",
+                          "has the key 'world_size' twice in one object"),
+    "hostile_void": ("rank 1's extra a numpy void scalar of 10**9 bytes (allocated)",
+                     "numpy dtype 'V8' is not one zero_py checkpoints store"),
+    "hostile_lr": ("an lr of 'abc' (loaded; every step then failed)",
+                   "optimizer.param_groups: could not convert string to float: 'abc'"),
 }
 LAYOUT_EDITS = {  # case: what it does to the manifest of a copy of C
     "layout_shape": lambda m: m["params"]["blocks.0.attn.qkv.weight"].update(shape=[97, 32]),
@@ -243,11 +271,80 @@ LAYOUT_EDITS = {  # case: what it does to the manifest of a copy of C
 }
 
 
+def _rewrite_header(d, rank, edit):
+    """Edits rank `rank`'s safetensors header in checkpoint `d` (edit(header) -> None) and
+    gives the manifest the file's new size and CRC-32C, as a hand-crafted file would have."""
+    from zero_py._native import _C
+
+    path = os.path.join(d, f"rank{rank:05d}.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    raw = len(text).to_bytes(8, "little") + text + raw[8 + n:]
+    with open(path, "wb") as f:
+        f.write(raw)
+    _edit_manifest(d, lambda m: m["files"][f"rank{rank:05d}.safetensors"].update(
+        bytes=len(raw), crc32c=f"{_C.crc32c(memoryview(raw), 0):08x}"))
+
+
+def _edit_manifest(d, edit):
+    with open(os.path.join(d, "manifest.json")) as f:
+        data = json.load(f)
+    edit(data)
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(data, f)
+
+
+def _overlap(header):  # the first param/ tensor's range, moved 4 bytes into the one before it
+    key = min((k for k in header if k.startswith("param/") and header[k]["data_offsets"][0]),
+              key=lambda k: header[k]["data_offsets"][0])
+    header[key]["data_offsets"] = [o - 4 for o in header[key]["data_offsets"]]
+
+
+HOSTILE = {  # case: what it does to a copy of C
+    "hostile_world": lambda d: _edit_manifest(d, lambda m: m.update(world_size=10**9)),
+    "hostile_fifo": lambda d: (os.remove(os.path.join(d, "manifest.json")),
+                               os.mkfifo(os.path.join(d, "manifest.json"))),
+    "hostile_link": lambda d: (
+        os.replace(os.path.join(d, "rank00001.safetensors"), d + ".outside"),
+        os.symlink(d + ".outside", os.path.join(d, "rank00001.safetensors"))),
+    "hostile_nested": lambda d: open(os.path.join(d, "manifest.json"), "w").write(
+        "[" * 10**5 + "]" * 10**5),
+    "hostile_metadata": lambda d: _rewrite_header(
+        d, 0, lambda h: h.__setitem__("__metadata__", [1])),
+    "hostile_crc_type": lambda d: _edit_manifest(
+        d, lambda m: m["files"]["rank00000.safetensors"].update(crc32c=[1])),
+    "hostile_step": lambda d: _edit_manifest(
+        d, lambda m: m["params"]["pos_emb.weight"].update(step=2**63)),
+    "hostile_overlap": lambda d: _rewrite_header(d, 1, _overlap),
+    "hostile_alias": lambda d: _edit_manifest(
+        d, lambda m: m["aliases"].update({"pos_emb.weight": "tok_emb.weight"})),
+    "hostile_extra": lambda d: _rewrite_header(
+        d, 1, lambda h: h["__metadata__"].update(extra='{"x": {"__items__": 5}}')),
+    "hostile_duplicate": lambda d: open(os.path.join(d, "manifest.json"), "r+").write(
+        open(os.path.join(d, "manifest.json")).read()[:-1] + ', "world_size": 2}'),
+    "hostile_void": lambda d: _rewrite_header(
+        d, 1, lambda h: h["__metadata__"].update(extra='{"x": {"__numpy__": 1000000000, '
+                                                 '"dtype": "V8"}}')),
+    "hostile_lr": lambda d: _edit_manifest(
+        d, lambda m: m["optimizer"]["param_groups"][0].update(lr="abc")),
+}
+# what inspect and consolidate do not read
+LOAD_ONLY = {"hostile_extra", "hostile_void", "hostile_lr"}
+
+
 def make_damaged(tmp):
     src = os.path.join(tmp, "C")
     for case in DAMAGED:
         dst = os.path.join(tmp, "bad_" + case)
         shutil.copytree(src, dst)
+        if case in HOSTILE:
+            HOSTILE[case](dst)
+            continue
         r0, r1 = (os.path.join(dst, f"rank0000{r}.safetensors") for r in (0, 1))
         if case == "flipped_byte":
             with open(r1, "r+b") as f:
@@ -665,7 +762,7 @@ def test_inspect_and_consolidate_refuse_a_manifest_that_does_not_describe_its_fi
     refused as load_checkpoint refuses it, each problem by file and field."""
     from zero_py.__main__ import main
 
-    for case in LAYOUT_EDITS:
+    for case in [*LAYOUT_EDITS, *(c for c in HOSTILE if c not in LOAD_ONLY)]:
         path = os.path.join(runs["tmp"], "bad_" + case)
         assert main(["inspect", path]) == 1, case
         out, err = capsys.readouterr()
@@ -984,10 +1081,40 @@ def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(single_rank_gro
     assert (tmp_path / "outputs" / "log.txt").read_text() == "mine too"
     assert os.readlink(tmp_path / "latest") == str(tmp_path / "target")
     assert sorted(os.listdir(tmp_path)) == ["latest", "notes.txt", "outputs", "target"]
+    # a directory whose manifest.json is a FIFO is not a checkpoint either (the save used to
+    # wait forever opening it, here and in keep_last's scan of the other checkpoints)
+    (tmp_path / "piped").mkdir()
+    os.mkfifo(tmp_path / "piped" / "manifest.json")
+    outcome = []
+
+    def piped():
+        try:
+            zero_py.save_checkpoint(tmp_path / "piped", model, opt)
+        except zero_py.CheckpointError as exc:
+            outcome.append(str(exc))
+    saving = threading.Thread(target=piped, daemon=True)
+    saving.start()
+    saving.join(20)
+    waited = saving.is_alive()
+    if waited:  # release the open that waits for a writer, then fail
+        os.close(os.open(tmp_path / "piped" / "manifest.json", os.O_WRONLY | os.O_NONBLOCK))
+        saving.join(20)
+    assert not waited, "the save waited on the FIFO"
+    assert outcome and "remove it or save elsewhere" in outcome[0], outcome
+    os.remove(tmp_path / "piped" / "manifest.json")
+    os.rmdir(tmp_path / "piped")
     # an empty directory, then the checkpoint now there, are replaced
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 1})
     zero_py.save_checkpoint(tmp_path / "target", model, opt, {"n": 2})
     assert zero_py.load_checkpoint(tmp_path / "target", model, opt) == {"n": 2}
+    # a directory of the user's whose manifest.json links to a checkpoint's is not one: it was
+    # replaced, and its files deleted with it
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "notes.txt").write_text("mine")
+    os.symlink(tmp_path / "target" / "manifest.json", tmp_path / "linked" / "manifest.json")
+    with pytest.raises(zero_py.CheckpointError, match="remove it or save elsewhere"):
+        zero_py.save_checkpoint(tmp_path / "linked", model, opt)
+    assert (tmp_path / "linked" / "notes.txt").read_text() == "mine"
 
 
 def _tiny_run(seed):

@@ -335,6 +335,11 @@ def test_bad_tables_and_stats_inputs_raise_value_error():
         kernels.optim_step_segments(array("q"), [[0.0] * 10])
     with pytest.raises(ValueError, match="unknown kind -1"):
         kernels.optim_step_segments(array("q"), [[1.5] + [0.0] * 10])
+    # the binding's own check of a row's seed names the value (its message used to end in a
+    # literal "%g": PyErr_Format has no %g)
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*53\], got "
+                                         r"1\.2e\+18$"):
+        kernels.optim_step_segments(array("q"), [[0.0] * 10 + [1.2e18]])
     with pytest.raises(IndexError, match="segment 0 names group 3"):
         kernels.optim_step_segments(array("q", [0, 0, 0, 0, 0, 0, 1, 1, 3, 0]), [])
     with pytest.raises(ValueError, match="one dtype per call"):

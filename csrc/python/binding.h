@@ -114,8 +114,11 @@ static inline zp_opt_group *zp_py_opt_group_rows(const Py_buffer *buf, Py_ssize_
     memcpy(row, (const char *)buf->buf + k * sizeof row, sizeof row);
     if (!(row[10] >= 0.0 && row[10] <= 9007199254740992.0 &&
           row[10] == (double)(uint64_t)row[10])) {
+      /* PyErr_Format has no %g: the value goes through Python's own float repr */
+      char *got = PyOS_double_to_string(row[10], 'r', 0, 0, NULL);
       PyErr_Format(PyExc_ValueError, "opt_step: group %zd: seed must be an integer in "
-                   "[0, 2**53], got %g", k, row[10]);
+                   "[0, 2**53], got %s", k, got != NULL ? got : "?");
+      PyMem_Free(got);
       free(groups);
       return NULL;
     }

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,8 @@ class TensorFileWriter:
             if dtype not in _ST_DTYPES:
                 raise ValueError(f"tensor {name!r} has dtype {dtype}, which the checkpoint "
                                  "format does not store")
+            if name in header:  # one header entry for two tensors: an unreadable file
+                raise ValueError(f"tensor {name!r} is declared twice")
             numel = 1
             for d in shape:
                 numel *= int(d)
@@ -135,23 +138,94 @@ def write_tensor_file(path: str, tensors: Sequence[Tuple[str, torch.Tensor]],
     return writer.close()
 
 
+class NotRegularFile(ValueError):
+    """A checkpoint's file that is a symbolic link, a FIFO, a device, ... (open_regular)."""
+
+
+def open_regular(path: str):
+    """A file of a checkpoint directory, opened for reading (binary, unbuffered), checked to be
+    a regular file: a symbolic link (it may point anywhere outside the directory), a FIFO (its
+    open or read would wait for a writer forever) or a device (/dev/zero never ends) raises
+    ValueError naming it. Checkpoint directories are untrusted input."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFile(f"{path} is a symbolic link; the files of a checkpoint are "
+                             "regular files in its directory (copy the file there instead "
+                             "of linking it)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{path} is not a regular file (a FIFO, socket, device or "
+                             "directory), which a checkpoint never holds")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _unique_keys(pairs: List[Tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # readers that keep the first and the last would differ
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"it has the key {twice!r} twice in one object")
+    return out
+
+
+def parse_json(text, what: str):
+    """json.loads of an untrusted document: JSON nested deeper than Python's recursion limit
+    raises ValueError (naming `what`) like any other invalid JSON, not RecursionError, and so
+    does an object with a key twice (a tensor named twice in a header, where another reader
+    could take the other entry)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError(f"{what} nests deeper than this reader follows") from None
+
+
+def read_json_file(path: str):
+    """The JSON document in file `path` (a regular file: open_regular), read whole; ValueError
+    where it is not valid JSON (or not UTF-8)."""
+    with open_regular(path) as f:
+        raw = f.readall()
+    try:
+        return parse_json(raw.decode("utf-8"), "it")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"it is not UTF-8: {exc}") from None
+
+
 def read_header(path: str) -> Tuple[dict, int]:
-    """The JSON header of a safetensors file (checked to be one) and the file offset where its
-    data starts, without reading the data."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    """The JSON header of a safetensors file (checked to be one, a regular file, with metadata
+    of strings) and the file offset where its data starts, without reading the data."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError(f"{path} is {size} bytes: too short for a safetensors file")
         (n,) = struct.unpack("<Q", raw)
         if n > min(_MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"{path}: its header claims {n} bytes, the file has {size}")
+        text = bytearray()
+        while len(text) < n:
+            got = f.read(n - len(text))
+            if not got:
+                raise ValueError(f"{path} ended inside its header: it is truncated")
+            text += got
         try:
-            header = json.loads(f.read(n))
+            header = parse_json(bytes(text), "it")
         except ValueError as exc:
             raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(
+            isinstance(v, str) for v in meta.values())):
+        raise ValueError(f"{path}: the header's __metadata__ is {str(meta)[:100]}, not an "
+                         "object of strings (safetensors' format)")
     return header, 8 + n
 
 

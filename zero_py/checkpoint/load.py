@@ -91,15 +91,20 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
             raise CheckpointError(f"{ck.path}: param group {k} holds other parameters there "
                                   f"({len(saved['params'])}) than here ({len(here)}): build the "
                                   "optimizer with the same groups")
-    decoded = [{k: plain.decode(v) for k, v in g.items() if k != "params"} for g in groups]
+    decoded = [{k: ck.decoded(f"optimizer.param_groups[{i}][{k!r}]", v)
+                for k, v in g.items() if k != "params"} for i, g in enumerate(groups)]
     try:
         new_groups = opt._check_hyperparameters(decoded)
+        if opt.uses_fused_kernel:  # values the kernel refuses: every step after would fail
+            opt._update.check_group_values(new_groups, range(len(new_groups)))
         # the fused update's state keys under the saved groups: SGD's momentum buffer is added
         # when they switch a momentum on that this optimizer was built without (OneCycleLR)
         keys = (opt._update.keys + opt._state_to_add(new_groups) if opt.uses_fused_kernel
                 else None)
-    except ValueError as exc:
-        raise CheckpointError(f"{ck.path}: {exc}") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        kind = "" if isinstance(exc, ValueError) else f"{type(exc).__name__}: "
+        raise CheckpointError(f"{ck.path}: {MANIFEST}'s optimizer.param_groups: {kind}{exc}") \
+            from None
     for name, h in held.items():
         st = ck.params[name].get("state")
         if keys is not None and h.index is not None and st is not None and st["keys"] != keys \
@@ -113,7 +118,7 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
                               "with loss_scaler=zero_py.LossScaler() to resume it")
     if man["loss_scaler"] is not None:  # checked here: the commit must not fail halfway
         try:
-            opt.loss_scaler.check_state(plain.decode(man["loss_scaler"]))
+            opt.loss_scaler.check_state(ck.decoded("loss_scaler", man["loss_scaler"]))
         except ValueError as exc:
             raise CheckpointError(f"{ck.path}: {MANIFEST}'s loss_scaler: {exc}") from None
     return new_groups, keys
@@ -196,7 +201,8 @@ def _plan(ck: Checkpoint, opt, held: Dict[str, Held], keys: Optional[List[str]])
             continue
         state: Dict[str, Any] = {key: plan.stage(ck, f"state/{key}", name, s.param_lo,
                                                  s.param_hi) for key in st["keys"]}
-        state.update({k: plain.decode(v) for k, v in st["scalars"].items()})
+        state.update({k: ck.decoded(f"params[{name!r}].state.scalars[{k!r}]", v)
+                      for k, v in st["scalars"].items()})
         state["step"] = int(entry["step"])
         if st.get("step_tensor"):
             state["step"] = torch.tensor(float(entry["step"]),

@@ -117,12 +117,25 @@ def _encode_numpy(value: Any, sink: Optional[Callable[[torch.Tensor], str]], pat
 def _decode_numpy(data: dict, source: Optional[Callable[[str], torch.Tensor]]) -> Any:
     import numpy as np
 
+    # only the kinds encode() writes: np.void(10**12) of a crafted "V8" would allocate 1 TB, an
+    # object or structured dtype is no plain data
     if "__numpy__" in data:
-        return np.dtype(data["dtype"]).type(decode(data["__numpy__"]))
+        dtype = _numpy_dtype(data["dtype"], "biuf")
+        return dtype.type(decode(data["__numpy__"]))
     if source is None:
         raise ValueError("a numpy array where none is expected")
+    dtype = _numpy_dtype(data["dtype"], "biufcmMSU")
     raw = source(data["__ndarray__"]).numpy().tobytes()
-    return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
+    return np.frombuffer(raw, dtype=dtype).reshape(data["shape"]).copy()
+
+
+def _numpy_dtype(name: Any, kinds: str):
+    import numpy as np
+
+    dtype = np.dtype(name) if isinstance(name, str) else None
+    if dtype is None or dtype.kind not in kinds or dtype.fields is not None:
+        raise ValueError(f"numpy dtype {name!r} is not one zero_py checkpoints store")
+    return dtype
 
 
 def decode(data: Any, source: Optional[Callable[[str], torch.Tensor]] = None) -> Any:

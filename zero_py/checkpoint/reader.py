@@ -15,8 +15,8 @@ the reader's resident memory. Buffers and `extra` (small) go through the safeten
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 
 from zero_py.checkpoint import plain
-from zero_py.checkpoint.files import ST_DTYPES, file_crc32c, read_header
+from zero_py.checkpoint.files import (ST_DTYPES, NotRegularFile, file_crc32c, parse_json,
+                                      read_header, read_json_file)
 from zero_py.checkpoint.validate import layout_problems
 from zero_py.collectives.objects import gather_json
 
@@ -32,6 +33,13 @@ FORMAT = "zero_py-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _PROBLEMS_SHOWN = 20  # a damaged manifest's problems listed in its error
+# the most rank files a manifest may list: its world size is checked against this before any
+# per-rank list is built (a manifest saying 10**9 ranks made the reader build 10**9 file names)
+_MAX_WORLD = 1 << 20
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
 class CheckpointError(RuntimeError):
@@ -127,13 +135,17 @@ class Checkpoint:
     def _read_manifest(path: str, root: str) -> dict:
         mpath = os.path.join(path, MANIFEST)
         try:
-            with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
-                manifest = json.load(f)
+            manifest = read_json_file(os.path.join(root, MANIFEST))
         except FileNotFoundError:
             raise CheckpointError(f"{path} has no {MANIFEST}: not a finished zero_py "
                                   "checkpoint") from None
+        except NotRegularFile as exc:  # a link, a FIFO (whose open waits), /dev/zero
+            raise CheckpointError(str(exc).replace(os.path.join(root, MANIFEST), mpath)) \
+                from None
         except ValueError as exc:
             raise CheckpointError(f"{mpath} is damaged (not valid JSON: {exc})") from None
+        except OSError as exc:
+            raise CheckpointError(f"{mpath} cannot be read ({exc.strerror or exc})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{mpath} is not a zero_py checkpoint manifest")
         if manifest.get("version") != VERSION:
@@ -150,11 +162,31 @@ class Checkpoint:
             if not isinstance(manifest[key], kinds) or isinstance(manifest[key], bool):
                 raise CheckpointError(f"{mpath}: {key!r} is {manifest[key]!r}, not of the type "
                                       "the format gives it: the manifest is damaged")
+        world = manifest["world_size"]
+        if not 1 <= world <= _MAX_WORLD or len(manifest["files"]) != world:
+            raise CheckpointError(f"{mpath}: 'world_size' is {world} and 'files' lists "
+                                  f"{len(manifest['files'])} file(s): a checkpoint has one file "
+                                  f"per rank of the saving run, 1 to {_MAX_WORLD}; the manifest "
+                                  "is damaged")
         for name, info in manifest["files"].items():
             if not (isinstance(info, dict) and all(k in info for k in ("rank", "bytes",
                                                                        "crc32c"))):
                 raise CheckpointError(f"{mpath}: the entry of file {name!r} lacks rank, bytes "
                                       "or crc32c: the manifest is damaged")
+            field = f"files[{name!r}]"
+            if not (_is_count(info["rank"]) and name == rank_file(info["rank"])):
+                raise CheckpointError(f"{mpath}: {field}.rank is {info['rank']!r}, not the rank "
+                                      "the file is named after: the manifest is damaged")
+            if not _is_count(info["bytes"]):
+                raise CheckpointError(f"{mpath}: {field}.bytes is {info['bytes']!r}, not a "
+                                      "byte count: the manifest is damaged")
+            if not (isinstance(info["crc32c"], str)
+                    and re.fullmatch(r"[0-9a-f]{8}", info["crc32c"])):
+                raise CheckpointError(f"{mpath}: {field}.crc32c is {info['crc32c']!r}, not 8 "
+                                      "hex digits: the manifest is damaged")
+            if not isinstance(info.get("extra", False), bool):
+                raise CheckpointError(f"{mpath}: {field}.extra is {info['extra']!r}, not true "
+                                      "or false: the manifest is damaged")
         return manifest
 
     def _at(self, name: str) -> str:
@@ -174,8 +206,15 @@ class Checkpoint:
                                   f"{man['world_size']}")
         for name, info in man["files"].items():
             fpath = os.path.join(self.path, name)
-            if not os.path.isfile(self._at(name)):
+            if os.path.islink(self._at(name)):
+                raise CheckpointError(f"{fpath} is a symbolic link; the files of a checkpoint "
+                                      "are regular files in its directory (copy the file there "
+                                      "instead of linking it)")
+            if not os.path.lexists(self._at(name)):
                 raise CheckpointError(f"{fpath} is missing")
+            if not os.path.isfile(self._at(name)):
+                raise CheckpointError(f"{fpath} is not a regular file (a FIFO, socket, device "
+                                      "or directory), which a checkpoint never holds")
             size = self._sizes[name] = os.path.getsize(self._at(name))
             try:
                 self._headers[name] = read_header(self._at(name))  # read once: _raw() takes it
@@ -339,9 +378,32 @@ class Checkpoint:
         """The `extra` that rank `rank` saved (None when it saved none)."""
         if not self.manifest["files"][rank_file(rank)].get("extra"):
             return None
+        fpath = os.path.join(self.path, rank_file(rank))
         h = self._handle(rank)
-        encoded = json.loads(h.metadata()["extra"])
-        return plain.decode(encoded, h.get_tensor)
+
+        def tensor(key: Any) -> torch.Tensor:
+            if not (isinstance(key, str) and key.startswith("extra/")):
+                raise ValueError(f"{key!r} is not a tensor of 'extra' (extra/<k>)")
+            return h.get_tensor(key)
+
+        try:
+            return plain.decode(parse_json(h.metadata()["extra"], "it"), tensor)
+        except Exception as exc:  # noqa: BLE001 - any value of the untrusted text: refused
+            raise CheckpointError(  # by file and field (safetensors raises its own types)
+                f"{fpath}: the header's __metadata__['extra'] (the `extra` rank {rank} saved) "
+                f"cannot be decoded ({type(exc).__name__}: {exc}): the file is damaged"
+            ) from None
+
+    def decoded(self, field: str, value: Any) -> Any:
+        """plain.decode of the manifest's `field` (hyperparameters, scalar state, the loss
+        scaler's): CheckpointError naming the field where its tagged values are malformed."""
+        try:
+            return plain.decode(value)
+        except Exception as exc:  # noqa: BLE001 - any value of the untrusted text: refused
+            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: {field} is "
+                                  f"{str(value)[:100]}, which cannot be decoded "
+                                  f"({type(exc).__name__}: {exc}): the manifest is damaged"
+                                  ) from None
 
     def close(self) -> None:
         self._handles.clear()

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from zero_py.checkpoint import feedback, plain
-from zero_py.checkpoint.files import (fsync_dir, publish_dir, remove_in_background,
-                                      wait_for_removals, write_tensor_file, write_text_durably)
+from zero_py.checkpoint.files import (fsync_dir, publish_dir, read_json_file,
+                                      remove_in_background, wait_for_removals,
+                                      write_tensor_file, write_text_durably)
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import PieceReaders, Span, SpanReader, streamed
 from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointError, agree,
@@ -219,9 +220,8 @@ def _finished_manifest(path: str) -> Optional[dict]:
     or None where there is none: only such a directory is ever ours to replace or delete."""
     if os.path.islink(path) or not os.path.isdir(path):
         return None
-    try:
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            man = json.load(f)
+    try:  # a regular file: a FIFO there made the save wait forever, /dev/zero fill memory
+        man = read_json_file(os.path.join(path, MANIFEST))
     except (OSError, ValueError):
         return None
     return man if isinstance(man, dict) and man.get("format") == FORMAT else None

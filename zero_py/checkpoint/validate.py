@@ -24,6 +24,13 @@ from zero_py.checkpoint.files import ST_DTYPES
 _Expected = Tuple[Union[List[int], int], Optional[str], str]
 _ST_NAME = {v: k for k, v in ST_DTYPES.items()}
 _LAYOUT_PREFIXES = ("param/", "master/", "state/", "buffer/")
+_INT64 = 2**63
+# step counts: the update takes them as int64 and float64 (bias corrections, a step tensor),
+# exact below 2**53; the stochastic-rounding seed (a base per rank + the steps) must stay in
+# [0, 2**53] (a larger count loaded, and every step after it failed; a step count of 2**63 on
+# the rank that owns the parameter alone failed that rank's step and hung the others)
+_MAX_COUNT = 2**53
+_MAX_ROUNDING_STEPS = 2**52
 
 
 def _is_int(v: Any) -> bool:
@@ -31,7 +38,20 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_shape(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v)
+    """A list of sizes >= 0 whose running product stays in int64, as safetensors computes it
+    (a shape like [2**62, 2**62, 0] holds no element but overflows every reader's int64)."""
+    if not (isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v)):
+        return False
+    n = 1
+    for d in v:
+        n *= d
+        if n >= _INT64:
+            return False
+    return True
+
+
+def _is_count(v: Any, limit: int = _MAX_COUNT) -> bool:
+    return _is_int(v) and 0 <= v < limit
 
 
 def _numel(shape: List[int]) -> int:
@@ -60,6 +80,9 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
     def bad(field: str, what: str) -> None:
         problems.append(f"{mpath}: {field} {what}")
 
+    if not _is_count(manifest["step"]):
+        bad("step", f"is {manifest['step']!r}, not a step count in [0, 2**53)")
+
     params = manifest["params"]
     for name, entry in params.items():
         field = f"params[{name!r}]"
@@ -82,15 +105,15 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
         whole = True  # the fields that say which tensors the files hold are readable
         if entry.get("trainable") is True:
             step, master, state = entry.get("step"), entry.get("master"), entry.get("state")
-            if not (_is_int(step) and step >= 0):
-                bad(f"{field}.step", f"is {step!r}, not a step count >= 0")
+            if not _is_count(step):
+                bad(f"{field}.step", f"is {step!r}, not a step count in [0, 2**53)")
                 whole = False
             if not isinstance(master, bool):
                 bad(f"{field}.master", f"is {master!r}, not true or false")
                 whole = False
             elif master:
                 tensors.append(("master", None))
-            if _is_int(step) and step > 0:
+            if _is_count(step) and step > 0:
                 if not isinstance(state, dict):
                     bad(f"{field}.state", f"is {state!r}: a parameter stepped {step} time(s) "
                         "has its optimizer state's record (keys, scalars, step_tensor)")
@@ -109,6 +132,8 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
                     st = state.get("step_tensor")
                     if st is not None and not _known_dtype(st):
                         bad(f"{field}.state.step_tensor", f"is {st!r}, not null or a dtype")
+        elif "step" in entry and not _is_count(entry["step"]):  # a frozen one: none saved
+            bad(f"{field}.step", f"is {entry['step']!r}, not a step count in [0, 2**53)")
         pieces = entry.get("pieces")
         if not isinstance(pieces, list):
             bad(f"{field}.pieces", f"is {pieces!r}, not a list of [rank, lo, hi]")
@@ -152,6 +177,8 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
         if not (isinstance(entry, dict) and _is_shape(entry.get("shape"))
                 and _known_dtype(entry.get("dtype"))):
             bad(field, f"is {entry!r}, not {{'shape': [sizes], 'dtype': name}}")
+        elif name in params:
+            bad(field, "has the name of a parameter: a state_dict holds each name once")
         elif files:
             expected[files[0]][f"buffer/{name}"] = (  # a buffer keeps its shape (0-d too)
                 list(entry["shape"]), _ST_NAME[plain.dtype_of(entry["dtype"])], field)
@@ -163,14 +190,19 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
         for alias, target in aliases.items():
             if not (isinstance(target, str) and target in params):
                 bad(f"aliases[{alias!r}]", f"is {target!r}, not a parameter of 'params'")
+            elif alias in params or alias in manifest["buffers"]:
+                # consolidate wrote both under one name: a file safetensors refuses to read
+                bad(f"aliases[{alias!r}]", "is also the name of a parameter or buffer: a "
+                    "state_dict holds each name once")
 
     opt = manifest["optimizer"]
-    for key, kinds in (("class", str), ("fused", bool), ("param_groups", list),
-                       ("rounding_steps", int), ("skipped_steps", int)):
-        if not isinstance(opt.get(key), kinds) or (kinds is int and isinstance(opt.get(key),
-                                                                                 bool)):
+    for key, kinds in (("class", str), ("fused", bool), ("param_groups", list)):
+        if not isinstance(opt.get(key), kinds):
             bad(f"optimizer.{key}", f"is {opt.get(key)!r}, not of the type the format gives "
                 "it")
+    for key, limit in (("rounding_steps", _MAX_ROUNDING_STEPS), ("skipped_steps", _MAX_COUNT)):
+        if not _is_count(opt.get(key), limit):
+            bad(f"optimizer.{key}", f"is {opt.get(key)!r}, not a step count in [0, {limit})")
     for k, group in enumerate(opt.get("param_groups") or ()):
         names = group.get("params") if isinstance(group, dict) else None
         if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
@@ -191,23 +223,30 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
             fed = info.get("feedback")
             if fed is not None:
                 buckets = fed.get("buckets") if isinstance(fed, dict) else None
-                if not (isinstance(buckets, list) and all(map(_is_int, buckets))):
+                if not (isinstance(buckets, list) and all(map(_is_count, buckets))):
                     bad(f"files[{fname!r}].feedback", f"is {fed!r}, not {{'buckets': "
                         "[indices], 'digest': ...}")
                 else:
                     for b in buckets:
                         expected[fname][f"feedback/{b}"] = (-1, "F32",
                                                             f"files[{fname!r}].feedback")
+        ranges = []
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
             what = _tensor_problem(entry, data)
             if what is not None:
                 problems.append(f"{fpath}: tensor {key} {what}")
-            elif key.startswith(_LAYOUT_PREFIXES) and key not in expected[fname] \
+                ranges = None
+                continue
+            if ranges is not None:
+                ranges.append((*entry["data_offsets"], key))
+            if key.startswith(_LAYOUT_PREFIXES) and key not in expected[fname] \
                     and _named(key) not in unchecked:
                 problems.append(f"{fpath} holds tensor {key}, which no field of {mpath} "
                                 "places in this file")
+        if ranges is not None:
+            problems += _range_problems(fpath, sorted(ranges), data)
         for key, (n, st_dtype, field) in expected[fname].items():
             entry = header.get(key)
             if entry is None:
@@ -224,6 +263,20 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
                     problems.append(f"{fpath}: tensor {key} is {entry['dtype']}, where "
                                     f"{mpath}'s {field} says {said}")
     return problems
+
+
+def _range_problems(fpath: str, ranges: List[Tuple[int, int, str]], data: int) -> List[str]:
+    """The tensors' byte ranges (sorted) must tile the file's data, as safetensors requires:
+    no two overlapping (a tensor read another's bytes), no bytes between or after them."""
+    at, found = 0, []
+    for begin, end, key in ranges:
+        if begin != at:
+            found.append(f"{fpath}: tensor {key} starts at data byte {begin}, where the tensors "
+                         f"before it end at {at} (overlapping or with bytes between them)")
+        at = max(at, end)
+    if at != data:
+        found.append(f"{fpath}: its tensors end at data byte {at} of its {data}")
+    return found[:3]
 
 
 def _named(key: str) -> str:

@@ -378,12 +378,18 @@ class FusedUpdate(_Update):
         flat = self.flat
         stepped = sorted({flat.bucket_group[flat.param_bucket[i]] for i, u in enumerate(used)
                           if u})
-        rows = [self._group_row(self.param_groups[k], torch.float32, torch.float32, 1.0, 0,
-                                False) for k in stepped]
+        self.check_group_values(self.param_groups, stepped)
+
+    def check_group_values(self, groups: Sequence[dict], which: Sequence[int]) -> None:
+        """The kernel's checks of the hyperparameters of groups[k] for k in `which` (check_groups;
+        load_checkpoint, on the loaded groups before anything changes): ValueError naming the
+        param group."""
         try:
+            rows = [self._group_row(groups[k], torch.float32, torch.float32, 1.0, 0, False)
+                    for k in which]
             kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
         except ValueError as exc:
-            raise ValueError(_by_param_group(str(exc), stepped)) from None
+            raise ValueError(_by_param_group(str(exc), list(which))) from None
 
     def slice_state(self, s: ShardSlice, copy: bool = True) -> Dict[str, torch.Tensor]:
         """Slice s's per-element state tensors (copies, or views of the live state)."""
