@@ -25,6 +25,15 @@ def _trained(stage=2, **kw):
     return model, opt
 
 
+def _trained_other():
+    """An optimizer over another model with as many parameters (nn.Linear(4, 5))."""
+    model = nn.Linear(4, 5)
+    opt = zero_py.ZeroOptimizer(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    return opt
+
+
 def _snapshot(model, opt):
     sd = opt.state_dict()
     return ([p.detach().clone() for p in model.parameters()],
@@ -124,6 +133,12 @@ LOAD_CASES = [
      r"lacks \['slices'\]"),
     ("shard: another world size", _shard(_set(["zero_py", "world_size"], 2)), ValueError,
      "consolidate_state_dict"),
+    # a script with two optimizers (a GAN) loading one's dict into the other: same parameter
+    # count, other shapes (it said "rank 0 of 1 with another layout than rank 0 of 1 here", and
+    # at 2 ranks "the ranks disagree": each rank's message named its rank)
+    ("shard: another optimizer's dict", lambda opt: _trained_other().state_dict(), ValueError,
+     "^this shard state dict slices its parameters otherwise than this optimizer does: it is "
+     "the dict of an optimizer over other parameters"),
     ("full: one-element exp_avg", _full(_set(["state", 0, "exp_avg"], torch.ones(1))),
      ValueError, r"shape \(1,\), expected \(4, 4\)"),
     ("full: broadcastable (1, 4)", _full(_set(["state", 0, "exp_avg"], torch.ones(1, 4))),
