@@ -301,6 +301,17 @@ def _torch_clip_beside_others(_):
         list(model.parameters()) + list(other.parameters()), 1.0)
 
 
+def _torch_clip_over_two_optimizers(_):
+    """A model split over two ZeroOptimizers (matrices and the rest, as a Muon-like script
+    splits it): torch's call over model.parameters() has no one optimizer's equivalent."""
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight], stage=2)
+    second = zero_py.ZeroOptimizer([model.bias], torch.optim.SGD, stage=1, lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    return model, first, lambda kept=second: torch.nn.utils.clip_grad_norm_(
+        model.parameters(), 1.0)
+
+
 def _torch_clip_value(_):
     model = nn.Linear(4, 4)
     first = zero_py.ZeroOptimizer(model.parameters())
@@ -482,8 +493,13 @@ CALL_CASES = [
      "optimizer.clip_grad_norm_"),
     ("torch clip_grad_norm_ stage 2", _torch_clip(2), RuntimeError,
      "clip nothing and return 0"),
+    # the optimizer's own clip_grad_norm_ was offered as "the same call": it clips by the norm
+    # of its own parameters only (a model split over two optimizers drifted from DDP's clip)
     ("torch clip_grad_norm_ beside other gradients", _torch_clip_beside_others, RuntimeError,
-     "every parameter the optimizer trains"),
+     r"a ZeroOptimizer and parameters with gradients outside it: no one optimizer's "
+     r"clip_grad_norm_ is torch's call.*n_k = opt_k\.clip_grad_norm_\(float\('inf'\)\)"),
+    ("torch clip_grad_norm_ over two optimizers", _torch_clip_over_two_optimizers,
+     RuntimeError, r"got parameters of 2 ZeroOptimizers: .*opt_k\.clip_grad_norm_\(n_k \* c\)"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
     ("initialize a DDP model stage 2", _wrapped_in_ddp("root", 2), ValueError,
