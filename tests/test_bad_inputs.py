@@ -25,6 +25,15 @@ def _trained(stage=2, **kw):
     return model, opt
 
 
+def _trained_other():
+    """An optimizer over another model with as many parameters (nn.Linear(4, 5))."""
+    model = nn.Linear(4, 5)
+    opt = zero_py.ZeroOptimizer(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    return opt
+
+
 def _snapshot(model, opt):
     sd = opt.state_dict()
     return ([p.detach().clone() for p in model.parameters()],
@@ -124,6 +133,12 @@ LOAD_CASES = [
      r"lacks \['slices'\]"),
     ("shard: another world size", _shard(_set(["zero_py", "world_size"], 2)), ValueError,
      "consolidate_state_dict"),
+    # a script with two optimizers (a GAN) loading one's dict into the other: same parameter
+    # count, other shapes (it said "rank 0 of 1 with another layout than rank 0 of 1 here", and
+    # at 2 ranks "the ranks disagree": each rank's message named its rank)
+    ("shard: another optimizer's dict", lambda opt: _trained_other().state_dict(), ValueError,
+     "^this shard state dict slices its parameters otherwise than this optimizer does: it is "
+     "the dict of an optimizer over other parameters"),
     ("full: one-element exp_avg", _full(_set(["state", 0, "exp_avg"], torch.ones(1))),
      ValueError, r"shape \(1,\), expected \(4, 4\)"),
     ("full: broadcastable (1, 4)", _full(_set(["state", 0, "exp_avg"], torch.ones(1, 4))),
@@ -284,6 +299,17 @@ def _torch_clip_beside_others(_):
     (model(torch.randn(2, 4)).sum() + other(torch.randn(2, 4)).sum()).backward()
     return model, first, lambda: torch.nn.utils.clip_grad_norm_(
         list(model.parameters()) + list(other.parameters()), 1.0)
+
+
+def _torch_clip_over_two_optimizers(_):
+    """A model split over two ZeroOptimizers (matrices and the rest, as a Muon-like script
+    splits it): torch's call over model.parameters() has no one optimizer's equivalent."""
+    model = nn.Linear(4, 4)
+    first = zero_py.ZeroOptimizer([model.weight], stage=2)
+    second = zero_py.ZeroOptimizer([model.bias], torch.optim.SGD, stage=1, lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    return model, first, lambda kept=second: torch.nn.utils.clip_grad_norm_(
+        model.parameters(), 1.0)
 
 
 def _torch_clip_value(_):
@@ -474,8 +500,13 @@ CALL_CASES = [
      "optimizer.clip_grad_norm_"),
     ("torch clip_grad_norm_ stage 2", _torch_clip(2), RuntimeError,
      "clip nothing and return 0"),
+    # the optimizer's own clip_grad_norm_ was offered as "the same call": it clips by the norm
+    # of its own parameters only (a model split over two optimizers drifted from DDP's clip)
     ("torch clip_grad_norm_ beside other gradients", _torch_clip_beside_others, RuntimeError,
-     "every parameter the optimizer trains"),
+     r"a ZeroOptimizer and parameters with gradients outside it: no one optimizer's "
+     r"clip_grad_norm_ is torch's call.*n_k = opt_k\.clip_grad_norm_\(float\('inf'\)\)"),
+    ("torch clip_grad_norm_ over two optimizers", _torch_clip_over_two_optimizers,
+     RuntimeError, r"got parameters of 2 ZeroOptimizers: .*opt_k\.clip_grad_norm_\(n_k \* c\)"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
     ("initialize a DDP model stage 2", _wrapped_in_ddp("root", 2), ValueError,

@@ -155,8 +155,14 @@ def test_bad_parameters(single_rank_group):
                                              "torch.float64"):
             zero_py.initialize(nn.Sequential(nn.Tanh(), nn.Linear(4, 4)).double(), stage=stage)
     frozen = nn.Linear(4, 4).requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameter"):
+    with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"):
         zero_py.ZeroOptimizer(frozen.parameters())
+    # a frozen reference model (RLHF/DPO) or teacher given alone: the message says what to do
+    for stage in (1, 3):
+        with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"
+                                             ".*submodule of the trained model" * (stage == 3)):
+            zero_py.initialize(frozen, stage=stage)
+        assert frozen.weight.shape == (4, 4) and not hasattr(frozen, "_zero_py")
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

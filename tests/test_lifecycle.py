@@ -5,7 +5,8 @@ all-gather's, gloo's), /dev/shm mappings. Counted from /proc, a few cycles after
 (which makes what a process makes once: the I/O engine's threads, the stage-3 gather group).
 
 Also: a stage-2 and a stage-3 model alive at once, trained in one loop, and a stage-3 model
-after destroy_process_group() and a new init_process_group, against DDP + torch.optim; a
+after destroy_process_group() and a new init_process_group, and a stage-3 model after a group
+that rank 0 alone made, against DDP + torch.optim; a
 stage-3 initialize refused by the optimizer leaves the model as it was; a stages 1-2 model
 whose optimizer was dropped trains with torch.optim as a plain model; a construction that
 fails on one rank (the NVMe file refused) takes its gradient hooks back (stages 1-2), or
@@ -15,6 +16,7 @@ All scenarios run in one set of 2 processes.
 """
 
 import copy
+import datetime
 import gc
 import os
 import tempfile
@@ -185,6 +187,28 @@ def new_world(rank, world_size) -> dict:
     return {"rel": side_by_side(rank, (3,)), "stale": stale}
 
 
+def after_a_members_only_group(rank) -> float:
+    """Rank 0 alone makes a group (new_group([0], use_local_synchronization=True)), as a
+    stage-3 model over a subgroup makes its gather channel on the subgroup's members only;
+    then a stage-3 model over a new group of every rank trains against DDP. Its gather channel
+    was named from each rank's count of groups, which differed: the ranks waited for each
+    other in its new_group until the store's timeout (torch 2.13 and 2.14; 4 ranks: a stage-3
+    model over ranks {2, 3} only, then one over the world)."""
+    if rank == 0:
+        dist.new_group([0], use_local_synchronization=True)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))  # every rank: same name
+    torch.manual_seed(0)
+    ref = models.MLP(16, 64, 8)
+    ddp = DDP(copy.deepcopy(ref), process_group=group)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    model, opt = zero_py.initialize(ref, torch.optim.AdamW, stage=3, lr=1e-2,
+                                    wrap_policy={nn.Linear}, process_group=group)
+    _train_both(model, opt, ddp, ref_opt, rank)
+    with zero_py.gathered(model):
+        return max(models.max_rel_diff(a, b)
+                   for a, b in zip(model.parameters(), ddp.module.parameters()))
+
+
 def plain_after_drop(rank, stage) -> dict:
     """A stages 1-2 model given to initialize (broadcast_buffers=True, a BatchNorm), trained,
     its optimizer dropped: the optimizer is collected, the model trains with torch.optim as a
@@ -271,6 +295,7 @@ def _all(rank, world_size):
         for stage in (2, 3):
             out["failed_offload_file", stage] = failed_offload_file(rank, stage, tmp)
         out["files_left"] = os.listdir(tmp)
+    out["members_only_group"] = after_a_members_only_group(rank)
     out["new_world"] = new_world(rank, world_size)
     return out
 
@@ -307,6 +332,11 @@ def test_a_refused_stage3_initialize_leaves_the_model_untouched(results):
 def test_models_alive_at_once_match_ddp(results):
     for rank, res in enumerate(results):
         assert max(res["side_by_side"]) <= 1e-5, (rank, res["side_by_side"])
+
+
+def test_a_stage3_model_after_a_group_made_by_some_ranks_only(results):
+    for rank, res in enumerate(results):
+        assert res["members_only_group"] <= 1e-5, (rank, res["members_only_group"])
 
 
 def test_a_new_world_trains_and_refuses_the_old_worlds_model(results):

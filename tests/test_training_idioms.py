@@ -9,7 +9,8 @@
   backpropagated through the discriminator, or with the discriminator frozen by
   requires_grad_(False) for it), with an R1 gradient penalty
   (torch.autograd.grad(..., create_graph=True); stage 3 refuses double backward on every rank,
-  and training goes on); one model split over two optimizers; an EMA teacher;
+  and training goes on); one model split over two optimizers, clipped by their total norm;
+  an EMA teacher;
 - stages 2-3 (whose gradient hooks they meet): a second backward with retain_graph=True,
   backward(inputs=...), torch.autograd.grad with the gradients assigned to param.grad (stage
   2), against torch.optim.AdamW on gradients averaged by hand
@@ -327,10 +328,23 @@ class _TwoParts(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
+SPLIT_CLIP = 0.05  # below the total norm: every step clips
+
+
+def _clip_together(opts, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the parameters of several ZeroOptimizers: each
+    one's norm, the total, then each clipped by the common coefficient."""
+    norms = [float(o.clip_grad_norm_(float("inf"))) for o in opts]
+    c = min(1.0, max_norm / (sum(n * n for n in norms) ** 0.5 + 1e-6))
+    for o, n in zip(opts, norms):
+        o.clip_grad_norm_(n * c)
+
+
 def split_and_ema(rank, stage):
-    """Stages 1-2: one model's parameters over two ZeroOptimizers (AdamW and SGD). Every
-    stage: an EMA teacher (a plain copy, updated from the gathered student after each step)
-    whose outputs enter the loss."""
+    """Stages 1-2: one model's parameters over two ZeroOptimizers (AdamW and SGD), clipped
+    together by their total norm as torch's clip_grad_norm_ over the model clips under DDP.
+    Every stage: an EMA teacher (a plain copy, updated from the gathered student after each
+    step) whose outputs enter the loss."""
     torch.manual_seed(0)
     ref = _TwoParts()
     zm = copy.deepcopy(ref)
@@ -358,6 +372,10 @@ def split_and_ema(rank, stage):
                 soft = teacher(x)
             out = model(x)
             (F.mse_loss(out, y) + 0.5 * F.mse_loss(out, soft)).backward()
+            if model is ddp:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), SPLIT_CLIP)
+            else:  # zero_py's refusal of torch's call over several optimizers gives this recipe
+                _clip_together(opts, SPLIT_CLIP)
             for o in opts:
                 o.step()
             for o in opts:

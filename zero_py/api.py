@@ -244,8 +244,13 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         candidates = model.parameters() if groups is None else (p for g in groups
                                                                 for p in g["params"])
         if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
-            raise ValueError("zero_py.initialize got no trainable parameter: every parameter "
-                             "has requires_grad=False or no elements")
+            raise ValueError(
+                "zero_py.initialize got no trainable parameter: every parameter has "
+                "requires_grad=False or no elements. A model used only for inference (a "
+                "frozen reference or teacher, run under no_grad) cannot be given alone: keep "
+                "it a plain model on every rank, or, to shard it under stage 3, make it a "
+                "submodule of the trained model, called from that model's forward (its "
+                "frozen parameters are then sharded with the others)")
         _refuse_in_place_forward_writes(model)
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
         check_no_aliased_buffers(list(model.parameters()), model.named_buffers(),

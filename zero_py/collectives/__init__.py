@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zero_py.collectives.hybrid import HybridExecutor, make_hybrid_executor
+from zero_py.collectives.local_group import new_local_group
 from zero_py.collectives.nccl import NcclExecutor, unavailable_reason
 from zero_py.collectives.objects import gather_object
 from zero_py.collectives.pool import BufferPool
@@ -122,8 +123,9 @@ def _channel_group(executor) -> dist.ProcessGroup:
     ranks = [executor.global_rank(r) for r in range(executor.world_size)]
     # the user's timeout, not new_group's default (30 min): a dead peer must not hold the
     # gathers longer than it holds the user's own collectives
-    group = dist.new_group(ranks, backend=dist.get_backend(executor.group), timeout=timeout,
-                           use_local_synchronization=True)
+    # named as its members agree (local_group.py): torch's own name, from this process's count
+    # of groups, differed between ranks after a subgroup's channel and hung the rendezvous
+    group = new_local_group(ranks, executor.group, dist.get_backend(executor.group), timeout)
     if live is not None:  # without the registry a stale group could not be told apart
         _CHANNEL_GROUPS.append((executor.group, timeout, group))
     return group

@@ -39,7 +39,7 @@ import inspect
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.utils
@@ -206,6 +206,30 @@ _CLIP_MESSAGE = (
     "model.parameters(), is the same call)")
 
 
+_SPLIT_CLIP_MESSAGE = (
+    "torch.nn.utils.clip_grad_norm_ got parameters of {what}: no one optimizer's "
+    "clip_grad_norm_ is torch's call under DDP here, since each clips its own parameters by "
+    "their own norm, not by the norm of them all. For the total norm of them all: first "
+    "n_k = opt_k.clip_grad_norm_(float('inf')) for each ZeroOptimizer (its norm, nothing "
+    "clipped) and n_k = torch.nn.utils.clip_grad_norm_(ps, float('inf')) for parameters "
+    "outside zero_py (their gradients reduced by you); then total = (sum of n_k ** 2) ** 0.5, "
+    "c = min(1, max_norm / (total + 1e-6)), and opt_k.clip_grad_norm_(n_k * c) for each "
+    "ZeroOptimizer and p.grad.mul_(c) for the others")
+
+
+def _split_over_optimizers(params: List[torch.Tensor]) -> Optional[str]:
+    """What `params` span, where that is more than one ZeroOptimizer, or one beside gradients
+    that no ZeroOptimizer manages (a model split over two optimizers); else None."""
+    owners = {id(owner_of(p)) for p in params if owner_of(p) is not None}
+    foreign = any(owner_of(p) is None and p.grad is not None for p in params)
+    if len(owners) > 1:
+        return f"{len(owners)} ZeroOptimizers" + (" and others with gradients" if foreign
+                                                  else "")
+    if owners and foreign:
+        return "a ZeroOptimizer and parameters with gradients outside it"
+    return None
+
+
 def _whole_optimizer(params: List[torch.Tensor]):
     """The ZeroOptimizer whose every trained parameter is in `params` or frozen now
     (requires_grad=False: a fine-tuning script clips [p for p in model.parameters() if
@@ -251,6 +275,9 @@ def _guard(fn_name: str, original):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if through_owner is not None and _whole_optimizer(params) is not None:
             return through_owner(params, *args, **kwargs)
+        split = _split_over_optimizers(params) if fn_name == "clip_grad_norm_" else None
+        if split is not None:
+            raise RuntimeError(_SPLIT_CLIP_MESSAGE.format(what=split))
         for p in params:
             owner = owner_of(p)
             if owner is not None:

@@ -244,7 +244,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 index += 1
         if not managed:
             raise ValueError("ZeroOptimizer got no trainable parameter: every parameter has "
-                             "requires_grad=False or no elements")
+                             "requires_grad=False or no elements. A model used only for "
+                             "inference (a frozen reference or teacher) needs no optimizer: "
+                             "keep it a plain model on every rank")
         if len({p.device for p in managed}) > 1:
             raise ValueError("the parameters are on several devices "
                              f"({sorted(str(d) for d in {p.device for p in managed})}); zero_py "

@@ -245,8 +245,19 @@ def check_loadable(opt, state_dict: dict):
         mine = {opt._managed_index[s.param]: (s.param_lo, s.param_hi)
                 for s in opt._flat.slices}
         theirs = {int(k): tuple(v) for k, v in meta["slices"].items()}
-        if (meta["world_size"], meta["rank"]) != (opt.executor.world_size,
-                                                   opt.executor.rank) or theirs != mine:
+        here = (opt.executor.world_size, opt.executor.rank)
+        if (meta["world_size"], meta["rank"]) == here and theirs != mine:
+            # the same place in the same world: the parameters differ (a script with several
+            # optimizers, e.g. a GAN's generator's dict loaded into the discriminator's). The
+            # message names no rank, so that every rank refuses with the same one.
+            raise ValueError(
+                "this shard state dict slices its parameters otherwise than this optimizer "
+                "does: it is the dict of an optimizer over other parameters (another model's, "
+                "or another optimizer's of this script: load each optimizer's own dict), or it "
+                "was saved with other bucket settings or parameter dtypes (a bf16 model and an "
+                "fp32 one have other layouts: save with consolidate_state_dict() and load the "
+                "full dict to change them)")
+        if (meta["world_size"], meta["rank"]) != here or theirs != mine:
             raise ValueError(
                 f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "
                 f"another layout than rank {opt.executor.rank} of "
