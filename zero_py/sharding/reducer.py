@@ -117,7 +117,9 @@ class GradReducer:
         self.grads = PieceStore(flat, lambda b: accum_dtype or self.wire_dtype[b], device)
         self.grad_shard_valid = False  # False: the next reduction overwrites instead of adding
         self.sync_enabled = True       # False inside no_sync()
-        self._local_used = torch.zeros(len(flat.params), dtype=torch.uint8)
+        # which parameters got a gradient since zero_grad(): a bytearray, made a tensor as a
+        # pass ends (setting an element of a tensor cost 5 us, a gradient)
+        self._local_used = bytearray(len(flat.params))
         self._global_used: Optional[torch.Tensor] = None
         self._used_pending: Optional[Work] = None
         self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
@@ -228,11 +230,18 @@ class GradReducer:
                     "did not run in this rank's forward, so it was reduced as unused already; "
                     "a unit's parameters must be used by its own module's forward (tie or "
                     "register them where they are used)")
-            with torch.no_grad():
-                self._copy_in(i)
-                for b in self.schedule.grad_ready(i):
-                    self._launch(b)
+            if torch.is_grad_enabled():  # create_graph=True: the copy records no history
+                with torch.no_grad():
+                    self._take(i)
+            else:  # as backward runs its hooks otherwise: no_grad() would cost 5 us a gradient
+                self._take(i)
         return hook
+
+    def _take(self, i: int) -> None:
+        """Parameter i's gradient (checked) into its bucket; the buckets it completes go."""
+        self._copy_in(i, checked=True)
+        for b in self.schedule.grad_ready(i):
+            self._launch(b)
 
     @property
     def finished(self) -> bool:
@@ -366,7 +375,7 @@ class GradReducer:
                         self._copy_in(i)
                 self._launch(b)
             self.grad_shard_valid = True
-            used = self._local_used.clone()
+            used = torch.tensor(list(self._local_used), dtype=torch.uint8)
             with control():
                 self._used_pending = issue("all-reduce of which parameters got a gradient at "
                                            "the end of backward", self.executor.all_reduce_max,
@@ -380,7 +389,7 @@ class GradReducer:
         no backward since the last step (its peers did, and wait for its collectives)."""
         if self.stage == 1:
             self.grad_shard_valid = False  # param.grad holds the full sum: overwrite
-            self._local_used.zero_()
+            self._local_used = bytearray(len(self.flat.params))
             self._reduced_from = [(p.grad, p.grad._version if p.grad is not None else 0)
                                   for p in self.flat.params]
         # stage 3: its peers' backward gathered units with it; no backward here cannot match
@@ -422,10 +431,11 @@ class GradReducer:
                 "shard slice, so compute with it inside the forward (or `with "
                 "zero_py.gathered(model):`)")
 
-    def _copy_in(self, i: int) -> None:
+    def _copy_in(self, i: int, checked: bool = False) -> None:
         p = self.flat.params[i]
         g = p.grad
-        self._check_grad(i, g)
+        if not checked:
+            self._check_grad(i, g)
         b = self.flat.param_bucket[i]
         lo = self.flat.param_offset[i]
         n = self.flat.param_numel[i]
@@ -699,7 +709,7 @@ class GradReducer:
         self._reduced_from = []
         self._retire(block_over=0)
         self.grad_shard_valid = False
-        self._local_used.zero_()
+        self._local_used = bytearray(len(self.flat.params))
         self._global_used = None
         if not set_to_none:
             if self.mirror is not None:
