@@ -108,6 +108,8 @@ class GradReducer:
         self.flat = flat
         self.max_in_flight = max_in_flight  # reductions in flight before backward waits
         self.executor = executor
+        # DDP averages over every rank: under hybrid sharding, every replica's too
+        self._averaged_over = getattr(executor, "data_parallel_size", executor.world_size)
         self.stage = stage
         self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
         device = flat.device
@@ -441,8 +443,7 @@ class GradReducer:
         n = self.flat.param_numel[i]
         # the planned size: a stage-3 parameter may already be its shard slice again here
         slot = self._bucket_buffer(b)[lo:lo + n]
-        # DDP averages over every rank: under hybrid sharding, every replica's too
-        ws = getattr(self.executor, "data_parallel_size", self.executor.world_size)
+        ws = self._averaged_over
         if ws > 1 and g.dtype == slot.dtype:
             torch.div(g.reshape(-1), ws, out=slot)  # DDP's averaging, before the sum
         elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
