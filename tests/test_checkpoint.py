@@ -451,6 +451,22 @@ def run_second_2(rank, world, tmp):
     out["unforeseen_save"] = on_rank_1_failing(
         save_mod, lambda: zero_py.save_checkpoint(os.path.join(tmp, "C_unforeseen"), model, opt))
     out["unforeseen_save_absent"] = not os.path.exists(os.path.join(tmp, "C_unforeseen"))
+    # the shard dict loaded back (opt.load_state_dict(opt.state_dict()), as a run resumed from
+    # torch.save'd shard dicts does), then checkpointed: rank 0 used to count 0 steps for the
+    # parameters rank 1 holds whole, so the manifest said they had no state beside the file
+    # holding it, and load_checkpoint refused the checkpoint as damaged
+    model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=2)
+    train(model, opt, sched, 0, 1, rank, world)
+    opt.load_state_dict(opt.state_dict())
+    save(os.path.join(tmp, "reloaded"), model, opt, sched, rank, world)
+    model, opt, sched = build(2, torch.float32, torch.optim.AdamW, seed=2)
+    train(model, opt, sched, 0, 1, rank, world)
+    ref, resumed = opt.state_dict()["state"], []
+    out["reloaded"] = _refusal(lambda: resumed.append(resume(
+        os.path.join(tmp, "reloaded"), 2, torch.float32, torch.optim.AdamW, rank, world)[1]))
+    got = resumed[0].state_dict()["state"] if resumed else {}
+    out["reloaded_equal"] = sorted(got) == sorted(ref) and all(
+        torch.equal(got[i][k], ref[i][k]) for i in ref for k in ref[i])
     return out
 
 
@@ -586,6 +602,12 @@ def test_damaged_checkpoint_is_refused_on_every_rank(runs, case):
         msg = rank_out["bad_" + case]
         assert msg is not None, f"rank loaded a checkpoint with: {DAMAGED[case][0]}"
         assert DAMAGED[case][1] in msg, msg
+
+
+def test_a_checkpoint_saved_after_loading_the_shard_dict_loads(runs):
+    for rank_out in runs["second"]:
+        assert rank_out["reloaded"] is None, rank_out["reloaded"]
+        assert rank_out["reloaded_equal"]
 
 
 def test_mismatched_model_or_optimizer_is_refused_and_nothing_changes(runs):

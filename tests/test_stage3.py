@@ -347,7 +347,25 @@ def memory(rank, world_size):
     return {"report": rep, "psi": sum(zero_py.full_shape(p).numel() for p in model.parameters()),
             "peak_bucket": opt._reducer.peak_bucket_bytes,
             "scratch": opt.executor.scratch_peak_bytes,
-            "root_bytes": units[0], "largest_unit": max(units[1:])}
+            "root_bytes": units[0], "largest_unit": max(units[1:]),
+            "frozen_front": frozen_front(rank)}
+
+
+def frozen_front(rank):
+    """Fine-tuning's usual freeze: the first 6 of 8 layers, which no backward reaches. The end
+    of backward issues their gathers for the peers; each used to get its own buffer, all of
+    them at once (7 units gathered against a budget of 2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+    model[:6].requires_grad_(False)
+    model, opt = zero_py.initialize(model, stage=3, wrap_policy={nn.Linear}, **LR)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"peak": opt._flat.meter.peak_bytes, "unit": max(opt._engine._unit_bytes),
+            "now": opt._flat.meter.bytes}
 
 
 def _all(rank, world_size):
@@ -478,6 +496,16 @@ def test_model_state_memory(results):
         assert r["memory"]["scratch"] <= 2 * (n - 2) / n * r["memory"]["largest_unit"]
         ddp = rep["ddp_params"] + rep["ddp_grads"] + rep["ddp_optimizer_states"]
         assert total < ddp
+
+
+def test_units_no_backward_reaches_are_not_all_gathered_at_its_end(results):
+    """The first 6 of 8 units frozen: at most the two units backward starts from and one unit
+    of scratch for the end of backward's gathers (7 units before), none left after a step."""
+    _, res = results
+    for r in res:
+        front = r["memory"]["frozen_front"]
+        assert front["peak"] <= 3 * front["unit"], front
+        assert front["now"] == 0, front
 
 
 def test_initialize_errors():

@@ -346,6 +346,19 @@ class StateDicts:
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
                                               self._flat.param_numel[s.param])
             self._install_slice(s, st)
+        self._share_step_counts()
+
+    def _share_step_counts(self) -> None:
+        """Every rank's step count of every parameter, after a load that set only those of the
+        slices this rank holds: each rank counts every parameter's steps as they run (a
+        checkpoint's manifest, written by rank 0, records them all), so a parameter held wholly
+        by another rank would otherwise count 0 steps here, and save_checkpoint would write a
+        manifest that says it has no state, beside the file holding it."""
+        if not self._step_count:
+            return
+        counts = torch.tensor(self._step_count, dtype=torch.int64, device=self.executor.device)
+        self.executor.all_reduce_max(counts).wait()
+        self._step_count = [int(c) for c in counts.tolist()]
 
     def _load_entries(self, state_dict: dict, shard: bool) -> List[tuple]:
         """What must match across ranks in a loaded dict: its kind, the hyperparameters, the

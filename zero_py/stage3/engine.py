@@ -53,6 +53,7 @@ from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
+from zero_py.stage3.drain import DrainGathers
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
 from zero_py.stage3.user_edits import (adopt_replaced_data, keep_post_hook_last,
@@ -188,6 +189,7 @@ class Stage3Engine:
         # reach several forwards' graphs (an encoder run alone, then the model on its output)
         self._ran: Set[int] = set()
         self._lazy: List[int] = []  # skipped units to free once their gathers completed
+        self._drained = DrainGathers(self.storages)  # the end of backward's, for the peers
         self.raw = False  # True: model.state_dict() gives torch's own entries (the slices)
         n = len(units)
         unit_bytes = [max(sum(s.unit_bytes[u] for s in self.storages), 1) for u in range(n)]
@@ -471,6 +473,7 @@ class Stage3Engine:
         """Ends a phase left open (a forward or backward that raised, a partial forward)."""
         self._reap(block=True)
         if self._phase == _BACKWARD_ENDING:
+            self._drained.wait()
             for u in self._to_free:
                 self._free(u)
             self._to_free = []
@@ -552,11 +555,15 @@ class Stage3Engine:
         self._to_free = []
         if self._phase != _C.PF_BACKWARD:
             return
-        for kind, u in self.prefetch.end():
-            if kind == _C.PF_GATHER:
-                self._gather(u, self._scheduled(u))
-            else:
+        commands = list(self.prefetch.end())
+        drained = self._drained.prepare([u for kind, u in commands if kind == _C.PF_GATHER])
+        for kind, u in commands:
+            if kind != _C.PF_GATHER:
                 self._to_free.append(u)
+            elif drained and self._scheduled(u):  # for the peers only (drain.py)
+                self._drained.issue(u, "the end of the backward")
+            else:
+                self._gather(u, not drained and self._scheduled(u))
         self._phase = _BACKWARD_ENDING
 
     def _failed_backward(self) -> None:
@@ -573,6 +580,7 @@ class Stage3Engine:
         if self._phase != _BACKWARD_ENDING:
             return  # a backward through none of this model's units
         with torch.no_grad():
+            self._drained.wait()
             self._reap(block=True)
             for u in self._to_free:
                 self._free(u)
