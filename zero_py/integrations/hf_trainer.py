@@ -44,14 +44,18 @@ def _zero_optimizer(trainer):
         if isinstance(o, ZeroOptimizer):
             return o
     manager = getattr(getattr(trainer, "model", None), "_zero_py", None)
-    if manager is not None and manager.optimizer is not None:
-        return manager.optimizer
+    if opt is None and manager is not None and manager.optimizer is not None:
+        # as optimizers=(that optimizer, None): Trainer builds its scheduler from args over it
+        # (rather than a torch.optim one of its own over zero_py's parameters)
+        trainer.optimizer = manager.optimizer
+        return trainer.optimizer
     raise ValueError(
         "zero_py.integrations.hf_trainer.ZeroTrainer: the Trainer has no zero_py "
-        "optimizer. Build it first and pass it in: `model, optimizer = zero_py.initialize("
-        "model, torch.optim.AdamW, stage=..., lr=...)`, then `Trainer(model=model, ..., "
-        "optimizers=(optimizer, scheduler))` (a scheduler over that optimizer, e.g. "
-        "transformers.get_linear_schedule_with_warmup(optimizer, ...))")
+        f"optimizer (it has {type(opt).__name__}). Build it first and pass it in: `model, "
+        "optimizer = zero_py.initialize(model, torch.optim.AdamW, stage=..., lr=...)`, then "
+        "`ZeroTrainer(model=model, ..., optimizers=(optimizer, scheduler))` (a scheduler "
+        "over that optimizer, e.g. transformers.get_linear_schedule_with_warmup(optimizer, "
+        "...); None: Trainer builds one from its arguments)")
 
 
 def _check_model(trainer, opt) -> None:
