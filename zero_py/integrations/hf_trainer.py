@@ -142,11 +142,25 @@ class ZeroTrainerMixin:
     """Put first among the bases of a transformers.Trainer (sub)class; see the module's doc."""
 
     def __init__(self, *args, **kwargs):
+        # Trainer moves the model before it keeps `optimizers`: a ZeroOptimizer built
+        # directly (its model has no _zero_py) must be known by then
+        self._zero_py_given = (kwargs.get("optimizers") or (None,))[0]
         super().__init__(*args, **kwargs)
         _adapt(self)
 
+    def _managed(self, model) -> bool:
+        from zero_py.optim.optimizer import ZeroOptimizer
+
+        if getattr(model, "_zero_py", None) is not None:
+            return True
+        opt = self._zero_py_given
+        if not isinstance(opt, ZeroOptimizer):
+            return False
+        theirs = {id(p) for g in opt.param_groups for p in g["params"]}
+        return any(id(p) in theirs for p in model.parameters())
+
     def _move_model_to_device(self, model, device):
-        if getattr(model, "_zero_py", None) is None:
+        if not self._managed(model):
             return super()._move_model_to_device(model, device)
         device = torch.device(device)
         away = [n for n, p in model.named_parameters() if p.device.type != device.type]
