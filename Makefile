@@ -39,11 +39,13 @@ deps:
 	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(PYTHON) -m pip install ruff
 	@# safetensors (checkpoint files) has no Python dependencies: it leaves torch alone
 	@$(PYTHON) -c "import safetensors" 2>/dev/null || $(PYTHON) -m pip install "safetensors>=0.4"
-	@# transformers (the Hugging Face model tests) does not depend on torch; torch is pinned to
-	@# the installed build all the same, and checked after
-	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('transformers'))" || { \
+	@# transformers (the Hugging Face model tests) does not depend on torch; accelerate (its
+	@# Trainer, tested with zero_py.integrations.hf_trainer) does: torch is pinned to the
+	@# installed build, and checked after
+	@$(PYTHON) -c "import importlib.util as u, sys; \
+	  sys.exit(not (u.find_spec('transformers') and u.find_spec('accelerate')))" || { \
 	  v=$$($(PYTHON) -c "import torch; print(torch.__version__)") && \
-	  $(PYTHON) -m pip install "transformers>=4.40" "torch==$$v" && \
+	  $(PYTHON) -m pip install "transformers>=4.40" "accelerate>=1.1" "torch==$$v" && \
 	  $(PYTHON) -c "import sys, torch; v = torch.__version__; \
 	  sys.exit(0 if v == '$$v' else 'installing transformers changed torch $$v to ' + v)"; }
 	@# tqdm (the demo's progress bar) and matplotlib (python -m zero_py plot, its tests): neither

@@ -17,6 +17,7 @@ and a tiny Llama, built from configs, trained with activation checkpointing on.
 """
 
 import copy
+import importlib.util
 import os
 import subprocess
 import sys
@@ -516,3 +517,89 @@ def test_example_script_stage3_exports(tmp_path):
     assert "max |logit difference| = 0" in proc.stdout, proc.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def _trainer(rank, world_size, out_dir):
+    """transformers.Trainer (accelerate: DDP at 2 ranks) with torch.optim.AdamW against
+    zero_py's ZeroTrainer at stages 1-3: gradient accumulation and max_grad_norm clipping, a
+    checkpoint at step 2 and a resume from it (by another stage's run)."""
+    import transformers
+    from zero_py.integrations.hf_trainer import ZeroTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    transformers.logging.set_verbosity_error()
+    gen = torch.Generator().manual_seed(SEED)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (16, 8), generator=gen)]
+
+    def run(stage, resume=None, save=False):
+        torch.manual_seed(SEED)
+        config = models.tiny_hf_configs(VOCAB, 32)["llama"]
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if stage is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        else:
+            kwargs = {"wrap_policy": _blocks(model)} if stage == 3 else {}
+            model, opt = zero_py.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                            weight_decay=0.0, **kwargs)
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out_dir, str(stage)), use_cpu=True, ddp_backend="gloo",
+            per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+            max_grad_norm=0.5, save_strategy="steps" if save else "no", save_steps=2,
+            logging_steps=1, report_to=[], disable_tqdm=True, seed=SEED, learning_rate=1e-2)
+        kind = transformers.Trainer if stage is None else ZeroTrainer
+        trainer = kind(model=model, args=args, train_dataset=data,
+                       optimizers=(opt, transformers.get_constant_schedule(opt)))
+        trainer.train(resume_from_checkpoint=resume)
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        weights = model.state_dict() if stage is None else zero_py.full_state_dict(model)
+        return {"logs": logs, "weights": weights,
+                "wrapped": type(trainer.model_wrapped).__name__}
+
+    out = {"ddp": run(None)}
+    for stage in (1, 2, 3):
+        out[stage] = run(stage, save=stage == 3)
+    out["resumed"] = run(2, resume=os.path.join(out_dir, "3", "checkpoint-2"))
+    return out
+
+
+NO_ACCELERATE = (importlib.util.find_spec("accelerate") is None
+                 and "accelerate is not installed (transformers' Trainer needs it; make deps)")
+# the Trainer tests are slow: importing transformers.Trainer costs each rank seconds (15 s on 2
+# busy vCPUs), and their 5 Trainer runs at 2 ranks took 43 s
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    return distributed.run(_trainer, 2, str(tmp_path_factory.mktemp("hf_trainer")))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NO_ACCELERATE), reason=str(NO_ACCELERATE))
+def test_zero_trainer_trains_like_trainer_with_ddp(trainer_runs):
+    """transformers.Trainer given a zero_py model moved it to "cpu:0" (a copy out of zero_py's
+    buffers: every step refused) and wrapped it in DDP (stage 3: DDP's construction failed on
+    the shard slices). ZeroTrainer leaves both to zero_py: the losses, the clipped global
+    gradient norms and the weights after 3 accumulated steps equal Trainer + DDP's."""
+    ref = trainer_runs[0]["ddp"]
+    assert ref["wrapped"] == "DistributedDataParallel"
+    for stage in (1, 2, 3):
+        r = trainer_runs[0][stage]
+        assert r["wrapped"] == "LlamaForCausalLM", (stage, r["wrapped"])
+        for (loss, norm), (ref_loss, ref_norm) in zip(r["logs"], ref["logs"]):
+            assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (stage, r["logs"])
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (stage, r["logs"], ref["logs"])
+        assert len(r["logs"]) == len(ref["logs"]) == 3
+        diff = max((r["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
+        assert diff < WEIGHT_ATOL, (stage, diff)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NO_ACCELERATE), reason=str(NO_ACCELERATE))
+def test_zero_trainer_resumes_from_its_checkpoint(trainer_runs):
+    """Trainer saved rank 0's optimizer.state_dict() (one shard) and loaded it on every rank;
+    ZeroTrainer saves with zero_py.save_checkpoint, and a stage-2 run resumed from the stage-3
+    run's step-2 checkpoint ends with the uninterrupted run's weights."""
+    want, got = trainer_runs[0][3]["weights"], trainer_runs[0]["resumed"]["weights"]
+    diff = max((got[k] - v).abs().max().item() for k, v in want.items())
+    assert diff < WEIGHT_ATOL, diff

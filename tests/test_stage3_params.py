@@ -163,7 +163,22 @@ def frozen(rank, world_size):
     full = _full(zm)
     rep = zopt.memory_report()
     frozen_bytes = sum(v.numel() * v.element_size() for v in frozen_before.values())
-    return {"loss_rel": max(abs(a - b) / abs(a) for a, b in losses),
+    # one unfrozen since (PEFT's set_adapter does so): refused at step() on every rank, also
+    # where its slice on this rank is empty (that rank skipped the check, stepped on: a hang)
+    sizes = [None] * world_size
+    dist.all_gather_object(sizes, [(n, p.numel()) for n, p in zm.named_parameters()
+                                   if not p.requires_grad])
+    name = next(n for k, (n, _) in enumerate(sizes[0]) if min(s[k][1] for s in sizes) == 0)
+    thawed = zm.get_parameter(name)
+    thawed.requires_grad_(True)
+    try:
+        _step(zm, zopt, gen_b)
+        unfrozen = ""
+    except RuntimeError as exc:
+        unfrozen = str(exc)
+    thawed.requires_grad_(False)
+    zopt.zero_grad()
+    return {"unfrozen": (name, unfrozen), "loss_rel": max(abs(a - b) / abs(a) for a, b in losses),
             "rel": max(models.max_rel_diff(full[n], p) for n, p in ref.named_parameters()),
             "frozen_kept": all(torch.equal(full[n], v) for n, v in frozen_before.items()),
             "frozen_local": sum(p.numel() * p.element_size() for p in zm.parameters()
@@ -723,6 +738,9 @@ def test_frozen_parameters_are_sharded_and_kept(results):
         assert f["ddp_params"] == f["all_bytes"]
         # memory_report counts them sharded: what a rank keeps is 1/n of everything
         assert f["kept"] <= f["all_bytes"] / n + f["padding"] + 4096
+        name, error = f["unfrozen"]
+        assert f"parameter {name!r} had requires_grad=False when the optimizer was built" \
+            in error, error
 
 
 def test_no_sync_skips_the_reduction_and_matches_ddp(results):

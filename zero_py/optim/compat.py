@@ -413,7 +413,11 @@ def refuse_detached_params(opt) -> None:
                 "the optimizer was built (`p.data = t`, or "
                 "torch.nn.utils.vector_to_parameters); stages 1-2 keep every parameter in a "
                 "flat buffer that the step updates, so it would never change again. Write "
-                "new values in place instead: `with torch.no_grad(): p.copy_(t)`")
+                "new values in place instead: `with torch.no_grad(): p.copy_(t)`. A move to "
+                "the device the model is on copies it too where torch names that device "
+                "otherwise: `model.to(\"cpu:0\")` of a CPU model, as transformers.Trainer "
+                "does when it is built (train with zero_py.integrations.hf_trainer."
+                "ZeroTrainer)")
     for p in opt._left_out:
         if p.requires_grad:
             if opt._flat.params_sharded:

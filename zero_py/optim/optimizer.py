@@ -37,7 +37,7 @@ from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
 from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
                                   refuse_unhonoured_options, warn_ignored_group_options)
 from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
-from zero_py.sharding.storage import FlatParams, PieceStore
+from zero_py.sharding.storage import FlatParams, PieceStore, full_shape
 
 __all__ = ["ZeroOptimizer"]
 
@@ -349,8 +349,9 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 fp.device)
         self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
         # given frozen: outside the layout, never updated; step() refuses one since unfrozen
+        # (on every rank: under stage 3 by its full size, as a rank's slice may be empty)
         self._left_out = [p for i, p in enumerate(self._all_params)
-                          if i not in self._managed_of and p.numel() > 0]
+                          if i not in self._managed_of and full_shape(p).numel() > 0]
         self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
         if self.offload_optimizer == "nvme":
             self._update = self._streamed_update(fp)

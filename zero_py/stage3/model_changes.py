@@ -88,7 +88,10 @@ class ModelChanges:
                 found.append(f"parameter {describe(s.params[i])} is {now}, but it was sharded "
                              f"as {was}" if now != was else
                              f"the .data of parameter {describe(s.params[i])} was replaced "
-                             "(`p.data = t`, e.g. by torch.nn.utils.vector_to_parameters)")
+                             "(`p.data = t`, e.g. by torch.nn.utils.vector_to_parameters; "
+                             "or model.to(\"cpu:0\") of a CPU model, a copy, as "
+                             "transformers.Trainer makes: train with zero_py.integrations."
+                             "hf_trainer.ZeroTrainer)")
         if not found:
             return None
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
