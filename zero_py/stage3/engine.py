@@ -48,7 +48,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
-from zero_py.collectives import quantized
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
@@ -56,9 +55,8 @@ from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.drain import DrainGathers
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
-from zero_py.stage3.user_edits import (adopt_replaced_data, keep_post_hook_last,
-                                       keep_pre_hooks_first, param_versions,
-                                       refuse_dropped_writes)
+from zero_py.stage3.hold import hold_units
+from zero_py.stage3.user_edits import keep_post_hook_last, keep_pre_hooks_first
 
 
 def _not_traced(fn):
@@ -726,74 +724,7 @@ class Stage3Engine:
             raise RuntimeError(f"{what} cannot be used inside the model's forward or backward; "
                                "use it between steps")
 
-    @contextlib.contextmanager
     def hold(self, wanted: Sequence[int], modifier_rank: Optional[int] = None,
              what: str = "zero_py.gathered()", announced: bool = False):
-        """gathered() by unit ids. Read-only (no `modifier_rank`) where reads_alone(), this
-        rank gathers from the peers' shards alone; otherwise collective, announced first
-        unless the caller did (`announced`: one announcement for a whole state dict)."""
-        self.refuse_inside_pass(what)
-        alone = modifier_rank is None and self.reads_alone()
-        if not alone and not announced:
-            self.announce(what, wanted)
-        opened = [u for u in wanted if not self.is_gathered(u)]
-        # memory_report's gathered_peak is training's working set: what the caller holds
-        # here (up to the whole model) is the caller's, and is not counted in it
-        meter = self.flat.meter
-        peak_before = meter.peak_bytes
-        # exact: what a state dict exports, and what a modifier rank's broadcast writes into
-        # every rank's shards, are the parameters themselves, never their quantized copies
-        # (quantized_weights: those would replace the peers' shards with a rounded version).
-        # A unit gathered already (the persistent parameters) holds such copies, as the last
-        # publish left them: it is gathered exactly for the block and given back its copies
-        # after, so that training goes on from them as it would have.
-        kept = ([u for u in wanted if u not in opened]
-                if any(quantized.weights_quantized(s.executor) for s in self.storages) else [])
-        saved = {}
-        for u in kept:
-            self._wait(u)
-            saved.update({(k, b): s.full_buffer(b).clone() for k, s in enumerate(self.storages)
-                          for b in s.unit_buckets[u]})
-        for u in opened + kept:
-            self._gather(u, alone=alone, exact=True)
-            if alone and u in opened:  # peers may not hold it: a step inside it refreshes it
-                for s in self.storages:
-                    s.held_alone.update(s.unit_buckets[u])
-        for u in wanted:  # a unit gathered ahead by a forward that raised may be in flight
-            self._wait(u)
-        outer = set().union(*self._held)
-        self._held.append(set(wanted))
-        modified = False
-        versions = param_versions(self.storages, wanted) if modifier_rank is None else None
-        try:
-            yield
-            adopt_replaced_data(self.storages, wanted, modifier=modifier_rank is not None)
-            if versions is not None:
-                refuse_dropped_writes(self.storages, wanted, versions)
-            if modifier_rank is not None:
-                with torch.no_grad(), contextlib.ExitStack() as writing:
-                    for s in self.storages:  # one-sided readers wait for the writes
-                        writing.enter_context(s.writing())
-                    for u in wanted:
-                        pending = [(s, b, s.executor.broadcast(s.full_buffer(b), modifier_rank))
-                                   for s in self.storages for b in s.unit_buckets[u]]
-                        for s, b, work in pending:
-                            work.wait()
-                            s.load_pieces_from(b, s.full_buffer(b))
-                modified = True
-        finally:
-            self._held.pop()
-            for u in opened:
-                self._free(u)
-            for u in kept:
-                if modified:  # the new values, as a publish leaves them (no step publishes
-                    # frozen parameters: theirs stay exact, as construction made them)
-                    for work in [s.gather(b, exact=u in outer or s is not self.flat)
-                                 for s in self.storages for b in s.unit_buckets[u]]:
-                        work.wait()
-                elif u not in outer:  # an enclosing block keeps its exact values
-                    with torch.no_grad():
-                        for k, s in enumerate(self.storages):
-                            for b in s.unit_buckets[u]:
-                                s.full_buffer(b).copy_(saved[(k, b)])
-            meter.peak_bytes = max(peak_before, meter.bytes)
+        """gathered() by unit ids (stage3/hold.py)."""
+        return hold_units(self, wanted, modifier_rank, what, announced)
