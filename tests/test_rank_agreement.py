@@ -104,6 +104,24 @@ def _scenarios(rank, world_size):
     out["load_other_steps"] = _attempt(lambda: opt.load_state_dict(saved[rank]), group)
     out["load_agreeing"] = _attempt(lambda: opt.load_state_dict(saved[0]), group)
 
+    # clip_grad_norm_ refused on one rank only (it raised there alone, and the other rank
+    # waited in the norm's all-reduce), or with another max_norm per rank (each rank clipped
+    # its shard by its own coefficient): every rank raises; the run then goes on as one that
+    # never made the call
+    def clipped(calls):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        errors = [_attempt(call(opt), group) for call in calls]
+        opt.clip_grad_norm_(0.1)
+        opt.step()
+        return errors, [p.detach().clone() for p in m.parameters()]
+    (out["clip_refused_on_one_rank"], out["clip_max_norm"]), out["clip_then"] = clipped([
+        lambda opt: lambda: opt.clip_grad_norm_(1.0, -1.0 if rank else 2.0),
+        lambda opt: lambda: opt.clip_grad_norm_(0.1 * (rank + 1))])
+    out["clip_never"] = clipped([])[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -143,5 +161,19 @@ def test_disagreeing_ranks_raise_on_every_rank():
         texts = [got["error"][got["error"].index("the ranks disagree"):] for got in per_rank]
         assert texts[0] == texts[1], name
     assert all(r["load_agreeing"]["error"] is None for r in results)
+    clip_words = {
+        "clip_refused_on_one_rank": ["rank 1 refused its arguments: norm_type must be > 0",
+                                     "rank 0: clip_grad_norm_(max_norm=1.0, norm_type=2.0",
+                                     "rank 1: clip_grad_norm_(max_norm=1.0, norm_type=-1.0"],
+        "clip_max_norm": ["different arguments", "rank 0: clip_grad_norm_(max_norm=0.1,",
+                          "rank 1: clip_grad_norm_(max_norm=0.2,", "nothing was changed"]}
+    for name, words in clip_words.items():
+        texts = [r[name]["error"] for r in results]
+        assert texts[0] is not None and texts[0] == texts[1], (name, texts)
+        for word in words:
+            assert word in texts[0], f"{name}: {word!r} not in:\n{texts[0]}"
+    for r in results:
+        for a, b in zip(r["clip_then"], r["clip_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -179,3 +179,37 @@ def mismatch_message(per_rank: List[List[list]], what: str) -> str:
                      "was changed or communicated beyond this check")
         return "\n".join(lines)
     return f"{what}: the ranks' fingerprints differ but their entries agree (a hash collision?)"
+
+
+# -- a call's arguments, inside the all-reduce the call makes anyway --------------------------
+
+CALL_FINGERPRINT_BITS = 20  # a sum of squares stays exact in float64 up to 2**13 ranks
+
+
+def call_fingerprint(text: str) -> Tuple[float, float]:
+    """Two independent CALL_FINGERPRINT_BITS-bit fingerprints of a call's arguments `text`
+    (e.g. clip_grad_norm_'s max_norm and norm_type), as floats for an all-reduce."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    mask = (1 << CALL_FINGERPRINT_BITS) - 1
+    return (float(int.from_bytes(digest[:4], "little") & mask),
+            float(int.from_bytes(digest[4:], "little") & mask))
+
+
+def call_terms(text: str) -> List[float]:
+    """What a rank adds to a SUM all-reduce so that every rank can tell whether all passed
+    the same `text`: each fingerprint f and its square (see calls_agree)."""
+    out = []
+    for f in call_fingerprint(text):
+        out += [f, f * f]
+    return out
+
+
+def calls_agree(sums: Sequence[float], world_size: int) -> bool:
+    """Whether the all-reduced call_terms of `world_size` ranks come from one text: n * sum of
+    squares == (sum)^2 exactly when every rank's fingerprint is the same (Cauchy-Schwarz), and
+    the same verdict on every rank (they hold the same sums). Integers, exact."""
+    for k in range(0, len(sums), 2):
+        s1, s2 = int(sums[k]), int(sums[k + 1])
+        if world_size * s2 != s1 * s1:
+            return False
+    return True
