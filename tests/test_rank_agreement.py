@@ -122,6 +122,12 @@ def _scenarios(rank, world_size):
         lambda opt: lambda: opt.clip_grad_norm_(0.1 * (rank + 1))])
     out["clip_never"] = clipped([])[1]
 
+    # consolidate_state_dict to a rank the group lacks returned None on every rank, silently
+    opt = zero_py.ZeroOptimizer(models.MLP().parameters(), stage=2, process_group=group)
+    out["consolidate_to_5"] = _attempt(lambda: opt.consolidate_state_dict(to=5), group)
+    out["consolidate_to_differs"] = _attempt(lambda: opt.consolidate_state_dict(to=rank),
+                                             group)
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -166,7 +172,10 @@ def test_disagreeing_ranks_raise_on_every_rank():
                                      "rank 0: clip_grad_norm_(max_norm=1.0, norm_type=2.0",
                                      "rank 1: clip_grad_norm_(max_norm=1.0, norm_type=-1.0"],
         "clip_max_norm": ["different arguments", "rank 0: clip_grad_norm_(max_norm=0.1,",
-                          "rank 1: clip_grad_norm_(max_norm=0.2,", "nothing was changed"]}
+                          "rank 1: clip_grad_norm_(max_norm=0.2,", "nothing was changed"],
+        "consolidate_to_5": ["consolidate_state_dict(to=5)", "an int from 0 to 1"],
+        "consolidate_to_differs": ["the ranks disagree on consolidate_state_dict's to",
+                                   "rank 0: 0", "rank 1: 1"]}
     for name, words in clip_words.items():
         texts = [r[name]["error"] for r in results]
         assert texts[0] is not None and texts[0] == texts[1], (name, texts)
