@@ -378,8 +378,17 @@ class FusedUpdate(_Update):
         flat = self.flat
         stepped = sorted({flat.bucket_group[flat.param_bucket[i]] for i, u in enumerate(used)
                           if u})
-        rows = [self._group_row(self.param_groups[k], torch.float32, torch.float32, 1.0, 0,
-                                False) for k in stepped]
+        rows = []
+        for k in stepped:
+            try:
+                rows.append(self._group_row(self.param_groups[k], torch.float32, torch.float32,
+                                            1.0, 0, False))
+            except (TypeError, ValueError, KeyError) as exc:  # lr="x", betas=0.9, no "lr"
+                raise ValueError(
+                    f"param group {k}: a hyperparameter the fused kernel cannot read "
+                    f"({type(exc).__name__}: {exc}): lr, eps, weight_decay, momentum and "
+                    "dampening must be numbers and betas a pair of numbers; nothing was "
+                    "changed") from None
         try:
             kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
         except ValueError as exc:
