@@ -128,6 +128,29 @@ def _scenarios(rank, world_size):
     out["consolidate_to_differs"] = _attempt(lambda: opt.consolidate_state_dict(to=rank),
                                              group)
 
+    # stage 3's gathered() with another modifier_rank per rank: each rank broadcast its own
+    # edits on exit (a hang); one not in the group was found by that broadcast only, after
+    # the block ran, as "broadcast: src 5 ...". Both raise on every rank, before the block
+    def gathered_then_trained(calls):
+        torch.manual_seed(0)
+        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
+                                    wrap_policy={nn.Linear}, lr=1e-2)
+        errors = []
+        for modifier_rank in calls:
+            dist.barrier(group)
+            try:
+                with zero_py.gathered(m, modifier_rank=modifier_rank), torch.no_grad():
+                    m.fc1.weight.add_(1.0)
+                errors.append(None)
+            except (ValueError, RuntimeError) as exc:
+                errors.append(str(exc))
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        opt.step()
+        with zero_py.gathered(m):
+            return errors, [p.detach().clone() for p in m.parameters()]
+    out["gathered_errors"], out["gathered_then"] = gathered_then_trained([rank, 5])
+    out["gathered_never"] = gathered_then_trained([])[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -182,6 +205,14 @@ def test_disagreeing_ranks_raise_on_every_rank():
         for word in words:
             assert word in texts[0], f"{name}: {word!r} not in:\n{texts[0]}"
     for r in results:
+        other_modifier, out_of_group = r["gathered_errors"]
+        assert "did not all start the same gathered access" in other_modifier, other_modifier
+        assert "zero_py.gathered() with modifier_rank=" in other_modifier, other_modifier
+        assert "the same modifier_rank, on every rank" in other_modifier, other_modifier
+        assert out_of_group.startswith("zero_py.gathered(): modifier_rank=5 is not a rank of "
+                                       "the model's process group: pass an int from 0 to 1")
+        for a, b in zip(r["gathered_then"], r["gathered_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(r["clip_then"], r["clip_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(*(r["trained"] for r in results)):

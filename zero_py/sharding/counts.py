@@ -120,8 +120,9 @@ class Count:
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
             f" in step {st}" for q, (k, st, p, _, _) in enumerate(rows))
         if any(r[0] == GATHERED for r in rows):
-            other = (" (the same kind of access, of different modules: a submodule's "
-                     "state_dict() or gathered() must name the same module on every rank)"
+            other = (" (the same kind of access, of different modules or with another "
+                     "modifier_rank: a submodule's state_dict() or gathered() must name the "
+                     "same module, and gathered() the same modifier_rank, on every rank)"
                      if all(r[0] == GATHERED and r[1] == rows[0][1] for r in rows) else "")
             raise RuntimeError(
                 "zero_py: the ranks did not all start the same gathered access (this is rank "

@@ -55,8 +55,8 @@ from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
-from zero_py.stage3.user_edits import (adopt_replaced_data, keep_post_hook_last,
-                                       keep_pre_hooks_first)
+from zero_py.stage3.user_edits import (adopt_replaced_data, check_modifier_rank,
+                                       keep_post_hook_last, keep_pre_hooks_first)
 
 
 def _not_traced(fn):
@@ -683,7 +683,8 @@ class Stage3Engine:
                         for i, p in enumerate(s.params) if params is None or id(p) in params})
         return self.hold(units, modifier_rank)
 
-    def announce(self, what: str, units: Sequence[int] = ()) -> None:
+    def announce(self, what: str, units: Sequence[int] = (),
+                 modifier_rank: Optional[int] = None) -> None:
         """Before the collective gathers of `what` (e.g. "model.state_dict()") of `units`:
         every rank must be starting it, on the same units (a submodule's state dict or
         gathered(): ranks that name different modules would pair the gathers of different
@@ -693,6 +694,9 @@ class Stage3Engine:
         key = 0
         for u in sorted(set(units)):  # the same number on every rank for the same units
             key = (key * 1000003 + u + 1) % (2 ** 61 - 1)
+        if modifier_rank is not None:  # each rank would broadcast from its own (a hang)
+            key = (key * 1000003 + modifier_rank + 1) % (2 ** 61 - 1)
+            what = f"{what} with modifier_rank={modifier_rank}"
         self.reducer.announce_gathered(what, key)
 
     def _forward_running(self) -> bool:
@@ -724,9 +728,10 @@ class Stage3Engine:
         rank gathers from the peers' shards alone; otherwise collective, announced first
         unless the caller did (`announced`: one announcement for a whole state dict)."""
         self.refuse_inside_pass(what)
+        check_modifier_rank(what, modifier_rank, self.executor.world_size)
         alone = modifier_rank is None and self.reads_alone()
         if not alone and not announced:
-            self.announce(what, wanted)
+            self.announce(what, wanted, modifier_rank)
         opened = [u for u in wanted if not self.is_gathered(u)]
         # memory_report's gathered_peak is training's working set: what the caller holds
         # here (up to the whole model) is the caller's, and is not counted in it
