@@ -151,6 +151,35 @@ def _scenarios(rank, world_size):
     out["gathered_errors"], out["gathered_then"] = gathered_then_trained([rank, 5])
     out["gathered_never"] = gathered_then_trained([])[1]
 
+    # a loss scale loaded on one rank only: the gradients were reduced scaled by each rank's
+    # own scale and each shard unscaled by its own (silently 0.04 off at lr 1e-2 in 2 steps);
+    # the step refuses on every rank, and once the scale agrees again training goes on as a
+    # run that never had it
+    def scaled(diverge):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2,
+                                    loss_scaler=zero_py.LossScaler(init_scale=2.0**8))
+        good = opt.loss_scaler.state_dict()
+        error = None
+        for k in range(2):
+            if diverge and k == 0 and rank == 1:
+                opt.loss_scaler.load_state_dict({**good, "scale": 2.0**12})
+            loss = models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank)))
+            opt.scale_loss(loss).backward()
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                error = str(exc)
+                opt.loss_scaler.load_state_dict(good)  # the run goes on: skip this batch
+                opt.zero_grad()
+                loss = models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank)))
+                opt.scale_loss(loss).backward()
+                opt.step()
+            opt.zero_grad()
+        return error, [p.detach().clone() for p in m.parameters()]
+    (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -204,6 +233,12 @@ def test_disagreeing_ranks_raise_on_every_rank():
         assert texts[0] is not None and texts[0] == texts[1], (name, texts)
         for word in words:
             assert word in texts[0], f"{name}: {word!r} not in:\n{texts[0]}"
+    for rank, r in enumerate(results):
+        assert r["scale_error"] is not None, f"rank {rank} stepped with another loss scale"
+        assert "hyperparameters differ between ranks" in r["scale_error"], r["scale_error"]
+        assert f"loss scaler scale={2.0**12 if rank else 2.0**8}" in r["scale_error"]
+        for a, b in zip(r["scale_then"], r["scale_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
     for r in results:
         other_modifier, out_of_group = r["gathered_errors"]
         assert "did not all start the same gathered access" in other_modifier, other_modifier

@@ -86,21 +86,26 @@ def _plain(value: Any) -> str:
     return json.dumps(describe(value), sort_keys=True)
 
 
-def hyperparameters(param_groups: Sequence[dict]) -> Tuple[int, Any]:
-    """The param groups' settings (every key but "params") as a 62-bit fingerprint that is
-    equal on two ranks exactly when the settings agree, and a callable giving them in words
-    (for the error). Each step compares the fingerprint in its count all-reduce
-    (sharding/reducer.py; stage 1's count carries nothing else): a scheduler stepped on a
-    per-rank metric would otherwise train each rank's shard at its own learning rate. A few
+def hyperparameters(param_groups: Sequence[dict],
+                    loss_scaler: Optional[dict] = None) -> Tuple[int, Any]:
+    """The param groups' settings (every key but "params"), and the loss scaler's state when
+    there is one, as a 62-bit fingerprint that is equal on two ranks exactly when the settings
+    agree, and a callable giving them in words (for the error). Each step compares the
+    fingerprint in its count all-reduce (sharding/reducer.py; stage 1's count carries nothing
+    else): a scheduler stepped on a per-rank metric would otherwise train each rank's shard at
+    its own learning rate, and a loss scale loaded on one rank only would reduce gradients
+    scaled differently per rank, each shard unscaled by its own rank's scale. A few
     microseconds per group and step."""
     settings = _settings(param_groups)
+    if loss_scaler is not None:
+        settings.append([("loss scaler " + str(k), v) for k, v in sorted(loss_scaler.items())])
     text = ";".join(",".join(f"{k}={_plain(v)}" for k, v in g) for g in settings)
     fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
                                  "little") >> 2
 
     def words() -> str:
-        out = "; ".join(f"group {i}: " + ", ".join(f"{k}={json.dumps(describe(v))}"
-                                                   for k, v in g)
+        out = "; ".join(("" if g and g[0][0].startswith("loss scaler ") else f"group {i}: ")
+                        + ", ".join(f"{k}={json.dumps(describe(v))}" for k, v in g)
                         for i, g in enumerate(settings))
         return out if len(out) <= 600 else out[:600] + " ..."
     return fingerprint, words

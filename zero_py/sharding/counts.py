@@ -109,7 +109,8 @@ class Count:
                     "parts would train with different settings. "
                     f"This rank's param_groups: {self.hyper[1]()}. A scheduler must see the "
                     "same input on every rank: e.g. step ReduceLROnPlateau on a metric "
-                    "all-reduced across ranks, and change param_groups alike on every rank")
+                    "all-reduced across ranks, and change param_groups (and load a loss "
+                    "scaler's state) alike on every rank")
         if all(r[:4] == rows[0][:4] for r in rows):
             return
         said = "; ".join(
