@@ -152,6 +152,14 @@ LOAD_CASES = [
      r"holds \['momentum_buffer'\]"),
     ("full: exp_avg missing", _full(_drop(["state", 1, "exp_avg"])), ValueError,
      r"lacks \['exp_avg'\]"),
+    # found by the copy into the shard (NotImplementedError), after the state was dropped
+    ("full: meta exp_avg", _full(_set(["state", 0, "exp_avg"], torch.empty(4, 4, device="meta"))),
+     ValueError, "parameter 0's 'exp_avg' is on the meta device"),
+    ("shard: meta exp_avg_sq", _shard(_set(["state", 1, "exp_avg_sq"],
+                                           torch.empty(4, device="meta"))),
+     ValueError, "parameter 1's 'exp_avg_sq' is on the meta device"),
+    ("full: meta step", _full(_set(["state", 0, "step"], torch.empty((), device="meta"))),
+     ValueError, "'step' must be a number >= 0"),
     ("scaler: NaN scale", _shard(_set(["loss_scaler", "scale"], float("nan"))), ValueError,
      "'scale' must be a positive finite number"),
     ("scaler: negative scale", _shard(_set(["loss_scaler", "scale"], -1.0)), ValueError,
@@ -479,6 +487,20 @@ def _step_after_resizing(stage):
     return build
 
 
+def _gathered_modifier_outside_the_group(stage):
+    """gathered(modifier_rank=1) in a group of 1: found by the broadcast on the block's exit
+    only ("broadcast: src 1 is not a rank of this group of 1"), the block's edits kept."""
+    def build(_):
+        model, first = zero_py.initialize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                                          stage=stage)
+
+        def call():
+            with zero_py.gathered(model, modifier_rank=1), torch.no_grad():
+                model[0].weight.add_(1.0)
+        return model, first, call
+    return build
+
+
 # (case, set-up returning (model, existing optimizer or None, the bad call), exception, match)
 CALL_CASES = [
     ("two optimizers over one parameter", _two_optimizers, ValueError,
@@ -556,6 +578,9 @@ CALL_CASES = [
      "'0.weight' had requires_grad=False when the optimizer was built.*add_param_group"),
     ("step after unfreezing stage 3", _step_after_unfreezing(3), RuntimeError,
      "'0.weight' had requires_grad=False when the optimizer was built.*lr=0"),
+    ("gathered modifier_rank outside the group stage 2", _gathered_modifier_outside_the_group(2),
+     ValueError, r"modifier_rank=1 is not a rank of the model's process group: pass an int "
+     "from 0 to 0"),
 ]
 
 

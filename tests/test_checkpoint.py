@@ -467,6 +467,14 @@ def run_second_2(rank, world, tmp):
     got = resumed[0].state_dict()["state"] if resumed else {}
     out["reloaded_equal"] = sorted(got) == sorted(ref) and all(
         torch.equal(got[i][k], ref[i][k]) for i in ref for k in ref[i])
+    # a rank that cannot write its file (here: given another path, so rank 0's directory is
+    # not where it looks; a file system it does not share with rank 0 alike) raised alone and
+    # left the others waiting: every rank raises, nothing is published, the next save works
+    out["other_paths"] = _refusal(
+        lambda: zero_py.save_checkpoint(os.path.join(tmp, f"C_rank{rank}"), model, opt))
+    out["other_paths_absent"] = not any(os.path.exists(os.path.join(tmp, f"C_rank{r}"))
+                                        for r in range(world))
+    zero_py.save_checkpoint(os.path.join(tmp, "C_after_refusal"), model, opt)
     return out
 
 
@@ -631,6 +639,14 @@ def test_an_unforeseen_failure_of_one_rank_in_a_load_raises_on_every_rank(runs):
         msg = rank_out["unforeseen_save"]
         assert msg is not None and "RuntimeError: injected failure" in msg, msg
         assert "rank 1" in msg and rank_out["unforeseen_save_absent"]
+
+
+def test_a_rank_that_cannot_write_its_file_raises_on_every_rank(runs):
+    for rank_out in runs["second"]:
+        msg = rank_out["other_paths"]
+        assert msg is not None and "rank 1 could not write rank00001.safetensors" in msg, msg
+        assert "every rank must pass the same path" in msg, msg
+        assert rank_out["other_paths_absent"]
 
 
 def test_async_save_writes_the_state_of_its_call(runs):

@@ -95,6 +95,16 @@ def test_a_group_value_the_kernel_refuses_names_its_group_and_changes_nothing(
         for m, o in ((ref, ref_opt), (model, opt)):
             m[:2](x * (k + 1)).pow(2).mean().backward()
             if o is opt and k == 1:
+                # a value the kernel cannot read at all said only "could not convert string
+                # to float: 'x'" (or "cannot unpack non-iterable float object")
+                for key, bad, said in (("lr", "x", "could not convert string to float"),
+                                       ("betas", 0.9, "cannot unpack")):
+                    good, o.param_groups[1][key] = o.param_groups[1][key], bad
+                    with pytest.raises(ValueError, match=r"^param group 1: a hyperparameter "
+                                       r"the fused kernel cannot read \((TypeError|ValueError): "
+                                       f"{said}.*betas a pair of numbers"):
+                        o.step()
+                    o.param_groups[1][key] = good
                 o.param_groups[1]["weight_decay"] = -0.1
                 with pytest.raises(ValueError, match=r"^param group 1: weight_decay must be "
                                    r"finite and >= 0, got -0.1 \(zero_py's fused adamw"):

@@ -104,6 +104,82 @@ def _scenarios(rank, world_size):
     out["load_other_steps"] = _attempt(lambda: opt.load_state_dict(saved[rank]), group)
     out["load_agreeing"] = _attempt(lambda: opt.load_state_dict(saved[0]), group)
 
+    # clip_grad_norm_ refused on one rank only (it raised there alone, and the other rank
+    # waited in the norm's all-reduce), or with another max_norm per rank (each rank clipped
+    # its shard by its own coefficient): every rank raises; the run then goes on as one that
+    # never made the call
+    def clipped(calls):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        errors = [_attempt(call(opt), group) for call in calls]
+        opt.clip_grad_norm_(0.1)
+        opt.step()
+        return errors, [p.detach().clone() for p in m.parameters()]
+    (out["clip_refused_on_one_rank"], out["clip_max_norm"]), out["clip_then"] = clipped([
+        lambda opt: lambda: opt.clip_grad_norm_(1.0, -1.0 if rank else 2.0),
+        lambda opt: lambda: opt.clip_grad_norm_(0.1 * (rank + 1))])
+    out["clip_never"] = clipped([])[1]
+
+    # consolidate_state_dict to a rank the group lacks returned None on every rank, silently
+    opt = zero_py.ZeroOptimizer(models.MLP().parameters(), stage=2, process_group=group)
+    out["consolidate_to_5"] = _attempt(lambda: opt.consolidate_state_dict(to=5), group)
+    out["consolidate_to_differs"] = _attempt(lambda: opt.consolidate_state_dict(to=rank),
+                                             group)
+
+    # stage 3's gathered() with another modifier_rank per rank: each rank broadcast its own
+    # edits on exit (a hang); one not in the group was found by that broadcast only, after
+    # the block ran, as "broadcast: src 5 ...". Both raise on every rank, before the block
+    def gathered_then_trained(calls):
+        torch.manual_seed(0)
+        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
+                                    wrap_policy={nn.Linear}, lr=1e-2)
+        errors = []
+        for modifier_rank in calls:
+            dist.barrier(group)
+            try:
+                with zero_py.gathered(m, modifier_rank=modifier_rank), torch.no_grad():
+                    m.fc1.weight.add_(1.0)
+                errors.append(None)
+            except (ValueError, RuntimeError) as exc:
+                errors.append(str(exc))
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        opt.step()
+        with zero_py.gathered(m):
+            return errors, [p.detach().clone() for p in m.parameters()]
+    out["gathered_errors"], out["gathered_then"] = gathered_then_trained([rank, 5])
+    out["gathered_never"] = gathered_then_trained([])[1]
+
+    # a loss scale loaded on one rank only: the gradients were reduced scaled by each rank's
+    # own scale and each shard unscaled by its own (silently 0.04 off at lr 1e-2 in 2 steps);
+    # the step refuses on every rank, and once the scale agrees again training goes on as a
+    # run that never had it
+    def scaled(diverge):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2,
+                                    loss_scaler=zero_py.LossScaler(init_scale=2.0**8))
+        good = opt.loss_scaler.state_dict()
+        error = None
+        for k in range(2):
+            if diverge and k == 0 and rank == 1:
+                opt.loss_scaler.load_state_dict({**good, "scale": 2.0**12})
+            loss = models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank)))
+            opt.scale_loss(loss).backward()
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                error = str(exc)
+                opt.loss_scaler.load_state_dict(good)  # the run goes on: skip this batch
+                opt.zero_grad()
+                loss = models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank)))
+                opt.scale_loss(loss).backward()
+                opt.step()
+            opt.zero_grad()
+        return error, [p.detach().clone() for p in m.parameters()]
+    (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -143,5 +219,36 @@ def test_disagreeing_ranks_raise_on_every_rank():
         texts = [got["error"][got["error"].index("the ranks disagree"):] for got in per_rank]
         assert texts[0] == texts[1], name
     assert all(r["load_agreeing"]["error"] is None for r in results)
+    clip_words = {
+        "clip_refused_on_one_rank": ["rank 1 refused its arguments: norm_type must be > 0",
+                                     "rank 0: clip_grad_norm_(max_norm=1.0, norm_type=2.0",
+                                     "rank 1: clip_grad_norm_(max_norm=1.0, norm_type=-1.0"],
+        "clip_max_norm": ["different arguments", "rank 0: clip_grad_norm_(max_norm=0.1,",
+                          "rank 1: clip_grad_norm_(max_norm=0.2,", "nothing was changed"],
+        "consolidate_to_5": ["consolidate_state_dict(to=5)", "an int from 0 to 1"],
+        "consolidate_to_differs": ["the ranks disagree on consolidate_state_dict's to",
+                                   "rank 0: 0", "rank 1: 1"]}
+    for name, words in clip_words.items():
+        texts = [r[name]["error"] for r in results]
+        assert texts[0] is not None and texts[0] == texts[1], (name, texts)
+        for word in words:
+            assert word in texts[0], f"{name}: {word!r} not in:\n{texts[0]}"
+    for rank, r in enumerate(results):
+        assert r["scale_error"] is not None, f"rank {rank} stepped with another loss scale"
+        assert "hyperparameters differ between ranks" in r["scale_error"], r["scale_error"]
+        assert f"loss scaler scale={2.0**12 if rank else 2.0**8}" in r["scale_error"]
+        for a, b in zip(r["scale_then"], r["scale_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for r in results:
+        other_modifier, out_of_group = r["gathered_errors"]
+        assert "did not all start the same gathered access" in other_modifier, other_modifier
+        assert "zero_py.gathered() with modifier_rank=" in other_modifier, other_modifier
+        assert "the same modifier_rank, on every rank" in other_modifier, other_modifier
+        assert out_of_group.startswith("zero_py.gathered(): modifier_rank=5 is not a rank of "
+                                       "the model's process group: pass an int from 0 to 1")
+        for a, b in zip(r["gathered_then"], r["gathered_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(r["clip_then"], r["clip_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from zero_py.stage3 import state_dict as stage3_state_dict
 from zero_py.stage3.engine import Stage3Engine
 from zero_py.stage3.shard import shard_parameters
 from zero_py.stage3.meta_init import realize_meta, replay_init
+from zero_py.stage3.user_edits import check_modifier_rank
 
 __all__ = ["initialize", "gathered", "full_state_dict", "full_shape"]
 
@@ -626,6 +627,8 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
         if modifier_rank is not None:
             opt.sync_master_from_params()
         return
+    # before the block: found by the broadcast on exit, the ranks had kept their own edits
+    check_modifier_rank("zero_py.gathered()", modifier_rank, opt.executor.world_size)
     fp = opt._flat
     requantize = modifier_rank is not None and quantized.weights_quantized(opt._wire)
     buckets = sorted({fp.param_bucket[i] for i, p in enumerate(fp.params) if id(p) in ids})

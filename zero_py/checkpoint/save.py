@@ -381,8 +381,14 @@ def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Op
         record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
                                                  tensors, meta)
         record["crc32c"] = f"{crc:08x}"
-    except OSError as exc:
-        error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - any failure of one rank is every rank's error:
+        # raised on this rank alone, it left the others waiting in the gather below (a hang)
+        why = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        error = f"rank {ex.rank} could not write {rank_file(ex.rank)}: {why}"
+        if not os.path.isdir(tmp):
+            error += (f" ({tmp} is not there on rank {ex.rank}: rank 0 makes the save's "
+                      "directory next to the path it was given, so every rank must pass the "
+                      "same path, on a file system that every rank sees)")
     del tensors
     records = gather_json(ex, {"error": error, **record}, 0)
     outcome = None

@@ -154,8 +154,11 @@ class SequentialWriter:
     def __init__(self, path, engine: Optional[IoEngine] = None, buffer_bytes: int = 8 << 20,
                  n_buffers: int = 4, direct: bool = True):
         self.engine = engine or default_engine()
-        self.file = DirectFile(path, writable=True, direct=direct)
-        self.path = self.file.path
+        # a file that cannot be made (its directory absent, no permission, no space) is an
+        # error of the device too: the callers' `except OSError` takes it (a rank's
+        # save_checkpoint that raised another type alone left its peers waiting)
+        self.path = os.fspath(path)
+        self.file = self._engine_call(DirectFile, path, True, True, direct)
         size = max(IO_ALIGN, buffer_bytes // IO_ALIGN * IO_ALIGN)
         self._buffers = [aligned_empty(size) for _ in range(n_buffers)]
         self._views = [memoryview(b.numpy()) for b in self._buffers]

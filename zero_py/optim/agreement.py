@@ -86,21 +86,26 @@ def _plain(value: Any) -> str:
     return json.dumps(describe(value), sort_keys=True)
 
 
-def hyperparameters(param_groups: Sequence[dict]) -> Tuple[int, Any]:
-    """The param groups' settings (every key but "params") as a 62-bit fingerprint that is
-    equal on two ranks exactly when the settings agree, and a callable giving them in words
-    (for the error). Each step compares the fingerprint in its count all-reduce
-    (sharding/reducer.py; stage 1's count carries nothing else): a scheduler stepped on a
-    per-rank metric would otherwise train each rank's shard at its own learning rate. A few
+def hyperparameters(param_groups: Sequence[dict],
+                    loss_scaler: Optional[dict] = None) -> Tuple[int, Any]:
+    """The param groups' settings (every key but "params"), and the loss scaler's state when
+    there is one, as a 62-bit fingerprint that is equal on two ranks exactly when the settings
+    agree, and a callable giving them in words (for the error). Each step compares the
+    fingerprint in its count all-reduce (sharding/reducer.py; stage 1's count carries nothing
+    else): a scheduler stepped on a per-rank metric would otherwise train each rank's shard at
+    its own learning rate, and a loss scale loaded on one rank only would reduce gradients
+    scaled differently per rank, each shard unscaled by its own rank's scale. A few
     microseconds per group and step."""
     settings = _settings(param_groups)
+    if loss_scaler is not None:
+        settings.append([("loss scaler " + str(k), v) for k, v in sorted(loss_scaler.items())])
     text = ";".join(",".join(f"{k}={_plain(v)}" for k, v in g) for g in settings)
     fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
                                  "little") >> 2
 
     def words() -> str:
-        out = "; ".join(f"group {i}: " + ", ".join(f"{k}={json.dumps(describe(v))}"
-                                                   for k, v in g)
+        out = "; ".join(("" if g and g[0][0].startswith("loss scaler ") else f"group {i}: ")
+                        + ", ".join(f"{k}={json.dumps(describe(v))}" for k, v in g)
                         for i, g in enumerate(settings))
         return out if len(out) <= 600 else out[:600] + " ..."
     return fingerprint, words
@@ -179,3 +184,37 @@ def mismatch_message(per_rank: List[List[list]], what: str) -> str:
                      "was changed or communicated beyond this check")
         return "\n".join(lines)
     return f"{what}: the ranks' fingerprints differ but their entries agree (a hash collision?)"
+
+
+# -- a call's arguments, inside the all-reduce the call makes anyway --------------------------
+
+CALL_FINGERPRINT_BITS = 20  # a sum of squares stays exact in float64 up to 2**13 ranks
+
+
+def call_fingerprint(text: str) -> Tuple[float, float]:
+    """Two independent CALL_FINGERPRINT_BITS-bit fingerprints of a call's arguments `text`
+    (e.g. clip_grad_norm_'s max_norm and norm_type), as floats for an all-reduce."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    mask = (1 << CALL_FINGERPRINT_BITS) - 1
+    return (float(int.from_bytes(digest[:4], "little") & mask),
+            float(int.from_bytes(digest[4:], "little") & mask))
+
+
+def call_terms(text: str) -> List[float]:
+    """What a rank adds to a SUM all-reduce so that every rank can tell whether all passed
+    the same `text`: each fingerprint f and its square (see calls_agree)."""
+    out = []
+    for f in call_fingerprint(text):
+        out += [f, f * f]
+    return out
+
+
+def calls_agree(sums: Sequence[float], world_size: int) -> bool:
+    """Whether the all-reduced call_terms of `world_size` ranks come from one text: n * sum of
+    squares == (sum)^2 exactly when every rank's fingerprint is the same (Cauchy-Schwarz), and
+    the same verdict on every rank (they hold the same sums). Integers, exact."""
+    for k in range(0, len(sums), 2):
+        s1, s2 = int(sums[k]), int(sums[k + 1])
+        if world_size * s2 != s1 * s1:
+            return False
+    return True

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from zero_py import kernels
 from zero_py.collectives import stats as comm_stats
+from zero_py.collectives.objects import gather_json
+from zero_py.optim import agreement
 
 
 class GradStatistics:
@@ -29,29 +31,79 @@ class GradStatistics:
         """loss * loss_scale: call backward on this when a loss scaler is set."""
         return loss * self.loss_scale if self.loss_scaler is not None else loss
 
-    def _grad_stats(self, norm_type: float) -> Tuple[float, bool]:
+    def _grad_stats(self, norm_type: float, call: str = "step()",
+                    refused: Optional[str] = None) -> Tuple[float, bool]:
         """Global sum of |g|^p (or max |g| for p = inf) over every rank's gradient shard, and
-        whether any rank holds an inf or nan; one read pass and one small all-reduce."""
+        whether any rank holds an inf or nan; one read pass and one small all-reduce.
+
+        The all-reduce also carries what each rank was asked (`call`: the arguments in words)
+        and whether it refused them (`refused`: why): a rank that raised alone before it, or
+        clipped with its own max_norm, left the others waiting in a collective it never made,
+        or clipped each rank's shard of the gradients by another coefficient. Such a call
+        raises ValueError on every rank, before anything changes. A second all-reduce (MAX)
+        gives the norm for p = inf, once the ranks are known to agree on p."""
         flat, grads = self._flat, self._reducer.grads
-        tables: Dict[torch.dtype, array] = {}  # the pieces are ours: no checks needed
-        for b in range(flat.n_buckets):
-            piece = grads.piece(b)
-            tables.setdefault(piece.dtype, array("q")).extend(
-                kernels.segment_row(piece.numel(), grad=piece.data_ptr()))
-        both = kernels.grad_stats(tables, norm_type, flat.device,
-                                  n_threads=torch.get_num_threads())
+        if refused is None:
+            tables: Dict[torch.dtype, array] = {}  # the pieces are ours: no checks needed
+            for b in range(flat.n_buckets):
+                piece = grads.piece(b)
+                tables.setdefault(piece.dtype, array("q")).extend(
+                    kernels.segment_row(piece.numel(), grad=piece.data_ptr()))
+            both = kernels.grad_stats(tables, norm_type, flat.device,
+                                      n_threads=torch.get_num_threads())
+        else:
+            both = torch.zeros(2, dtype=torch.float64)
         # a third element says whether this rank's sum is NaN: a MAX all-reduce (norm_type
         # inf) compares, and may keep a peer's finite value over a NaN, where torch's norm of
         # DDP's averaged gradients is NaN
-        both = torch.cat([both, both[:1].isnan().to(both.dtype)])
+        both = both.to(torch.float64)
+        check = torch.tensor([float(refused is not None)] + agreement.call_terms(call),
+                             dtype=torch.float64, device=both.device)
+        nan = both[:1].isnan().to(both.dtype)
+        by_max = math.isinf(norm_type) and refused is None
+        total = both[:1].clone()
+        if by_max:  # summed with the rest (0 here), then taken by a MAX of its own
+            both[0] = 0.0
+        both = torch.cat([both, nan, check])
         if self.executor.device != both.device:
             both = both.to(self.executor.device)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         with comm_stats.control():
-            work = self.executor.all_reduce(both, op)
+            work = self.executor.all_reduce(both, dist.ReduceOp.SUM)
         work.wait()
-        total = float("nan") if float(both[2]) > 0 else float(both[0])
-        return total, bool(both[1] > 0)
+        sums = both.cpu().tolist()
+        world = getattr(self.executor, "shard", self.executor)
+        if sums[3] > 0 or not agreement.calls_agree(sums[4:], world.world_size):
+            raise ValueError(self._call_refusal(world, call, refused))
+        if by_max:
+            if self.executor.device != total.device:
+                total = total.to(self.executor.device)
+            with comm_stats.control():
+                work = self.executor.all_reduce(total, dist.ReduceOp.MAX)
+            work.wait()
+            both[0] = total[0]
+        total = float("nan") if sums[2] > 0 else float(both[0])
+        return total, sums[1] > 0
+
+    def _call_refusal(self, world, call: str, refused: Optional[str]) -> str:
+        """The error of a _grad_stats call refused on some rank or asked with other arguments
+        on another: each rank's call and refusal (one exchange), the same text on every rank."""
+        per_rank = gather_json(world, [call, refused], None)
+        said = [e for _, e in per_rank if e]
+        if said and len(said) == len(per_rank) and len(set(said)) == 1:
+            head = said[0]  # every rank refused the same
+        elif said:
+            first = next(r for r, (_, e) in enumerate(per_rank) if e)
+            head = f"rank {first} refused its arguments: {per_rank[first][1]}"
+        else:
+            head = ("the ranks passed different arguments, so each rank would clip its own "
+                    "shard of the gradients by its own coefficient")
+        lines = [f"zero_py: {head}"]
+        lines += [f"  rank {r}: {c}" + (f" refused: {e}" if e else "")
+                  for r, (c, e) in enumerate(per_rank)]
+        lines.append("every rank must make the same call with the same arguments (e.g. "
+                     "clip_grad_norm_(max_norm, norm_type) with the same values); nothing "
+                     "was changed")
+        return "\n".join(lines)
 
     def _settle_clip(self) -> None:
         """Stages 2-3, as a backward's pass opens with gradients in the shard: a
@@ -103,9 +155,20 @@ class GradStatistics:
         _left_out: the frozen parameters (indices into the storage's) that a call of torch's
         function over the trainable ones left out (compat.py): the norm and the coefficient
         cover every gradient, so one of them holding a gradient is refused."""
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        # arguments this rank refuses are refused on every rank, in the statistics'
+        # all-reduce (_grad_stats): raised here alone, they left the other ranks waiting
+        refused = None
+        try:
+            max_norm, norm_type = float(max_norm), float(norm_type)
+        except (TypeError, ValueError) as exc:
+            refused = f"clip_grad_norm_ takes numbers for max_norm and norm_type: {exc}"
+        else:
+            if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+                refused = f"norm_type must be > 0 or inf, got {norm_type}"
+        call = (f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r}, "
+                f"error_if_nonfinite={bool(error_if_nonfinite)})")
+        if refused is not None:
+            norm_type = 2.0
         with torch.no_grad():
             used = self._finish_reduction()  # the same on every rank: so is a refusal
             held = [i for i in _left_out if used is not None and used[i]]
@@ -117,7 +180,7 @@ class GradStatistics:
                     "torch's function would leave it out of the norm and unclipped, which "
                     "zero_py's clipping of the whole gradient shard cannot; clip before "
                     "freezing it, or pass every parameter (model.parameters())")
-            sum_pow, nonfinite = self._grad_stats(norm_type)
+            sum_pow, nonfinite = self._grad_stats(norm_type, call, refused)
         self._nonfinite = nonfinite
         if nonfinite and error_if_nonfinite:
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "

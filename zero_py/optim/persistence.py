@@ -220,7 +220,19 @@ class StateDicts:
     def consolidate_state_dict(self, to: int = 0) -> Optional[dict]:
         """The full optimizer state dict, in torch.optim's own format (loadable by
         optimizer_class), returned on group rank `to` and None elsewhere. Collective: every rank
-        must call it. State-dict pre hooks run on every rank, post hooks on the full dict."""
+        must call it. State-dict pre hooks run on every rank, post hooks on the full dict.
+        A `to` that is not a rank of the group, or not the same on every rank, is refused on
+        every rank before anything runs (one rank out of range would have gathered on no rank
+        and returned None everywhere)."""
+        shard = getattr(self.executor, "shard", self.executor)  # hybrid: the group it gathers
+        agreement.check(shard, [("consolidate_state_dict's to", to)],
+                        "ZeroOptimizer.consolidate_state_dict")
+        if (not isinstance(to, int) or isinstance(to, bool)
+                or not 0 <= to < shard.world_size):
+            raise ValueError(
+                f"consolidate_state_dict(to={to!r}): `to` is the rank, within the optimizer's "
+                f"process group of {shard.world_size}, that gets the full dict: an int from 0 "
+                f"to {shard.world_size - 1} (other ranks get None); nothing was gathered")
         return self._full_state_dict(to)
 
     def _full_state_dict(self, to: Optional[int]) -> Optional[dict]:

@@ -158,7 +158,8 @@ def check_optimizer_class(saved_groups: List[dict], defaults: dict, name: str) -
 def _scalar(value) -> Optional[float]:
     if _is_number(value):
         return float(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1:
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() <= 1
+            and not value.is_meta):  # a meta tensor has no value to read
         return float(value.reshape(()))
     return None
 
@@ -216,6 +217,9 @@ def check_param_state(index: int, state, shape: Tuple[int, ...], keys: Optional[
         if not value.is_floating_point():
             raise ValueError(f"zero_py: parameter {index}'s {key!r} has dtype {value.dtype}, "
                              "expected a floating-point tensor")
+        if value.is_meta:  # found by the copy into the shard, after the state was dropped
+            raise ValueError(f"zero_py: parameter {index}'s {key!r} is on the meta device (it "
+                             "has no values): load a state dict that holds the values")
 
 
 def check_groups(saved: List[dict], current: List[dict]) -> None:

@@ -384,9 +384,18 @@ class FusedUpdate(_Update):
         """The kernel's checks of the hyperparameters of groups[k] for k in `which` (check_groups;
         load_checkpoint, on the loaded groups before anything changes): ValueError naming the
         param group."""
+        rows = []
+        for k in which:
+            try:
+                rows.append(self._group_row(groups[k], torch.float32, torch.float32, 1.0, 0,
+                                            False))
+            except (TypeError, ValueError, KeyError) as exc:  # lr="x", betas=0.9, no "lr"
+                raise ValueError(
+                    f"param group {k}: a hyperparameter the fused kernel cannot read "
+                    f"({type(exc).__name__}: {exc}): lr, eps, weight_decay, momentum and "
+                    "dampening must be numbers and betas a pair of numbers; nothing was "
+                    "changed") from None
         try:
-            rows = [self._group_row(groups[k], torch.float32, torch.float32, 1.0, 0, False)
-                    for k in which]
             kernels.optim_step_segments(array("q"), rows, torch.device("cpu"), n_threads=1)
         except ValueError as exc:
             raise ValueError(_by_param_group(str(exc), list(which))) from None

@@ -109,7 +109,8 @@ class Count:
                     "parts would train with different settings. "
                     f"This rank's param_groups: {self.hyper[1]()}. A scheduler must see the "
                     "same input on every rank: e.g. step ReduceLROnPlateau on a metric "
-                    "all-reduced across ranks, and change param_groups alike on every rank")
+                    "all-reduced across ranks, and change param_groups (and load a loss "
+                    "scaler's state) alike on every rank")
         if all(r[:4] == rows[0][:4] for r in rows):
             return
         said = "; ".join(
@@ -120,8 +121,9 @@ class Count:
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
             f" in step {st}" for q, (k, st, p, _, _) in enumerate(rows))
         if any(r[0] == GATHERED for r in rows):
-            other = (" (the same kind of access, of different modules: a submodule's "
-                     "state_dict() or gathered() must name the same module on every rank)"
+            other = (" (the same kind of access, of different modules or with another "
+                     "modifier_rank: a submodule's state_dict() or gathered() must name the "
+                     "same module, and gathered() the same modifier_rank, on every rank)"
                      if all(r[0] == GATHERED and r[1] == rows[0][1] for r in rows) else "")
             raise RuntimeError(
                 "zero_py: the ranks did not all start the same gathered access (this is rank "

@@ -690,7 +690,8 @@ class Stage3Engine:
                         for i, p in enumerate(s.params) if params is None or id(p) in params})
         return self.hold(units, modifier_rank)
 
-    def announce(self, what: str, units: Sequence[int] = ()) -> None:
+    def announce(self, what: str, units: Sequence[int] = (),
+                 modifier_rank: Optional[int] = None) -> None:
         """Before the collective gathers of `what` (e.g. "model.state_dict()") of `units`:
         every rank must be starting it, on the same units (a submodule's state dict or
         gathered(): ranks that name different modules would pair the gathers of different
@@ -700,6 +701,9 @@ class Stage3Engine:
         key = 0
         for u in sorted(set(units)):  # the same number on every rank for the same units
             key = (key * 1000003 + u + 1) % (2 ** 61 - 1)
+        if modifier_rank is not None:  # each rank would broadcast from its own (a hang)
+            key = (key * 1000003 + modifier_rank + 1) % (2 ** 61 - 1)
+            what = f"{what} with modifier_rank={modifier_rank}"
         self.reducer.announce_gathered(what, key)
 
     def _forward_running(self) -> bool:

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 import torch
 
 from zero_py.collectives import quantized
-from zero_py.stage3.user_edits import (adopt_replaced_data, param_versions,
-                                       refuse_dropped_writes)
+from zero_py.stage3.user_edits import (adopt_replaced_data, check_modifier_rank,
+                                       param_versions, refuse_dropped_writes)
 
 
 @contextlib.contextmanager
@@ -29,9 +29,10 @@ def hold_units(engine, wanted: Sequence[int], modifier_rank: Optional[int] = Non
     collective, announced first unless the caller did (`announced`: one announcement for a
     whole state dict)."""
     engine.refuse_inside_pass(what)
+    check_modifier_rank(what, modifier_rank, engine.executor.world_size)
     alone = modifier_rank is None and engine.reads_alone()
     if not alone and not announced:
-        engine.announce(what, wanted)
+        engine.announce(what, wanted, modifier_rank)
     opened = [u for u in wanted if not engine.is_gathered(u)]
     # memory_report's gathered_peak is training's working set: what the caller holds
     # here (up to the whole model) is the caller's, and is not counted in it

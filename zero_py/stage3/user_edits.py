@@ -42,6 +42,18 @@ def keep_pre_hooks_first(units, hook_ids: Sequence[int]) -> None:
             hooks.move_to_end(hook_ids[u], last=False)
 
 
+def check_modifier_rank(what: str, modifier_rank: Optional[int], world_size: int) -> None:
+    """Refuses, before anything is gathered, a modifier_rank that is not a rank of the group:
+    it was found only by the broadcast on the block's exit, after the user's code had run,
+    with a message ("broadcast: src 5 ...") that did not say what to pass."""
+    if modifier_rank is None or (isinstance(modifier_rank, int) and not isinstance(
+            modifier_rank, bool) and 0 <= modifier_rank < world_size):
+        return
+    raise ValueError(f"{what}: modifier_rank={modifier_rank!r} is not a rank of the model's "
+                     f"process group: pass an int from 0 to {world_size - 1} (the group rank "
+                     "whose edits every rank takes), or None; nothing was gathered")
+
+
 def adopt_replaced_data(storages, units: Sequence[int], modifier: bool) -> None:
     """At the end of a `gathered()` block over `units`: a parameter given another tensor as
     `.data` there (`p.data = t`, as torch.nn.utils.vector_to_parameters and some EMA code
