@@ -260,7 +260,8 @@ DAMAGED = {  # case: (what the test does to a copy of C, what the error must say
     "hostile_void": ("rank 1's extra a numpy void scalar of 10**9 bytes (allocated)",
                      "numpy dtype 'V8' is not one zero_py checkpoints store"),
     "hostile_lr": ("an lr of 'abc' (loaded; every step then failed)",
-                   "optimizer.param_groups: could not convert string to float: 'abc'"),
+                   "optimizer.param_groups: param group 0: a hyperparameter the fused kernel "
+                   "cannot read (ValueError: could not convert string to float: 'abc')"),
 }
 LAYOUT_EDITS = {  # case: what it does to the manifest of a copy of C
     "layout_shape": lambda m: m["params"]["blocks.0.attn.qkv.weight"].update(shape=[97, 32]),
