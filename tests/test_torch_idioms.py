@@ -658,19 +658,28 @@ def vector_loaded_in_gathered(rank, stage):
                 vector_to_parameters(ema.clone(), zmodel.parameters())
         except RuntimeError as exc:
             refused = str(exc)
-        written = None
+        written, trained = None, None
         if stage == 3:  # an in-place write, dropped as silently before
             try:
                 with zero_py.gathered(zmodel):
                     zmodel.fc2.weight.mul_(2.0)
             except RuntimeError as exc:
                 written = str(exc)
+            # a training step inside the block: its backward named a parameter "unused" and
+            # said to tie or register it where it is used
+            with torch.enable_grad():
+                try:
+                    with zero_py.gathered(zmodel):
+                        models.mlp_loss(zmodel, models.mlp_batch(gen)).backward()
+                except RuntimeError as exc:
+                    trained = str(exc)
+            zopt.zero_grad()
         with zero_py.gathered(zmodel, modifier_rank=0):
             vector_to_parameters(ema.clone(), zmodel.parameters())
     loaded = _rel_named(zmodel, ref)
     _step_both([(ddp, ref_opt), (zmodel, zopt)], models.mlp_batch(gen))
     return {"rel": max(loaded, _rel_named(zmodel, ref)), "refused": refused,
-            "written": written}
+            "written": written, "trained": trained}
 
 
 def stage3_functional_and_prune(rank):
@@ -766,6 +775,9 @@ def test_torch_idioms_match_ddp(tmp_path):
         assert "'fc1.weight' (unit '(the root module)') (and 5 more) was replaced inside a " \
             "read-only `zero_py.gathered(model)`" in read_only, read_only
         assert "modifier_rank=0" in read_only
+        trained = res[("vector_loaded", 3)]["trained"] or ""
+        assert "a backward of a forward run inside `zero_py.gathered(model)`" in trained and \
+            "Run the training forward and backward outside the block" in trained, trained
         written = res[("vector_loaded", 3)]["written"] or ""
         assert "'fc2.weight' (unit '(the root module)') was written in place inside a " \
             "read-only `zero_py.gathered(model)`" in written and "modifier_rank=0" in written, \

@@ -165,6 +165,9 @@ class GradReducer:
         self._count: Optional[Count] = None
         self._updating = False  # finish() ran: the optimizer may be writing the shards
         self._unused = bytearray(len(flat.params))  # marked unused in this pass
+        # why no gradient may come now, if none should (the stage-3 engine sets it while a
+        # forward run inside zero_py.gathered() may be backpropagated): the hooks raise it
+        self.grads_refused: Optional[str] = None
         self._zero_input: Dict[torch.dtype, torch.Tensor] = {}
         # error feedback of a quantized wire (collectives/quantized.py): bucket -> fp32
         # residual of the peers' chunks, made at its first reduction and kept across steps
@@ -211,6 +214,8 @@ class GradReducer:
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             # checked before any state changes, and on every rank alike: nothing to undo
+            if self.grads_refused is not None:
+                raise RuntimeError(self.grads_refused)
             self._check_grad(i, param.grad)
             # this backward's first gradient (none queued its end, or that of a backward that
             # raised, which the engine dropped): before anything is copied

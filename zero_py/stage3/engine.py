@@ -55,7 +55,7 @@ from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.drain import DrainGathers
 from zero_py.stage3.entries import entry_points
 from zero_py.stage3.model_changes import ModelChanges
-from zero_py.stage3.hold import hold_units
+from zero_py.stage3.hold import TRAINING_FORWARD_HELD, hold_units
 from zero_py.stage3.user_edits import keep_post_hook_last, keep_pre_hooks_first
 
 
@@ -336,12 +336,15 @@ class Stage3Engine:
                 return self._mark_inputs(u, args, kwargs)  # reentrant: this graph is backed
             return None
         if self._held:  # inside gathered(): run on the full values, no schedule
+            if torch.is_grad_enabled():  # its backward is refused (TRAINING_FORWARD_HELD)
+                self.reducer.grads_refused = TRAINING_FORWARD_HELD
             if not any(u in held for held in self._held):
                 raise RuntimeError(
                     f"zero_py stage 3: unit {self.units[u][0]!r} runs inside zero_py.gathered() "
                     "without being gathered; gather the whole model: zero_py.gathered(model)")
             return None
         if u == 0:
+            self.reducer.grads_refused = None
             self._begin_forward()
         elif self._phase is None:
             raise RuntimeError(
