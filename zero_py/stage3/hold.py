@@ -21,15 +21,6 @@ from zero_py.stage3.user_edits import (adopt_replaced_data, check_modifier_rank,
                                        param_versions, refuse_dropped_writes)
 
 
-# the engine refuses a forward with grad enabled inside a block (on every rank: its
-# announcement carries it); a backward of it found the units' gradients reduced as unused
-TRAINING_FORWARD_HELD = (
-    "zero_py stage 3: a training forward (grad enabled) inside `zero_py.gathered(model)`: the "
-    "block holds units gathered for reading or editing weights between steps, where a "
-    "backward cannot reduce their gradients as it does outside. Run the training forward and "
-    "backward outside the block (a forward under torch.no_grad() inside it is fine)")
-
-
 # a backward of a forward run inside a block (grad enabled): the units' gradients cannot be
 # reduced as outside it (the reducer's hooks raise this until the next forward of the model)
 TRAINING_FORWARD_HELD = (
