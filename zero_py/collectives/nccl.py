@@ -30,7 +30,6 @@ CPU tensor's is counted once, as its device copy's.
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import List, Optional
 
@@ -51,7 +50,23 @@ _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                 torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 
-_id_counter = itertools.count()
+# "ranks" -> communicators made over those ranks in this process (unique_id_key)
+_IDS_MADE: dict = {}
+
+
+def unique_id_key(ranks) -> str:
+    """The store key under which group rank 0 publishes a new communicator's ncclUniqueId.
+
+    It counts the communicators made over the same ranks only, which the members make at the
+    same calls (initialize and channel() are collective over the group). A count of every
+    communicator this process made differed between ranks as soon as some made one the others
+    did not (a stage-3 model over ranks {2, 3}: its executor and gather channel), and the next
+    executor over every rank then waited on a key that rank 0 never set: a hang (the gloo
+    channel had the same defect, collectives/local_group.py)."""
+    ranks = "-".join(map(str, ranks))
+    made = _IDS_MADE.get(ranks, 0)
+    _IDS_MADE[ranks] = made + 1
+    return f"zero_py/nccl/{ranks}/{made}"
 
 
 def nccl_op(op) -> int:
@@ -194,7 +209,7 @@ class NcclExecutor:
         """Rank 0's ncclUniqueId, on every rank, through the torch.distributed store (or, where
         no store is reachable, a broadcast over the group)."""
         ranks = dist.get_process_group_ranks(self.group)
-        key = f"zero_py/nccl/{'-'.join(map(str, ranks))}/{next(_id_counter)}"
+        key = unique_id_key(ranks)
         store = None
         try:
             store = dist.distributed_c10d._get_default_store()
