@@ -353,7 +353,9 @@ class NcclExecutor:
 
     def _through_device(self, host: torch.Tensor, run) -> Work:
         """A collective on a CPU tensor: through a device copy, copied back at wait()."""
-        dev = host.to(self.device)
+        # not blocking: a blocking copy to the device would first wait for all the work
+        # queued on the caller's stream (the host tensor is not written before back())
+        dev = host.to(self.device, non_blocking=True)
         work = run(dev)
 
         def back():

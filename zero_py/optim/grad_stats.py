@@ -57,8 +57,10 @@ class GradStatistics:
         # inf) compares, and may keep a peer's finite value over a NaN, where torch's norm of
         # DDP's averaged gradients is NaN
         both = both.to(torch.float64)
+        # built on the host and sent without blocking (a blocking copy to a device waits for
+        # everything queued on the stream: the statistics' kernel, the backward before it)
         check = torch.tensor([float(refused is not None)] + agreement.call_terms(call),
-                             dtype=torch.float64, device=both.device)
+                             dtype=torch.float64).to(both.device, non_blocking=True)
         nan = both[:1].isnan().to(both.dtype)
         by_max = math.isinf(norm_type) and refused is None
         total = both[:1].clone()
