@@ -82,9 +82,10 @@ class GradStatistics:
             with comm_stats.control():
                 work = self.executor.all_reduce(total, dist.ReduceOp.MAX)
             work.wait()
-            both[0] = total[0]
-        total = float("nan") if sums[2] > 0 else float(both[0])
-        return total, sums[1] > 0
+            sums[0] = float(total[0])
+        # sums[0], not both[0]: reading the device tensor again waited for the device a second
+        # time each step
+        return (float("nan") if sums[2] > 0 else sums[0]), sums[1] > 0
 
     def _call_refusal(self, world, call: str, refused: Optional[str]) -> str:
         """The error of a _grad_stats call refused on some rank or asked with other arguments
