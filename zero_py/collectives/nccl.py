@@ -19,9 +19,9 @@ ordered and watched like the others. Those calls came in NCCL 2.7: with an older
 executor still loads, and all_to_all_unavailable says why all_to_all cannot run (quantized
 grads are then refused, and a bf16 wire summed in fp32 reduces in bf16 instead).
 
-CPU tensors handed to all_reduce, broadcast and all_to_all (small bookkeeping: the "used" mask,
-statistics) go through the device: copied in, exchanged, and copied back when wait() is
-called.
+CPU tensors handed to all_reduce, broadcast and all_to_all go through the device: copied in
+(without blocking), exchanged, and copied back when wait() is called. zero_py's own bookkeeping
+(the "used" mask, statistics, counts) is made on the executor's device instead.
 
 Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
 model, NCCL's own; the all-to-all's (N-1)/N of its input each way) once it has been issued; a
