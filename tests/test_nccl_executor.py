@@ -4,6 +4,8 @@ that a machine without a GPU or NCCL gets an error that says why (tests/gpu/ run
 itself), and the NCCL all-to-all's checks, counting and call through a stand-in for the
 communicator."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,43 @@ def test_without_a_gpu_the_nccl_executor_says_why(single_rank_group):
     with pytest.raises(RuntimeError, match="NCCL executor is unavailable") as err:
         nccl.NcclExecutor(single_rank_group)
     assert why in str(err.value) and "executor='torch'" in str(err.value)
+
+
+def test_nccl_unique_id_keys_agree_after_a_subgroups_executor(monkeypatch):
+    """4 ranks: ranks 2 and 3 built a stage-3 model over their own group (two communicators:
+    its executor and its gather channel), then every rank builds one over the world. Rank 2
+    must read the world communicator's id under the key rank 0 wrote (a count of all of a
+    process's communicators sent it to another key: a hang in store.get)."""
+    store = {}
+
+    class Store:
+        def set(self, key, value):
+            store[key] = value
+
+        def get(self, key):
+            if key not in store:
+                raise AssertionError(f"{key} is never set: this rank would wait for ever")
+            return store[key]
+
+    class Native:
+        def nccl_unique_id(self):
+            return os.urandom(128)
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: Store())
+    monkeypatch.setattr(nccl.cuda, "native", lambda: Native())
+
+    def exchange(ranks, group_rank):
+        ex = nccl.NcclExecutor.__new__(nccl.NcclExecutor)
+        ex.rank, ex.group = group_rank, None
+        monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: ranks)
+        return ex._exchange_id()
+
+    monkeypatch.setattr(nccl, "_IDS_MADE", {}, raising=False)  # rank 0's process
+    world_id = exchange([0, 1, 2, 3], 0)
+    monkeypatch.setattr(nccl, "_IDS_MADE", {}, raising=False)  # rank 2's process
+    sub_id = exchange([2, 3], 0)
+    assert exchange([2, 3], 0) != sub_id  # the channel: a communicator of its own
+    assert exchange([0, 1, 2, 3], 2) == world_id
 
 
 def _stand_in(world_size=4, rank=1):

@@ -120,6 +120,54 @@ def test_bf16_stage_2_on_nccl_matches_fp32_master_torch(single_rank_group):
         assert models.max_rel_diff(a.float(), b.float()) <= 2e-2
 
 
+def _syncs_in_a_step(stage, n_layers, loss_scaler):
+    """The host synchronisations (torch.cuda's sync debug mode) of one training step (forward,
+    backward, step, zero_grad) of n_layers Linear layers on the native NCCL executor, after
+    two warm-up steps: what each one was."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n_layers)]).to(DEV)
+    scaler = zero_py.LossScaler() if loss_scaler else None
+    if stage == 3:
+        model, zopt = zero_py.initialize(model, torch.optim.AdamW, stage=3,
+                                         wrap_policy={torch.nn.Linear}, executor="nccl",
+                                         lr=1e-3, loss_scaler=scaler)
+    else:
+        zopt = zero_py.ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                     lr=1e-3, bucket_bytes=4096, executor="nccl",
+                                     loss_scaler=scaler)
+    x = torch.randn(8, 64, device=DEV)
+
+    def step():
+        zopt.scale_loss(model(x).pow(2).mean()).backward()
+        zopt.step()
+        zopt.zero_grad()
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("loss_scaler", [False, True])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_syncs_per_step_do_not_grow_with_the_model(single_rank_group, stage, loss_scaler):
+    """No host synchronisation per parameter, bucket or unit: a step of 8 layers waits for the
+    device as often as one of 2 (a blocking copy to the device, .item() or .tolist() on a
+    device tensor in a per-bucket or per-unit path would add some)."""
+    small = _syncs_in_a_step(stage, 2, loss_scaler)
+    large = _syncs_in_a_step(stage, 8, loss_scaler)
+    assert len(large) == len(small), (len(small), len(large), large)
+
+
 def _ranks_on_one_gpu(rank, world_size):
     torch.cuda.set_device(0)
     make, batch_fn, loss_fn = models.MODELS["mlp"]

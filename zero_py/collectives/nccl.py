@@ -19,9 +19,9 @@ ordered and watched like the others. Those calls came in NCCL 2.7: with an older
 executor still loads, and all_to_all_unavailable says why all_to_all cannot run (quantized
 grads are then refused, and a bf16 wire summed in fp32 reduces in bf16 instead).
 
-CPU tensors handed to all_reduce, broadcast and all_to_all (small bookkeeping: the "used" mask,
-statistics) go through the device: copied in, exchanged, and copied back when wait() is
-called.
+CPU tensors handed to all_reduce, broadcast and all_to_all go through the device: copied in
+(without blocking), exchanged, and copied back when wait() is called. zero_py's own bookkeeping
+(the "used" mask, statistics, counts) is made on the executor's device instead.
 
 Every collective is counted in `stats` (stats.py: calls and bytes per kind under the ring
 model, NCCL's own; the all-to-all's (N-1)/N of its input each way) once it has been issued; a
@@ -30,7 +30,6 @@ CPU tensor's is counted once, as its device copy's.
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import List, Optional
 
@@ -51,7 +50,23 @@ _NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
                 torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
 _SUM, _PROD, _MAX, _MIN = 0, 1, 2, 3
 
-_id_counter = itertools.count()
+# "ranks" -> communicators made over those ranks in this process (unique_id_key)
+_IDS_MADE: dict = {}
+
+
+def unique_id_key(ranks) -> str:
+    """The store key under which group rank 0 publishes a new communicator's ncclUniqueId.
+
+    It counts the communicators made over the same ranks only, which the members make at the
+    same calls (initialize and channel() are collective over the group). A count of every
+    communicator this process made differed between ranks as soon as some made one the others
+    did not (a stage-3 model over ranks {2, 3}: its executor and gather channel), and the next
+    executor over every rank then waited on a key that rank 0 never set: a hang (the gloo
+    channel had the same defect, collectives/local_group.py)."""
+    ranks = "-".join(map(str, ranks))
+    made = _IDS_MADE.get(ranks, 0)
+    _IDS_MADE[ranks] = made + 1
+    return f"zero_py/nccl/{ranks}/{made}"
 
 
 def nccl_op(op) -> int:
@@ -194,7 +209,7 @@ class NcclExecutor:
         """Rank 0's ncclUniqueId, on every rank, through the torch.distributed store (or, where
         no store is reachable, a broadcast over the group)."""
         ranks = dist.get_process_group_ranks(self.group)
-        key = f"zero_py/nccl/{'-'.join(map(str, ranks))}/{next(_id_counter)}"
+        key = unique_id_key(ranks)
         store = None
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -338,7 +353,9 @@ class NcclExecutor:
 
     def _through_device(self, host: torch.Tensor, run) -> Work:
         """A collective on a CPU tensor: through a device copy, copied back at wait()."""
-        dev = host.to(self.device)
+        # not blocking: a blocking copy to the device would first wait for all the work
+        # queued on the caller's stream (the host tensor is not written before back())
+        dev = host.to(self.device, non_blocking=True)
         work = run(dev)
 
         def back():

@@ -114,8 +114,11 @@ def _stand_in_state(opt, settings: Optional[dict] = None) -> Optional[dict]:
     cache = opt.__dict__.setdefault("_dcp_stand_in", {})
     if key not in cache:
         try:
-            p = torch.nn.Parameter(torch.zeros(2))
-            p.grad = torch.zeros(2)
+            # on the parameters' device: an optimizer class made for CUDA tensors only (a
+            # third-party fused one) could not be stepped on a CPU stand-in
+            device = getattr(getattr(opt, "_flat", None), "device", None)
+            p = torch.nn.Parameter(torch.zeros(2, device=device))
+            p.grad = torch.zeros(2, device=device)
             takes = inspect.signature(opt.optimizer_class.__init__).parameters
             stand_in = opt.optimizer_class([p], **{k: v for k, v in settings.items()
                                                    if k in takes and k != "params"},

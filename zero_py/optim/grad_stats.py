@@ -57,8 +57,10 @@ class GradStatistics:
         # inf) compares, and may keep a peer's finite value over a NaN, where torch's norm of
         # DDP's averaged gradients is NaN
         both = both.to(torch.float64)
+        # built on the host and sent without blocking (a blocking copy to a device waits for
+        # everything queued on the stream: the statistics' kernel, the backward before it)
         check = torch.tensor([float(refused is not None)] + agreement.call_terms(call),
-                             dtype=torch.float64, device=both.device)
+                             dtype=torch.float64).to(both.device, non_blocking=True)
         nan = both[:1].isnan().to(both.dtype)
         by_max = math.isinf(norm_type) and refused is None
         total = both[:1].clone()
@@ -80,9 +82,10 @@ class GradStatistics:
             with comm_stats.control():
                 work = self.executor.all_reduce(total, dist.ReduceOp.MAX)
             work.wait()
-            both[0] = total[0]
-        total = float("nan") if sums[2] > 0 else float(both[0])
-        return total, sums[1] > 0
+            sums[0] = float(total[0])
+        # sums[0], not both[0]: reading the device tensor again waited for the device a second
+        # time each step
+        return (float("nan") if sums[2] > 0 else sums[0]), sums[1] > 0
 
     def _call_refusal(self, world, call: str, refused: Optional[str]) -> str:
         """The error of a _grad_stats call refused on some rank or asked with other arguments

@@ -35,10 +35,11 @@ def rounding_seed_base_of(rank: int) -> int:
 
 def _rounds_to(master: torch.Tensor, piece: torch.Tensor, stochastic: bool) -> torch.Tensor:
     """Where the bf16/fp16 `piece` is a rounding of the fp32 `master`: the nearest, or under
-    stochastic rounding either neighbour."""
+    stochastic rounding either neighbour (bf16 only: stochastic_rounding leaves fp16
+    parameters rounded to nearest, so an fp16 write to the other neighbour is followed)."""
     nearest = master.to(piece.dtype)
     same = nearest == piece
-    if stochastic:
+    if stochastic and piece.dtype == torch.bfloat16:
         away = torch.where(master > nearest.float(), float("inf"), float("-inf"))
         same |= torch.nextafter(nearest, away.to(piece.dtype)) == piece
     return same

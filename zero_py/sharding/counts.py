@@ -61,9 +61,11 @@ class Count:
         self.hyper = hyper
         ws = executor.world_size
         self.rows = torch.zeros(ws, 5, dtype=torch.int64, device=executor.device)
-        self.rows[executor.rank] = torch.tensor(
+        # copied in without blocking: a blocking copy to a device would wait for the work
+        # queued on the stream (the forward, at the start of each backward)
+        self.rows[executor.rank].copy_(torch.tensor(
             [kind, step, passes, problem is not None, hyper[0] if hyper else 0],
-            dtype=torch.int64)
+            dtype=torch.int64), non_blocking=True)
         if kind == GATHERED:
             name = (f"the all-reduce that starts {what} (which gathers collectively here: "
                     "every rank of the group must call it)")

@@ -382,7 +382,12 @@ class GradReducer:
                         self._copy_in(i)
                 self._launch(b)
             self.grad_shard_valid = True
-            used = torch.tensor(list(self._local_used), dtype=torch.uint8)
+            # on the executor's device: torch's NCCL process group takes no CPU tensor (the
+            # native executor copied it there and back). Non-blocking: a blocking host-to-device
+            # copy waits for the whole backward queued on the stream. Read on the host after
+            # the wait (_wait_used)
+            used = torch.tensor(list(self._local_used), dtype=torch.uint8).to(
+                getattr(self.executor, "device", "cpu"), non_blocking=True)
             with control():
                 self._used_pending = issue("all-reduce of which parameters got a gradient at "
                                            "the end of backward", self.executor.all_reduce_max,
@@ -614,9 +619,7 @@ class GradReducer:
                     settings.check()
                 except RuntimeError:
                     self._retire(block_over=0)
-                    if self._used_pending is not None:
-                        self._used_pending.wait()
-                        self._used_pending = None
+                    self._wait_used()
                     raise
             stray = []
         else:
@@ -651,11 +654,18 @@ class GradReducer:
         if not self._updating:
             self._updating = True
             getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
+        self._wait_used()
+        self._finished = True
+        return self._global_used
+
+    def _wait_used(self) -> None:
+        """Waits for the end of backward's all-reduce of the used mask; the mask on the host
+        (its readers index it per parameter)."""
         if self._used_pending is not None:
             self._used_pending.wait()
             self._used_pending = None
-        self._finished = True
-        return self._global_used
+            if self._global_used is not None and self._global_used.device.type != "cpu":
+                self._global_used = self._global_used.cpu()
 
     def announce_forward(self, eval_forward: bool, problem: Optional[str] = None) -> None:
         """Stage 3, at the start of a forward whose gathers are collective: every rank must be
