@@ -103,6 +103,47 @@ def test_zero2_getting_started_config():
     assert adam.optimizer_class is torch.optim.Adam
 
 
+def test_optimizer_params_left_out_take_deepspeeds_defaults():
+    # DeepSpeed's FusedAdam / CPU Adam default to weight_decay=0 (torch's AdamW: 0.01), its
+    # Lion to lr=1e-3 and betas=(0.9, 0.999) (zero_py.Lion: 1e-4, (0.9, 0.99))
+    def defaults(optimizer):
+        plan = deepspeed.translate({"optimizer": optimizer})
+        assert plan.refusals == []
+        built = plan.optimizer_class([torch.randn(3, requires_grad=True)],
+                                     **plan.optimizer_kwargs)
+        return plan.optimizer_class, {k: built.defaults[k] for k in
+                                      ("lr", "betas", "weight_decay")}
+    for kind in ("Adam", "AdamW", "adamw"):
+        assert defaults({"type": kind, "params": {"lr": 2e-4}}) == (
+            torch.optim.AdamW, {"lr": 2e-4, "betas": (0.9, 0.999), "weight_decay": 0.0})
+    assert defaults({"type": "Adam"}) == (
+        torch.optim.AdamW, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0})
+    # torch_adam: DeepSpeed builds torch's AdamW itself, with torch's defaults
+    assert defaults({"type": "AdamW", "params": {"torch_adam": True}})[1]["weight_decay"] == 0.01
+    assert defaults({"type": "Lion", "params": {"weight_decay": 0.1}}) == (
+        zero_py.Lion, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1})
+
+
+def test_batch_sizes_derive_the_missing_one_as_deepspeed_does():
+    # (config, world size) -> (train, micro, accumulation), as DeepSpeed's
+    # _set_batch_related_parameters derives them
+    cases = [({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 3, (48, 4, 4)),
+             ({"train_batch_size": 48}, 3, (48, 16, 1)),
+             ({"train_batch_size": 48, "gradient_accumulation_steps": 2}, 3, (48, 8, 2)),
+             ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3,
+              (24, 4, 2)),
+             ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1))]
+    for cfg, world, want in cases:
+        plan = deepspeed.translate(cfg, world_size=world)
+        assert (plan.train_batch_size, plan.train_micro_batch_size_per_gpu,
+                plan.gradient_accumulation_steps) == want, cfg
+    for train in (44, 8):  # not a multiple of 4 x 3; below it (no accumulation step left)
+        with pytest.raises(ValueError, match=r"must be a multiple of "
+                                             r"train_micro_batch_size_per_gpu \(4\) x world"):
+            deepspeed.translate({"train_batch_size": train,
+                                 "train_micro_batch_size_per_gpu": 4}, world_size=3)
+
+
 def test_zero3_bf16_config():
     plan = deepspeed.translate(ZERO3_BF16, world_size=4)
     assert plan.refusals == []
@@ -189,6 +230,12 @@ def test_cpu_offload_becomes_offload_optimizer_and_offload_params():
         "device": "cpu", "pin_memory": False, "ratio": 0.3}}})
     assert set(_paths(bad)) == {"zero_optimization.offload_optimizer.pin_memory",
                                 "zero_optimization.offload_optimizer.ratio"}
+    # offloading the parameters is stage 3's: refused by the config's key, not initialize's
+    for zero in ({"stage": 2, "offload_param": {"device": "cpu"}},
+                 {"stage": 1, "cpu_offload_params": True}):
+        plan = deepspeed.translate({"zero_optimization": zero})
+        assert _paths(plan) == ["zero_optimization.offload_param"]
+        assert "offload_params" not in plan.zero_kwargs
 
 
 def test_cpu_offload_config_trains_offloaded(single_rank_group):

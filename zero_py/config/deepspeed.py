@@ -62,6 +62,12 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float1
            "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
                "adagrad": torch.optim.Adagrad, "lion": Lion}
+# DeepSpeed's own optimizers' defaults where they differ from the zero_py class's (its FusedAdam
+# and CPU Adam take weight_decay=0, torch's AdamW 0.01; its Lion lr=1e-3, betas=(0.9, 0.999),
+# zero_py's 1e-4 and (0.9, 0.99)): a key the config leaves out trains with DeepSpeed's value.
+# With torch_adam: true DeepSpeed builds torch's Adam/AdamW, so torch's defaults hold.
+_DS_DEFAULTS = {torch.optim.AdamW: {"weight_decay": 0.0},
+                Lion: {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}}
 _SCHEDULERS = {"WarmupLR": schedules.WarmupLR, "WarmupDecayLR": schedules.WarmupDecayLR,
                "WarmupCosineLR": schedules.WarmupCosineLR}
 
@@ -79,6 +85,7 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
         raise ConfigError(f"{path}.type must name the optimizer, e.g. \"AdamW\"; got {kind!r}")
     params = dict(as_section(f"{path}.params", section.get("params", {})))
     cls = _OPTIMIZERS.get(kind.lower())
+    torch_adam = False
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} has no zero_py counterpart; zero_py maps Adam, "
                                     "AdamW, SGD, Adagrad and Lion (or pass optimizer_class= to "
@@ -94,13 +101,19 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
             raise ConfigError(f"{path}.params.adam_w_mode must be true or false")
         if cls is torch.optim.Adam and adam_w_mode:
             cls = torch.optim.AdamW  # DeepSpeed's Adam decouples weight decay by default
-        params.pop("torch_adam", None)  # same math either way: zero_py's kernel or torch's
+        # same math either way (zero_py's kernel or torch's), but torch's defaults
+        torch_adam = params.pop("torch_adam", False)
+        if not isinstance(torch_adam, bool):
+            raise ConfigError(f"{path}.params.torch_adam must be true or false")
         if params.pop("bias_correction", True) is not True:
             plan.refuse(f"{path}.params.bias_correction",
                         "torch.optim's Adam and AdamW always correct bias; remove it")
         for key in ("fused", "foreach"):
             if key in params:
                 params.pop(key)  # torch's implementation choice; zero_py runs its own kernel
+    if not (cls in (torch.optim.Adam, torch.optim.AdamW) and torch_adam):
+        for key, value in _DS_DEFAULTS.get(cls, {}).items():
+            params.setdefault(key, value)
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
     signature = inspect.signature(cls.__init__).parameters
@@ -318,17 +331,26 @@ def translate(config, world_size: Optional[int] = None, stage: int = 3) -> DeepS
     check_zero(plan)
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    _check_batch(plan, world_size)
+    _check_batch(plan, world_size, "gradient_accumulation_steps" in cfg)
     return plan
 
 
 
-def _check_batch(plan: DeepSpeedPlan, world_size: Optional[int]) -> None:
+def _check_batch(plan: DeepSpeedPlan, world_size: Optional[int], gas_given: bool) -> None:
+    """DeepSpeed's rules: train = micro x accumulation x world; of the three, the one the config
+    leaves out is derived from the others (accumulation 1 when two are left out)."""
     train, micro = plan.train_batch_size, plan.train_micro_batch_size_per_gpu
     gas = plan.gradient_accumulation_steps
     if world_size is None:
         return
-    if train is not None and micro is not None:
+    if train is not None and micro is not None and not gas_given:
+        if train % (micro * world_size) or train < micro * world_size:
+            raise ConfigError(
+                f"train_batch_size ({train}) must be a multiple of train_micro_batch_size_per_gpu "
+                f"({micro}) x world size ({world_size}) = {micro * world_size}: "
+                "gradient_accumulation_steps is derived from them; fix one of them")
+        plan.gradient_accumulation_steps = train // (micro * world_size)
+    elif train is not None and micro is not None:
         if train != micro * gas * world_size:
             raise ConfigError(
                 f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu "

@@ -212,7 +212,8 @@ def check_zero(plan: DeepSpeedPlan) -> None:
             plan.refuse("zero_optimization.overlap_comm",
                         "stage 1 reduces gradients in step() in zero_py, without overlap; use "
                         "stage 2 to overlap, or set it to false")
-        for key, name in (("persistence_threshold", "stage3_param_persistence_threshold"),):
+        for key, name in (("persistence_threshold", "stage3_param_persistence_threshold"),
+                          ("offload_params", "offload_param")):
             if key in zk:
                 zk.pop(key)
                 plan.refuse(f"zero_optimization.{name}", f"applies to stage 3 only (this "
