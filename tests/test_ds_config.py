@@ -326,6 +326,55 @@ def test_strict_refusal_lists_every_key(single_rank_group):
     assert "strict=False" in text
 
 
+def test_resume_goes_on_with_the_configs_schedule(tmp_path, single_rank_group):
+    # DeepSpeed's engine checkpoints its scheduler: a run resumed from save_checkpoint or
+    # state_dict() goes on with the rates of the run that was not interrupted, not from the
+    # warm-up's start
+    def config(kind):
+        params = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
+                  "total_num_steps": 8, "warmup_type": "linear"}
+        if kind == "WarmupLR":
+            del params["total_num_steps"]
+        return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": 2}, "scheduler": {"type": kind,
+                                                                 "params": params}}
+
+    def build(kind="WarmupDecayLR"):
+        torch.manual_seed(0)
+        return zero_py.initialize(models.MLP(), config=config(kind))
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.mlp_batch(gen) for _ in range(6)]
+
+    def train(model, opt, bs):
+        for batch in bs:
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            rates.append(opt.param_groups[0]["lr"])
+    rates = []
+    train(*build(), batches)
+    want = rates
+    rates = []
+    model, opt = build()
+    train(model, opt, batches[:4])
+    zero_py.save_checkpoint(tmp_path / "ckpt", model, opt)
+    saved = opt.state_dict()
+    head = rates
+    other_model, other = build("WarmupLR")  # another schedule: refused, nothing changed
+    with pytest.raises(zero_py.CheckpointError, match="lr_scheduler.*'WarmupDecayLR'"):
+        zero_py.load_checkpoint(tmp_path / "ckpt", other_model, other)
+    assert other.lr_scheduler.last_epoch == 0
+    for load in ("checkpoint", "state_dict"):
+        rates = list(head)
+        model, opt = build()
+        if load == "checkpoint":
+            zero_py.load_checkpoint(tmp_path / "ckpt", model, opt)
+        else:  # the rates only: the parameters start afresh here
+            opt.load_state_dict(copy.deepcopy(saved))
+        train(model, opt, batches[4:])
+        assert rates == pytest.approx(want, rel=1e-12), load
+
+
 def test_strict_false_warns_once_and_trains(single_rank_group):
     model = models.MLP()
     with warnings.catch_warnings(record=True) as caught:

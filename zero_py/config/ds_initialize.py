@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
+from zero_py.config import attached_schedule
 from zero_py.config.deepspeed import ConfigError, DeepSpeedPlan, translate
 
 __all__ = ["initialize"]
@@ -138,3 +139,27 @@ def _attach(optimizer, plan: DeepSpeedPlan) -> None:
             if not opt.last_step_skipped:
                 scheduler.step()
         optimizer.register_step_post_hook(advance_schedule)
+        _save_schedule_with(optimizer)
+
+
+def _save_schedule_with(optimizer) -> None:
+    """optimizer.state_dict() carries the scheduler's state and load_state_dict() restores it
+    (zero_py.save_checkpoint / load_checkpoint do so too: attached_schedule.py), as
+    DeepSpeed's engine checkpoints its scheduler: a resumed run does not restart the warm-up."""
+    loading = {}
+
+    def add_schedule(opt, state_dict):
+        state_dict[attached_schedule.KEY] = attached_schedule.state_of(opt)
+
+    def take_schedule(opt, state_dict):
+        state_dict = dict(state_dict)
+        loading["state"] = attached_schedule.check(opt, state_dict.pop(attached_schedule.KEY,
+                                                                        None))
+        return state_dict
+
+    def restore_schedule(opt):
+        attached_schedule.load(opt, loading.pop("state", None))
+
+    optimizer.register_state_dict_post_hook(add_schedule)
+    optimizer.register_load_state_dict_pre_hook(take_schedule)
+    optimizer.register_load_state_dict_post_hook(restore_schedule)
