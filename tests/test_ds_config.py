@@ -98,6 +98,9 @@ def test_zero2_getting_started_config():
                                      "weight_decay": 0.01}
     assert plan.reduce_bucket_numel == 500_000_000
     assert plan.train_micro_batch_size_per_gpu == 8  # 16 / (1 x 2 ranks)
+    # left out, gradient_clipping is DeepSpeed's default (1.0 since 0.19); 0 turns it off
+    assert plan.gradient_clipping == 1.0
+    assert deepspeed.translate({"gradient_clipping": 0}).gradient_clipping is None
     adam = deepspeed.translate({"optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "adam_w_mode": False}}})
     assert adam.optimizer_class is torch.optim.Adam
@@ -661,7 +664,7 @@ PARITY = {
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
                                "stage3_max_live_parameters": 1e5},
          "communication_data_type": "fp32"},
-        {"optimizer": zero_py.Lion, "dtype": torch.bfloat16,
+        {"optimizer": zero_py.Lion, "dtype": torch.bfloat16, "clip": 1.0,  # the default
          "kwargs": {"stage": 3, "lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.01,
                     "persistence_threshold": 100, "prefetch_bytes": 2 * 10**5,
                     "grad_reduce_dtype": torch.float32}},
