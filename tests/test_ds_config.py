@@ -165,6 +165,13 @@ def test_fp16_config_builds_deepspeeds_loss_scaler():
     assert (scaler.scale, scaler.growth_interval, scaler.hysteresis, scaler.min_scale) == \
         (2.0**16, 1000, 2, 1.0)
     assert plan.scheduler[0] is schedules.WarmupLR
+    # min_loss_scale 0 (seen in real configs): DeepSpeed halves the scale with no floor
+    floorless = deepspeed.translate({"fp16": {"enabled": True, "initial_scale_power": 2,
+                                              "hysteresis": 1, "min_loss_scale": 0.0}})
+    scaler = floorless.loss_scaler()
+    for _ in range(4):
+        scaler.update(True)
+    assert scaler.scale == 2.0**-2
     static = deepspeed.translate({"fp16": {"enabled": True, "loss_scale": 128}})
     fixed = static.loss_scaler()
     assert not fixed.dynamic and fixed.scale == 128.0

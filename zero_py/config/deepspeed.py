@@ -43,6 +43,7 @@ memory and speed knobs not given keep zero_py's defaults.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -222,8 +223,11 @@ def _read_fp16(plan: DeepSpeedPlan, path: str, value) -> None:
         plan.loss_scaler = lambda: LossScaler(init_scale=static, min_scale=min(1.0, static),
                                               dynamic=False)
     else:
-        if min_scale <= 0 or min_scale > 2.0**power:
-            raise ConfigError(f"{path}.min_loss_scale must be in (0, 2**initial_scale_power], "
+        if min_scale == 0:
+            # DeepSpeed's scale then halves with no floor: the smallest positive float is one
+            min_scale = math.ulp(0.0)
+        if min_scale > 2.0**power:
+            raise ConfigError(f"{path}.min_loss_scale must be in [0, 2**initial_scale_power], "
                               f"got {min_scale}")
         plan.loss_scaler = lambda: HysteresisLossScaler(
             init_scale=2.0**power, scale_window=window, min_scale=min_scale,
