@@ -385,6 +385,41 @@ def test_resume_goes_on_with_the_configs_schedule(tmp_path, single_rank_group):
         assert rates == pytest.approx(want, rel=1e-12), load
 
 
+def test_torch_optimizer_and_scheduler_by_name_as_deepspeed_looks_them_up(single_rank_group):
+    # DeepSpeed builds getattr(torch.optim, type) / getattr(torch.optim.lr_scheduler, type) for
+    # a type it does not have itself; checked against torch's own classes
+    cfg = {"optimizer": {"type": "RMSprop", "params": {"lr": 1e-2, "alpha": 0.9,
+                                                       "momentum": 0.5}},
+           "scheduler": {"type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}},
+           "gradient_clipping": 0, "zero_optimization": {"stage": 2}}
+    torch.manual_seed(0)
+    model, opt = zero_py.initialize(models.MLP(), config=cfg)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    ref_opt = torch.optim.RMSprop(ref.parameters(), lr=1e-2, alpha=0.9, momentum=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        batch = models.mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            models.mlp_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        ref_sched.step()
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        if step == 2:
+            saved = copy.deepcopy(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.load_state_dict(saved)  # the StepLR state comes back with it
+    assert opt.lr_scheduler.last_epoch == 3
+    refused = {"ReduceLROnPlateau": "scheduler.type", "OneCycle": "scheduler.type",
+               "rmsprop": "optimizer.type", "Lamb": "optimizer.type"}
+    for kind, path in refused.items():
+        section = "scheduler" if path.startswith("scheduler") else "optimizer"
+        plan = deepspeed.translate({section: {"type": kind, "params": {}}})
+        assert _paths(plan) == [path], kind
+
+
 def test_strict_false_warns_once_and_trains(single_rank_group):
     model = models.MLP()
     with warnings.catch_warnings(record=True) as caught:

@@ -21,10 +21,13 @@ What each key becomes (docs/tools.md has the full table):
   -> offload_optimizer="nvme" / offload_params="nvme" and offload_dir=nvme_path (one directory:
   two different nvme_paths are refused).
 - optimizer: Adam/AdamW/SGD/Adagrad/Lion -> torch.optim.Adam/AdamW/SGD/Adagrad, zero_py.Lion
-  and its params. DeepSpeed's "Adam" decouples weight decay (adam_w_mode, default true), so
-  it becomes AdamW unless adam_w_mode is false.
+  and its params (keys left out take DeepSpeed's defaults); another type, as DeepSpeed does,
+  the torch.optim class of that exact name. DeepSpeed's "Adam" decouples weight decay
+  (adam_w_mode, default true), so it becomes AdamW unless adam_w_mode is false.
 - scheduler: WarmupLR/WarmupDecayLR/WarmupCosineLR -> zero_py.config.schedules (torch LR
-  schedulers), stepped after every step that was not skipped, as DeepSpeed's engine does.
+  schedulers); another type, as DeepSpeed does, the torch.optim.lr_scheduler class of that
+  exact name; stepped after every step that was not skipped, as DeepSpeed's engine does, and
+  saved with the optimizer (attached_schedule.py).
 - fp16 -> the model cast to float16 and a loss scaler (HysteresisLossScaler: DeepSpeed's
   policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16.
 - gradient_clipping -> optimizer.clip_grad_norm_(value) before every step; left out, 1.0
@@ -86,12 +89,15 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
     if not isinstance(kind, str):
         raise ConfigError(f"{path}.type must name the optimizer, e.g. \"AdamW\"; got {kind!r}")
     params = dict(as_section(f"{path}.params", section.get("params", {})))
-    cls = _OPTIMIZERS.get(kind.lower())
+    cls = _OPTIMIZERS.get(kind.lower()) or _torch_class(torch.optim, kind,
+                                                         torch.optim.Optimizer)
     torch_adam = False
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} has no zero_py counterpart; zero_py maps Adam, "
-                                    "AdamW, SGD, Adagrad and Lion (or pass optimizer_class= to "
-                                    "initialize and drop the optimizer section)")
+                                    "AdamW, SGD, Adagrad, Lion and, as DeepSpeed does, any "
+                                    "torch.optim class by its exact name (e.g. RMSprop); or "
+                                    "pass optimizer_class= to initialize and drop the "
+                                    "optimizer section")
         return
     for key in list(params):
         if is_auto(params[key]):
@@ -130,7 +136,21 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
     plan.optimizer_class, plan.optimizer_kwargs = cls, params
 
 
+def _torch_class(module, name: str, base: type) -> Optional[type]:
+    """DeepSpeed's fallback for a type it does not have itself: getattr(torch.optim, name)
+    (or torch.optim.lr_scheduler), the exact name of a class."""
+    found = getattr(module, name, None) if not name.startswith("_") else None
+    return found if isinstance(found, type) and issubclass(found, base) else None
+
+
 # -- scheduler ----------------------------------------------------------------------------------
+
+# DeepSpeed's own schedules zero_py does not provide (DeepSpeed looks these up before torch's)
+_DS_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+# torch schedulers a JSON config cannot drive: they take a metric in step() or other schedulers
+# or functions as arguments
+_NOT_FROM_JSON = ("ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR", "SequentialLR",
+                  "ChainedScheduler")
 
 def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
     section = as_section(path, value)
@@ -140,17 +160,23 @@ def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
                                          "(it reads type and params)")
     kind = section.get("type")
     cls = _SCHEDULERS.get(kind) if isinstance(kind, str) else None
+    if cls is None and isinstance(kind, str) and kind not in _DS_ONLY_SCHEDULERS \
+            and kind not in _NOT_FROM_JSON:
+        cls = _torch_class(torch.optim.lr_scheduler, kind, torch.optim.lr_scheduler.LRScheduler)
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} is not one zero_py provides (WarmupLR, "
-                                    "WarmupDecayLR, WarmupCosineLR); build the torch scheduler "
+                                    "WarmupDecayLR, WarmupCosineLR, and as DeepSpeed does a "
+                                    "torch.optim.lr_scheduler class by its exact name, but for "
+                                    "those a JSON config cannot drive); build the scheduler "
                                     "yourself and drop the section")
         return
     params = dict(as_section(f"{path}.params", section.get("params", {})))
-    last = params.pop("last_batch_iteration", -1)
+    resume_key = "last_batch_iteration" if cls in _SCHEDULERS.values() else "last_epoch"
+    last = params.pop(resume_key, -1)
     if last != -1:
-        plan.refuse(f"{path}.params.last_batch_iteration",
-                    "zero_py starts schedules at the beginning; resume by loading the "
-                    "scheduler's state_dict()")
+        plan.refuse(f"{path}.params.{resume_key}",
+                    "zero_py starts schedules at the beginning; resume with load_checkpoint "
+                    "or the optimizer's load_state_dict(), which restore the schedule")
     signature = inspect.signature(cls.__init__).parameters
     for key in list(params):
         if is_auto(params[key]):
