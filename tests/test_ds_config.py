@@ -240,6 +240,15 @@ def test_cpu_offload_becomes_offload_optimizer_and_offload_params():
         "device": "cpu", "pin_memory": False, "ratio": 0.3}}})
     assert set(_paths(bad)) == {"zero_optimization.offload_optimizer.pin_memory",
                                 "zero_optimization.offload_optimizer.ratio"}
+    # a misspelt or unsupported key of an offload section is refused, as DeepSpeed refuses it
+    # (extra="forbid"), not passed over (the misspelt device trained without offload)
+    typos = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"devcie": "cpu", "super_offload": True,
+                                          "fast_init": True, "pipeline_read": False},
+        "offload_param": {"device": "cpu", "max_in_cpu": 1e9, "pin_memroy": False}}})
+    assert _paths(typos) == ["zero_optimization.offload_optimizer.devcie",
+                             "zero_optimization.offload_optimizer.super_offload",
+                             "zero_optimization.offload_param.pin_memroy"]
     # offloading the parameters is stage 3's: refused by the config's key, not initialize's
     for zero in ({"stage": 2, "offload_param": {"device": "cpu"}},
                  {"stage": 1, "cpu_offload_params": True}):

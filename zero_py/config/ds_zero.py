@@ -43,8 +43,30 @@ def _prefetch_bucket(plan, path, value):
     plan.live_numel = numel if plan.live_numel is None else min(plan.live_numel, numel)
 
 
+# the keys of DeepSpeed's offload sections (it refuses others: extra="forbid"); besides device,
+# nvme_path, pin_memory and ratio (read below) they tune DeepSpeed's own swapper and CPU Adam,
+# and do nothing here (docs/tools.md)
+_OFFLOAD_KEYS = {
+    "offload_optimizer": {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                          "pipeline_write", "fast_init", "ratio", "super_offload",
+                          "cpuadam_cores_perc"},
+    "offload_param": {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
+                      "pin_memory"},
+}
+
+
 def _offload(plan, path, value):
     section = as_section(path, value)
+    name = path.rsplit(".", 1)[-1]
+    for key in section:
+        if key not in _OFFLOAD_KEYS[name]:
+            plan.refuse(f"{path}.{key}", f"not a key of DeepSpeed's {name} section (its keys: "
+                                         f"{', '.join(sorted(_OFFLOAD_KEYS[name]))}); check "
+                                         "its spelling, or remove it")
+    if section.get("super_offload", False) is not False:
+        plan.refuse(f"{path}.super_offload", "DeepSpeed's SuperOffload is not implemented; "
+                                             "zero_py offloads the whole update to its fused "
+                                             "CPU kernels: set it to false or remove it")
     device = section.get("device", "none")
     if is_auto(device):
         plan.refuse(f"{path}.device", AUTO)
