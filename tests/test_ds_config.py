@@ -275,7 +275,7 @@ def test_keys_zero_py_does_not_honour_are_refused_by_path():
                                  "stage3_param_persistence_threshold": 10,
                                  "zero_hpz_partition_size": 8, "stage_typo": 1},
            "optimizer": {"type": "OneBitAdam", "params": {}},
-           "scheduler": {"type": "OneCycle", "params": {}},
+           "scheduler": {"type": "LRRangeTest", "params": {}},
            "activation_checkpointing": {"partition_activations": True},
            "flops_profiler": {"enabled": False},  # switched off: nothing to honour
            "tensorboard": {"enabled": True, "output_path": "runs"}}
@@ -421,7 +421,7 @@ def test_torch_optimizer_and_scheduler_by_name_as_deepspeed_looks_them_up(single
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     opt.load_state_dict(saved)  # the StepLR state comes back with it
     assert opt.lr_scheduler.last_epoch == 3
-    refused = {"ReduceLROnPlateau": "scheduler.type", "OneCycle": "scheduler.type",
+    refused = {"ReduceLROnPlateau": "scheduler.type", "LRRangeTest": "scheduler.type",
                "rmsprop": "optimizer.type", "Lamb": "optimizer.type"}
     for kind, path in refused.items():
         section = "scheduler" if path.startswith("scheduler") else "optimizer"
@@ -514,6 +514,42 @@ def test_warmup_schedules_follow_deepspeed():
     opt = _opt(lr=0.2)
     sched = schedules.WarmupLR(opt, warmup_num_steps=4, warmup_type="linear")
     assert _lrs(sched, opt, 6)[-1] == pytest.approx(0.2)
+
+
+def test_one_cycle_follows_deepspeed():
+    # DeepSpeed's OneCycle: at batch iteration i (b = i + 1, cycle length F + S), the rate
+    # climbs lo -> hi over F iterations and back over S, then lo / (1 + rate * (i - F - S + 1)
+    # / decay_step_size); with betas, beta1 moves hi_mom -> lo_mom and back (decaying by
+    # growing), beta2 is 0.99; at the start (-1) lr = lo and beta1 = lo_mom
+    lo, hi, first, second, rate, size = 1e-3, 1e-2, 4, 2, 0.5, 3
+    mom_lo, mom_hi, mom_rate = 0.8, 0.95, 0.01
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.1, betas=(0.9, 0.999))
+    sched = schedules.OneCycle(opt, lo, hi, rate, first, second, decay_step_size=size,
+                               cycle_min_mom=mom_lo, cycle_max_mom=mom_hi,
+                               decay_mom_rate=mom_rate)
+    got, want = [(opt.param_groups[0]["lr"], opt.param_groups[0]["betas"])], [(lo, (mom_lo, 0.99))]
+    for i in range(12):
+        opt.step()
+        sched.step()
+        got.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+        b = i + 1
+        if i < first + second:
+            scale = b / first if b <= first else (first + second - b) / second
+            want.append((lo + (hi - lo) * scale, (mom_hi - (mom_hi - mom_lo) * scale, 0.99)))
+        else:
+            k = (i - first - second + 1) / size
+            want.append((lo / (1 + rate * k), (mom_hi * (1 + mom_rate * k), 0.99)))
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-12)
+    assert [g[1][0] for g in got] == pytest.approx([w[1][0] for w in want], rel=1e-12)
+    assert all(g[1][1] == 0.99 for g in got)
+    # from a config; SGD has no betas: its momentum is left alone, as in DeepSpeed
+    plan = deepspeed.translate({"scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": lo, "cycle_max_lr": hi, "cycle_first_step_size": first}}})
+    assert plan.refusals == [] and plan.scheduler[0] is schedules.OneCycle
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    assert _lrs(schedules.OneCycle(sgd, lo, hi, cycle_first_step_size=first), sgd, 2)[-1] == \
+        pytest.approx(lo + (hi - lo) * 2 / first)
+    assert sgd.param_groups[0]["momentum"] == 0.9 and "betas" not in sgd.param_groups[0]
 
 
 def _deepspeed_scale_sequence(overflows, init, window, min_scale, delayed_shift, consecutive):

@@ -24,7 +24,7 @@ What each key becomes (docs/tools.md has the full table):
   and its params (keys left out take DeepSpeed's defaults); another type, as DeepSpeed does,
   the torch.optim class of that exact name. DeepSpeed's "Adam" decouples weight decay
   (adam_w_mode, default true), so it becomes AdamW unless adam_w_mode is false.
-- scheduler: WarmupLR/WarmupDecayLR/WarmupCosineLR -> zero_py.config.schedules (torch LR
+- scheduler: WarmupLR/WarmupDecayLR/WarmupCosineLR/OneCycle -> zero_py.config.schedules (torch LR
   schedulers); another type, as DeepSpeed does, the torch.optim.lr_scheduler class of that
   exact name; stepped after every step that was not skipped, as DeepSpeed's engine does, and
   saved with the optimizer (attached_schedule.py).
@@ -74,7 +74,7 @@ _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torc
 _DS_DEFAULTS = {torch.optim.AdamW: {"weight_decay": 0.0},
                 Lion: {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}}
 _SCHEDULERS = {"WarmupLR": schedules.WarmupLR, "WarmupDecayLR": schedules.WarmupDecayLR,
-               "WarmupCosineLR": schedules.WarmupCosineLR}
+               "WarmupCosineLR": schedules.WarmupCosineLR, "OneCycle": schedules.OneCycle}
 
 
 # -- optimizer ----------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def _torch_class(module, name: str, base: type) -> Optional[type]:
 # -- scheduler ----------------------------------------------------------------------------------
 
 # DeepSpeed's own schedules zero_py does not provide (DeepSpeed looks these up before torch's)
-_DS_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+_DS_ONLY_SCHEDULERS = ("LRRangeTest",)
 # torch schedulers a JSON config cannot drive: they take a metric in step() or other schedulers
 # or functions as arguments
 _NOT_FROM_JSON = ("ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR", "SequentialLR",
@@ -165,10 +165,10 @@ def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
         cls = _torch_class(torch.optim.lr_scheduler, kind, torch.optim.lr_scheduler.LRScheduler)
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} is not one zero_py provides (WarmupLR, "
-                                    "WarmupDecayLR, WarmupCosineLR, and as DeepSpeed does a "
-                                    "torch.optim.lr_scheduler class by its exact name, but for "
-                                    "those a JSON config cannot drive); build the scheduler "
-                                    "yourself and drop the section")
+                                    "WarmupDecayLR, WarmupCosineLR, OneCycle, and as DeepSpeed "
+                                    "does a torch.optim.lr_scheduler class by its exact name, "
+                                    "but for those a JSON config cannot drive); build the "
+                                    "scheduler yourself and drop the section")
         return
     params = dict(as_section(f"{path}.params", section.get("params", {})))
     resume_key = "last_batch_iteration" if cls in _SCHEDULERS.values() else "last_epoch"
