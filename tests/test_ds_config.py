@@ -453,8 +453,16 @@ def test_explicit_keywords_that_conflict_are_errors(single_rank_group):
         zero_py.initialize(models.MLP(), torch.optim.SGD, config=ZERO2_GETTING_STARTED)
     with pytest.raises(ValueError, match="bucket_bytes=.*reduce_bucket_size"):
         zero_py.initialize(models.MLP(), config=ZERO2_GETTING_STARTED, bucket_bytes=2**20)
-    with pytest.raises(ValueError, match="loss_scaler=.*fp16"):
-        zero_py.initialize(models.MLP(), config=FP16_WARMUP, loss_scaler=zero_py.LossScaler())
+    # a failed call leaves the model as it was: not cast to fp16, not sharded by stage 3
+    model = models.MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="loss_scaler= was given.*fp16 section makes one"):
+        zero_py.initialize(model, config=FP16_WARMUP, loss_scaler=zero_py.LossScaler())
+    per_group = {"zero_optimization": {"stage": 3}, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, 2e-3]}}}
+    with pytest.raises(ValueError, match="scheduler.params: WarmupLR rejects.*1 param group"):
+        zero_py.initialize(model, torch.optim.AdamW, config=per_group)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="strict applies to a DeepSpeed config only"):
         zero_py.initialize(models.MLP(), stage=2, strict=False)
     # the same value twice is no conflict, and what the config leaves out may be given

@@ -75,7 +75,11 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     opt_kwargs = dict(kwargs)
 
     def take(target: Dict[str, Any], name: str, value, path: str) -> None:
-        if name in target and (name == "loss_scaler" or target[name] != value):
+        if name == "loss_scaler" and name in target:
+            raise ConfigError("loss_scaler= was given to initialize, but the DeepSpeed config's "
+                              "fp16 section makes one (DeepSpeed's policy from its keys); give "
+                              "it in one place only")
+        if name in target and target[name] != value:
             raise _conflict(name, target[name], value, path)
         target[name] = value
 
@@ -84,9 +88,9 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
         take(merged, "optimizer_class", plan.optimizer_class, "optimizer.type")
         for key, value in plan.optimizer_kwargs.items():
             take(opt_kwargs, key, value, f"optimizer.params.{key}")
-    if plan.dtype is not None:
-        model.to(plan.dtype)
-    param_dtype = _model_dtype(model)
+    # everything is checked before the model is cast (and, under stage 3, sharded): a call
+    # that fails leaves it as it was
+    param_dtype = plan.dtype or _model_dtype(model)
     grad_dtype = plan.zero_kwargs.get("grad_reduce_dtype") or param_dtype
     if plan.reduce_bucket_numel is not None:
         take(opt_kwargs, "bucket_bytes", plan.reduce_bucket_numel * grad_dtype.itemsize,
@@ -109,9 +113,30 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
                  f"zero_optimization.{path}" if path else "communication_data_type")
     if plan.loss_scaler is not None:
         take(opt_kwargs, "loss_scaler", plan.loss_scaler(), "fp16")
+    _check_schedule(plan, explicit.get("params"))
+    if plan.dtype is not None:
+        model.to(plan.dtype)
     model, optimizer = api_initialize(model, **merged, **opt_kwargs)
     _attach(optimizer, plan)
     return model, optimizer
+
+
+def _check_schedule(plan: DeepSpeedPlan, params) -> None:
+    """The scheduler section's per-param-group values (lists) against the groups the optimizer
+    will have (`params` given as a list of group dicts: one per dict; else one), before the
+    model is touched."""
+    if plan.scheduler is None:
+        return
+    cls, kwargs = plan.scheduler
+    n = (len(params) if isinstance(params, (list, tuple)) and params
+         and all(isinstance(g, dict) for g in params) else 1)
+    probe = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]}
+                             for _ in range(n)], lr=1e-3)
+    try:
+        cls(probe, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"scheduler.params: {cls.__name__} rejects them for this optimizer's "
+                          f"{n} param group(s): {exc}") from None
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
