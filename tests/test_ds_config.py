@@ -249,6 +249,12 @@ def test_cpu_offload_becomes_offload_optimizer_and_offload_params():
     assert _paths(typos) == ["zero_optimization.offload_optimizer.devcie",
                              "zero_optimization.offload_optimizer.super_offload",
                              "zero_optimization.offload_param.pin_memroy"]
+    # parameters on NVMe need the optimizer there too: refused by the config's key
+    nvme = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+        "offload_optimizer": {"device": "cpu"}}})
+    assert _paths(nvme) == ["zero_optimization.offload_param.device"]
+    assert "offload_params" not in nvme.zero_kwargs
     # offloading the parameters is stage 3's: refused by the config's key, not initialize's
     for zero in ({"stage": 2, "offload_param": {"device": "cpu"}},
                  {"stage": 1, "cpu_offload_params": True}):

@@ -206,6 +206,13 @@ def check_zero(plan: DeepSpeedPlan) -> None:
     stage = plan.stage
     gather = zk.pop("_allgather_bucket_numel", None)
     overlap = zk.pop("_overlap_comm", None)
+    if zk.get("offload_params") == "nvme" and zk.get("offload_optimizer") != "nvme":
+        zk.pop("offload_params")
+        plan.refuse("zero_optimization.offload_param.device",
+                    f"'nvme' needs offload_optimizer.device 'nvme' too in zero_py (this config "
+                    f"gives {zk.get('offload_optimizer') or 'none'!r}), with the same nvme_path: "
+                    "a step writes each bucket's parameters and optimizer states together; "
+                    "offload both to NVMe, or the parameters to 'cpu'")
     if stage == 3:
         if plan.reduce_bucket_numel is not None:
             plan.refuse("zero_optimization.reduce_bucket_size",
