@@ -799,3 +799,10 @@ def test_zero_plus_plus_quantization_keys_become_options():
         "stage": 2, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": True}})
     assert "quantized_weights" not in off.zero_kwargs
     assert _paths(off) == ["zero_optimization.zero_quantized_nontrainable_weights"]
+    # DeepSpeed's stages 1-2 ignore them (full-precision collectives): refused, not quantized
+    for stage in (1, 2):
+        low = deepspeed.translate({"zero_optimization": {
+            "stage": stage, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+        assert _paths(low) == ["zero_optimization.zero_quantized_weights",
+                               "zero_optimization.zero_quantized_gradients"]
+        assert not {"quantized_weights", "quantized_grads"} & set(low.zero_kwargs)

@@ -247,6 +247,17 @@ def check_zero(plan: DeepSpeedPlan) -> None:
                 zk.pop(key)
                 plan.refuse(f"zero_optimization.{name}", f"applies to stage 3 only (this "
                                                          f"config is stage {stage})")
+        # DeepSpeed's ZeRO++ switches act in its stage-3 engine only: its stages 1-2 ignore them
+        # and communicate at full precision, where zero_py's options would quantize
+        for key, name in (("quantized_weights", "zero_quantized_weights"),
+                          ("quantized_grads", "zero_quantized_gradients")):
+            if key in zk:
+                zk.pop(key)
+                plan.refuse(f"zero_optimization.{name}",
+                            f"DeepSpeed applies it under stage 3 only (this config is stage "
+                            f"{stage}, where DeepSpeed communicates at full precision); remove "
+                            f"it, or pass {key}= to initialize to quantize stage {stage}'s "
+                            "collectives")
         if plan.live_numel is not None:
             plan.live_numel = None
             plan.refuse("zero_optimization.stage3_prefetch_bucket_size",
