@@ -98,7 +98,7 @@ def test_zero2_getting_started_config():
                                      "weight_decay": 0.01}
     assert plan.reduce_bucket_numel == 500_000_000
     assert plan.train_micro_batch_size_per_gpu == 8  # 16 / (1 x 2 ranks)
-    # left out, gradient_clipping is DeepSpeed's default (1.0 since 0.19); 0 turns it off
+    # left out, gradient_clipping is DeepSpeed's default (1.0 since 0.19.3); 0 turns it off
     assert plan.gradient_clipping == 1.0
     assert deepspeed.translate({"gradient_clipping": 0}).gradient_clipping is None
     adam = deepspeed.translate({"optimizer": {"type": "Adam", "params": {

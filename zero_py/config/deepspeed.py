@@ -31,7 +31,7 @@ What each key becomes (docs/tools.md has the full table):
 - fp16 -> the model cast to float16 and a loss scaler (HysteresisLossScaler: DeepSpeed's
   policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16.
 - gradient_clipping -> optimizer.clip_grad_norm_(value) before every step; left out, 1.0
-  (DeepSpeed's default since 0.19; 0 turns clipping off, as DeepSpeed's default did before).
+  (DeepSpeed's default since 0.19.3; 0 turns clipping off, as DeepSpeed's default did before).
 - communication_data_type -> grad_reduce_dtype.
 - zero_quantized_weights: true -> quantized_weights="int8"; zero_quantized_gradients: true ->
   quantized_grads="int4" (DeepSpeed's qwZ and qgZ widths; docs/scale-out.md).
@@ -363,7 +363,7 @@ def translate(config, world_size: Optional[int] = None, stage: int = 3) -> DeepS
     if plan.stage is None:
         plan.stage = stage
     if "gradient_clipping" not in cfg:
-        # DeepSpeed's default since 0.19 (microsoft/DeepSpeed#8068; 0 before): "0" turns it off
+        # DeepSpeed's default since 0.19.3 (microsoft/DeepSpeed#8068; 0 before): "0" turns it off
         plan.gradient_clipping = _DEFAULT_CLIPPING
     check_zero(plan)
     if world_size is None and dist.is_available() and dist.is_initialized():
