@@ -157,6 +157,30 @@ def test_zero3_bf16_config():
     assert plan.train_batch_size == 4 * 2 * 4
 
 
+def test_bf16_skips_steps_with_non_finite_gradients_under_stages_1_2(single_rank_group):
+    # DeepSpeed's stages 1-2 skip a bf16 step whose gradient norm is not finite
+    # (bf16.check_grad_overflow, default true since 0.19.3); its stage 3 checks fp16 only
+    def step(stage, **bf16):
+        torch.manual_seed(0)
+        cfg = {"bf16": {"enabled": True, **bf16}, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        model, opt = zero_py.initialize(models.MLP(), config=cfg)
+        x, y = models.mlp_batch(torch.Generator().manual_seed(0))
+        x[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        return opt.last_step_skipped, all(torch.equal(a, p) for a, p in
+                                          zip(before, model.parameters()))
+    for stage in (1, 2):
+        assert step(stage) == (True, True)
+    # check_grad_overflow false: the step is taken, as torch.optim takes it
+    assert step(2, check_grad_overflow=False) == (False, False)
+    assert deepspeed.translate({"bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3}}).loss_scaler is None
+
+
 def test_fp16_config_builds_deepspeeds_loss_scaler():
     plan = deepspeed.translate(FP16_WARMUP)
     assert plan.refusals == [] and plan.dtype == torch.float16
@@ -462,7 +486,7 @@ def test_explicit_keywords_that_conflict_are_errors(single_rank_group):
     # a failed call leaves the model as it was: not cast to fp16, not sharded by stage 3
     model = models.MLP()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="loss_scaler= was given.*fp16 section makes one"):
+    with pytest.raises(ValueError, match=r"loss_scaler= was given.*makes one \(its fp16 section"):
         zero_py.initialize(model, config=FP16_WARMUP, loss_scaler=zero_py.LossScaler())
     per_group = {"zero_optimization": {"stage": 3}, "scheduler": {
         "type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, 2e-3]}}}

@@ -29,7 +29,9 @@ What each key becomes (docs/tools.md has the full table):
   exact name; stepped after every step that was not skipped, as DeepSpeed's engine does, and
   saved with the optimizer (attached_schedule.py).
 - fp16 -> the model cast to float16 and a loss scaler (HysteresisLossScaler: DeepSpeed's
-  policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16.
+  policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16 and, under stages
+  1-2 with check_grad_overflow (default true), a static scale of 1: steps whose gradients are
+  not finite are skipped, as DeepSpeed's stages 1-2 skip them.
 - gradient_clipping -> optimizer.clip_grad_norm_(value) before every step; left out, 1.0
   (DeepSpeed's default since 0.19.3; 0 turns clipping off, as DeepSpeed's default did before).
 - communication_data_type -> grad_reduce_dtype.
@@ -264,9 +266,15 @@ def _read_bf16(plan: DeepSpeedPlan, path: str, value) -> None:
     section = as_section(path, value)
     enabled = section.get("enabled", False)
     for key in section:
-        if key != "enabled":
+        if key not in ("enabled", "check_grad_overflow"):
             plan.refuse(f"{path}.{key}", "not a key zero_py honours in the bf16 section (zero_py "
                                          "keeps fp32 masters and fp32 optimizer states)")
+    if "check_grad_overflow" in section:
+        try:
+            plan.check_grad_overflow = flag(f"{path}.check_grad_overflow",
+                                            section["check_grad_overflow"])
+        except Refused as refusal:
+            plan.refuse(f"{path}.check_grad_overflow", str(refusal))
     if is_auto(enabled):
         plan.refuse(f"{path}.enabled", AUTO)
         return
@@ -285,6 +293,10 @@ def _batch_key(name: str):
 
 
 _DEFAULT_CLIPPING = 1.0
+
+
+def _SKIP_NONFINITE() -> LossScaler:
+    return LossScaler(init_scale=1.0, min_scale=1.0, dynamic=False)
 
 
 def _clipping(plan, path, value):
@@ -366,6 +378,11 @@ def translate(config, world_size: Optional[int] = None, stage: int = 3) -> DeepS
         # DeepSpeed's default since 0.19.3 (microsoft/DeepSpeed#8068; 0 before): "0" turns it off
         plan.gradient_clipping = _DEFAULT_CLIPPING
     check_zero(plan)
+    if plan.dtype is torch.bfloat16 and plan.check_grad_overflow and plan.stage in (1, 2):
+        # DeepSpeed's stages 1-2 skip a bf16 step whose gradients are not finite
+        # (bf16.check_grad_overflow, default true since 0.19.3; its stage 3 checks fp16 only):
+        # a static scale of 1 skips such steps and scales nothing
+        plan.loss_scaler = _SKIP_NONFINITE
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
     _check_batch(plan, world_size, "gradient_accumulation_steps" in cfg)

@@ -76,9 +76,11 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
 
     def take(target: Dict[str, Any], name: str, value, path: str) -> None:
         if name == "loss_scaler" and name in target:
-            raise ConfigError("loss_scaler= was given to initialize, but the DeepSpeed config's "
-                              "fp16 section makes one (DeepSpeed's policy from its keys); give "
-                              "it in one place only")
+            raise ConfigError("loss_scaler= was given to initialize, but the DeepSpeed config "
+                              "makes one (its fp16 section: DeepSpeed's policy from its keys; "
+                              "bf16 under stages 1-2: a scale of 1 that skips steps whose "
+                              "gradients are not finite, as DeepSpeed does); give it in one "
+                              "place only")
         if name in target and target[name] != value:
             raise _conflict(name, target[name], value, path)
         target[name] = value

@@ -42,6 +42,7 @@ class DeepSpeedPlan:
     live_numel: Optional[int] = None  # stage-3 prefetch budget, in elements
     dtype: Optional[torch.dtype] = None  # fp16 / bf16: the model is cast to it
     loss_scaler: Optional[Callable[[], LossScaler]] = None
+    check_grad_overflow: bool = True  # bf16: skip a step whose gradients are not finite
     gradient_clipping: Optional[float] = None
     gradient_accumulation_steps: int = 1
     train_micro_batch_size_per_gpu: Optional[int] = None
