@@ -422,6 +422,12 @@ def test_resume_goes_on_with_the_configs_schedule(tmp_path, single_rank_group):
             opt.load_state_dict(copy.deepcopy(saved))
         train(model, opt, batches[4:])
         assert rates == pytest.approx(want, rel=1e-12), load
+    # a scheduler state the manifest cannot hold is refused before anything is written, on
+    # every rank (the manifest is rank 0's: refused there alone, the other ranks would hang)
+    opt.lr_scheduler.extra_state = torch.ones(2)
+    with pytest.raises(zero_py.CheckpointError, match=r"lr scheduler state.*extra_state"):
+        zero_py.save_checkpoint(tmp_path / "again", model, opt)
+    assert not (tmp_path / "again").exists()
 
 
 def test_torch_optimizer_and_scheduler_by_name_as_deepspeed_looks_them_up(single_rank_group):

@@ -465,6 +465,8 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
     if error is None:
         try:
             held = holdings(model, opt)
+            # what rank 0 puts in the manifest, refused here on every rank (not on rank 0 alone)
+            plain.encode(attached_schedule.state_of(opt), None, "lr scheduler state")
             with torch.no_grad():
                 tensors, record = _rank_payload(model, opt, held, extra, reader, pieces)
                 if async_save and writes:  # training may change it all once this returns
