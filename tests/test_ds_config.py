@@ -106,14 +106,14 @@ def test_zero2_getting_started_config():
     assert adam.optimizer_class is torch.optim.Adam
 
 
-def test_optimizer_params_left_out_take_deepspeeds_defaults():
+def test_optimizer_params_left_out_take_deepspeeds_defaults(single_rank_group):
     # DeepSpeed's FusedAdam / CPU Adam default to weight_decay=0 (torch's AdamW: 0.01), its
     # Lion to lr=1e-3 and betas=(0.9, 0.999) (zero_py.Lion: 1e-4, (0.9, 0.99))
     def defaults(optimizer):
         plan = deepspeed.translate({"optimizer": optimizer})
         assert plan.refusals == []
         built = plan.optimizer_class([torch.randn(3, requires_grad=True)],
-                                     **plan.optimizer_kwargs)
+                                     **plan.optimizer_defaults, **plan.optimizer_kwargs)
         return plan.optimizer_class, {k: built.defaults[k] for k in
                                       ("lr", "betas", "weight_decay")}
     for kind in ("Adam", "AdamW", "adamw"):
@@ -125,6 +125,15 @@ def test_optimizer_params_left_out_take_deepspeeds_defaults():
     assert defaults({"type": "AdamW", "params": {"torch_adam": True}})[1]["weight_decay"] == 0.01
     assert defaults({"type": "Lion", "params": {"weight_decay": 0.1}}) == (
         zero_py.Lion, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1})
+
+    # initialize's own keyword for a key the config leaves out is no conflict: it is used
+    _, opt = zero_py.initialize(models.MLP(), config={"optimizer": {"type": "AdamW"},
+                                                      "zero_optimization": {"stage": 1}},
+                                weight_decay=0.1)
+    assert opt.param_groups[0]["weight_decay"] == 0.1
+    _, opt = zero_py.initialize(models.MLP(), config={"optimizer": {"type": "AdamW"},
+                                                      "zero_optimization": {"stage": 1}})
+    assert opt.param_groups[0]["weight_decay"] == 0.0
 
 
 def test_batch_sizes_derive_the_missing_one_as_deepspeed_does():

@@ -121,9 +121,8 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
         for key in ("fused", "foreach"):
             if key in params:
                 params.pop(key)  # torch's implementation choice; zero_py runs its own kernel
-    if not (cls in (torch.optim.Adam, torch.optim.AdamW) and torch_adam):
-        for key, value in _DS_DEFAULTS.get(cls, {}).items():
-            params.setdefault(key, value)
+    defaults = {} if cls in (torch.optim.Adam, torch.optim.AdamW) and torch_adam else \
+        {k: v for k, v in _DS_DEFAULTS.get(cls, {}).items() if k not in params}
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
     signature = inspect.signature(cls.__init__).parameters
@@ -132,10 +131,11 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
             plan.refuse(f"{path}.params.{key}", f"{cls.__name__} takes no {key!r}")
             del params[key]
     try:
-        cls([torch.zeros(1, requires_grad=True)], **params)
+        cls([torch.zeros(1, requires_grad=True)], **defaults, **params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}.params: {cls.__name__} rejects them: {exc}") from None
     plan.optimizer_class, plan.optimizer_kwargs = cls, params
+    plan.optimizer_defaults = defaults
 
 
 def _torch_class(module, name: str, base: type) -> Optional[type]:

@@ -90,6 +90,8 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
         take(merged, "optimizer_class", plan.optimizer_class, "optimizer.type")
         for key, value in plan.optimizer_kwargs.items():
             take(opt_kwargs, key, value, f"optimizer.params.{key}")
+        for key, value in plan.optimizer_defaults.items():
+            opt_kwargs.setdefault(key, value)  # a keyword the config leaves out may be given
     # everything is checked before the model is cast (and, under stage 3, sharded): a call
     # that fails leaves it as it was
     param_dtype = plan.dtype or _model_dtype(model)

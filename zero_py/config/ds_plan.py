@@ -36,6 +36,9 @@ class DeepSpeedPlan:
     stage: Optional[int] = None
     optimizer_class: Optional[type] = None
     optimizer_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # DeepSpeed's defaults for the optimizer keys the config leaves out (where they differ
+    # from the zero_py class's): used unless initialize is given the keyword
+    optimizer_defaults: Dict[str, Any] = dataclasses.field(default_factory=dict)
     # zero_py options for initialize / ZeroOptimizer (bucket sizes still in elements here)
     zero_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     reduce_bucket_numel: Optional[int] = None
