@@ -160,7 +160,8 @@ def test_zero3_bf16_config():
     plan = deepspeed.translate(ZERO3_BF16, world_size=4)
     assert plan.refusals == []
     assert plan.stage == 3 and plan.dtype == torch.bfloat16
-    assert plan.zero_kwargs["persistence_threshold"] == 100_000
+    # DeepSpeed keeps numel <= its threshold replicated, zero_py numel < persistence_threshold
+    assert plan.zero_kwargs["persistence_threshold"] == 100_001
     assert plan.live_numel == 500_000_000  # the smaller of the two stage-3 budgets
     assert plan.gradient_clipping == 1.0
     assert plan.train_batch_size == 4 * 2 * 4
@@ -188,6 +189,17 @@ def test_bf16_skips_steps_with_non_finite_gradients_under_stages_1_2(single_rank
     assert step(2, check_grad_overflow=False) == (False, False)
     assert deepspeed.translate({"bf16": {"enabled": True},
                                 "zero_optimization": {"stage": 3}}).loss_scaler is None
+
+
+def test_persistence_threshold_keeps_what_deepspeed_keeps(single_rank_group):
+    # DeepSpeed keeps a parameter of exactly stage3_param_persistence_threshold elements
+    # replicated (numel <= threshold): it keeps its full shape, where a larger one is sharded
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 512}}
+    model, _ = zero_py.initialize(model, torch.optim.AdamW, config=cfg)
+    assert model[0].weight.shape == (32, 16)  # 512 elements
+    assert model[2].weight.dim() == 1  # 1024 elements: a shard
 
 
 def test_fp16_config_builds_deepspeeds_loss_scaler():
@@ -806,7 +818,7 @@ PARITY = {
          "communication_data_type": "fp32"},
         {"optimizer": zero_py.Lion, "dtype": torch.bfloat16, "clip": 1.0,  # the default
          "kwargs": {"stage": 3, "lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.01,
-                    "persistence_threshold": 100, "prefetch_bytes": 2 * 10**5,
+                    "persistence_threshold": 101, "prefetch_bytes": 2 * 10**5,
                     "grad_reduce_dtype": torch.float32}},
         True),
 }

@@ -104,7 +104,8 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
              "zero_optimization.stage3_prefetch_bucket_size / stage3_max_live_parameters")
     # (option, initialize's own keyword or the optimizer's, the config path it came from)
     for option, own, path in (
-            ("persistence_threshold", True, "stage3_param_persistence_threshold"),
+            ("persistence_threshold", True, "stage3_param_persistence_threshold (+ 1: "
+                                            "DeepSpeed keeps numel <= it replicated)"),
             ("offload_optimizer", False, "offload_optimizer.device"),
             ("offload_dir", False, "offload_optimizer.nvme_path / offload_param.nvme_path"),
             ("offload_params", True, "offload_param.device"),

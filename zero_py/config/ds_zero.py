@@ -35,7 +35,9 @@ def _overlap(plan, path, value):
 
 
 def _persistence(plan, path, value):
-    plan.zero_kwargs["persistence_threshold"] = number(path, value, integer=True)
+    # DeepSpeed keeps a parameter replicated when numel <= the threshold, zero_py when
+    # numel < persistence_threshold
+    plan.zero_kwargs["persistence_threshold"] = number(path, value, integer=True) + 1
 
 
 def _prefetch_bucket(plan, path, value):
