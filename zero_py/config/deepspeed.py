@@ -13,8 +13,9 @@ What each key becomes (docs/tools.md has the full table):
 
 - zero_optimization: stage -> stage; reduce_bucket_size (elements) -> bucket_bytes (stages
   1-2; both bucket sizes must agree: zero_py gathers by the buckets it reduces);
-  stage3_param_persistence_threshold -> persistence_threshold; the smaller of
-  stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) -> prefetch_bytes.
+  stage3_param_persistence_threshold + 1 -> persistence_threshold (DeepSpeed: numel <= it);
+  the smaller of stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) ->
+  prefetch_bytes.
   Keys that state what zero_py always does (contiguous_gradients, reduce_scatter, ...) are
   accepted with that value and refused with the other. offload_optimizer / offload_param with
   device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; device "nvme" with nvme_path
