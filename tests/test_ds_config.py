@@ -98,19 +98,108 @@ def test_zero2_getting_started_config():
                                      "weight_decay": 0.01}
     assert plan.reduce_bucket_numel == 500_000_000
     assert plan.train_micro_batch_size_per_gpu == 8  # 16 / (1 x 2 ranks)
+    # left out, gradient_clipping is DeepSpeed's default (1.0 since 0.19.3); 0 turns it off
+    assert plan.gradient_clipping == 1.0
+    assert deepspeed.translate({"gradient_clipping": 0}).gradient_clipping is None
     adam = deepspeed.translate({"optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "adam_w_mode": False}}})
     assert adam.optimizer_class is torch.optim.Adam
+
+
+def test_optimizer_params_left_out_take_deepspeeds_defaults(single_rank_group):
+    # DeepSpeed's FusedAdam / CPU Adam default to weight_decay=0 (torch's AdamW: 0.01), its
+    # Lion to lr=1e-3 and betas=(0.9, 0.999) (zero_py.Lion: 1e-4, (0.9, 0.99))
+    def defaults(optimizer):
+        plan = deepspeed.translate({"optimizer": optimizer})
+        assert plan.refusals == []
+        built = plan.optimizer_class([torch.randn(3, requires_grad=True)],
+                                     **plan.optimizer_defaults, **plan.optimizer_kwargs)
+        return plan.optimizer_class, {k: built.defaults[k] for k in
+                                      ("lr", "betas", "weight_decay")}
+    for kind in ("Adam", "AdamW", "adamw"):
+        assert defaults({"type": kind, "params": {"lr": 2e-4}}) == (
+            torch.optim.AdamW, {"lr": 2e-4, "betas": (0.9, 0.999), "weight_decay": 0.0})
+    assert defaults({"type": "Adam"}) == (
+        torch.optim.AdamW, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0})
+    # torch_adam: DeepSpeed builds torch's AdamW itself, with torch's defaults
+    assert defaults({"type": "AdamW", "params": {"torch_adam": True}})[1]["weight_decay"] == 0.01
+    assert defaults({"type": "Lion", "params": {"weight_decay": 0.1}}) == (
+        zero_py.Lion, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.1})
+
+    # initialize's own keyword for a key the config leaves out is no conflict: it is used
+    _, opt = zero_py.initialize(models.MLP(), config={"optimizer": {"type": "AdamW"},
+                                                      "zero_optimization": {"stage": 1}},
+                                weight_decay=0.1)
+    assert opt.param_groups[0]["weight_decay"] == 0.1
+    _, opt = zero_py.initialize(models.MLP(), config={"optimizer": {"type": "AdamW"},
+                                                      "zero_optimization": {"stage": 1}})
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+
+
+def test_batch_sizes_derive_the_missing_one_as_deepspeed_does():
+    # (config, world size) -> (train, micro, accumulation), as DeepSpeed's
+    # _set_batch_related_parameters derives them
+    cases = [({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 3, (48, 4, 4)),
+             ({"train_batch_size": 48}, 3, (48, 16, 1)),
+             ({"train_batch_size": 48, "gradient_accumulation_steps": 2}, 3, (48, 8, 2)),
+             ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3,
+              (24, 4, 2)),
+             ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1))]
+    for cfg, world, want in cases:
+        plan = deepspeed.translate(cfg, world_size=world)
+        assert (plan.train_batch_size, plan.train_micro_batch_size_per_gpu,
+                plan.gradient_accumulation_steps) == want, cfg
+    for train in (44, 8):  # not a multiple of 4 x 3; below it (no accumulation step left)
+        with pytest.raises(ValueError, match=r"must be a multiple of "
+                                             r"train_micro_batch_size_per_gpu \(4\) x world"):
+            deepspeed.translate({"train_batch_size": train,
+                                 "train_micro_batch_size_per_gpu": 4}, world_size=3)
 
 
 def test_zero3_bf16_config():
     plan = deepspeed.translate(ZERO3_BF16, world_size=4)
     assert plan.refusals == []
     assert plan.stage == 3 and plan.dtype == torch.bfloat16
-    assert plan.zero_kwargs["persistence_threshold"] == 100_000
+    # DeepSpeed keeps numel <= its threshold replicated, zero_py numel < persistence_threshold
+    assert plan.zero_kwargs["persistence_threshold"] == 100_001
     assert plan.live_numel == 500_000_000  # the smaller of the two stage-3 budgets
     assert plan.gradient_clipping == 1.0
     assert plan.train_batch_size == 4 * 2 * 4
+
+
+def test_bf16_skips_steps_with_non_finite_gradients_under_stages_1_2(single_rank_group):
+    # DeepSpeed's stages 1-2 skip a bf16 step whose gradient norm is not finite
+    # (bf16.check_grad_overflow, default true since 0.19.3); its stage 3 checks fp16 only
+    def step(stage, **bf16):
+        torch.manual_seed(0)
+        cfg = {"bf16": {"enabled": True, **bf16}, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        model, opt = zero_py.initialize(models.MLP(), config=cfg)
+        x, y = models.mlp_batch(torch.Generator().manual_seed(0))
+        x[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        return opt.last_step_skipped, all(torch.equal(a, p) for a, p in
+                                          zip(before, model.parameters()))
+    for stage in (1, 2):
+        assert step(stage) == (True, True)
+    # check_grad_overflow false: the step is taken, as torch.optim takes it
+    assert step(2, check_grad_overflow=False) == (False, False)
+    assert deepspeed.translate({"bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3}}).loss_scaler is None
+
+
+def test_persistence_threshold_keeps_what_deepspeed_keeps(single_rank_group):
+    # DeepSpeed keeps a parameter of exactly stage3_param_persistence_threshold elements
+    # replicated (numel <= threshold): it keeps its full shape, where a larger one is sharded
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 512}}
+    model, _ = zero_py.initialize(model, torch.optim.AdamW, config=cfg)
+    assert model[0].weight.shape == (32, 16)  # 512 elements
+    assert model[2].weight.dim() == 1  # 1024 elements: a shard
 
 
 def test_fp16_config_builds_deepspeeds_loss_scaler():
@@ -121,6 +210,13 @@ def test_fp16_config_builds_deepspeeds_loss_scaler():
     assert (scaler.scale, scaler.growth_interval, scaler.hysteresis, scaler.min_scale) == \
         (2.0**16, 1000, 2, 1.0)
     assert plan.scheduler[0] is schedules.WarmupLR
+    # min_loss_scale 0 (seen in real configs): DeepSpeed halves the scale with no floor
+    floorless = deepspeed.translate({"fp16": {"enabled": True, "initial_scale_power": 2,
+                                              "hysteresis": 1, "min_loss_scale": 0.0}})
+    scaler = floorless.loss_scaler()
+    for _ in range(4):
+        scaler.update(True)
+    assert scaler.scale == 2.0**-2
     static = deepspeed.translate({"fp16": {"enabled": True, "loss_scale": 128}})
     fixed = static.loss_scaler()
     assert not fixed.dynamic and fixed.scale == 128.0
@@ -189,6 +285,27 @@ def test_cpu_offload_becomes_offload_optimizer_and_offload_params():
         "device": "cpu", "pin_memory": False, "ratio": 0.3}}})
     assert set(_paths(bad)) == {"zero_optimization.offload_optimizer.pin_memory",
                                 "zero_optimization.offload_optimizer.ratio"}
+    # a misspelt or unsupported key of an offload section is refused, as DeepSpeed refuses it
+    # (extra="forbid"), not passed over (the misspelt device trained without offload)
+    typos = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"devcie": "cpu", "super_offload": True,
+                                          "fast_init": True, "pipeline_read": False},
+        "offload_param": {"device": "cpu", "max_in_cpu": 1e9, "pin_memroy": False}}})
+    assert _paths(typos) == ["zero_optimization.offload_optimizer.devcie",
+                             "zero_optimization.offload_optimizer.super_offload",
+                             "zero_optimization.offload_param.pin_memroy"]
+    # parameters on NVMe need the optimizer there too: refused by the config's key
+    nvme = deepspeed.translate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+        "offload_optimizer": {"device": "cpu"}}})
+    assert _paths(nvme) == ["zero_optimization.offload_param.device"]
+    assert "offload_params" not in nvme.zero_kwargs
+    # offloading the parameters is stage 3's: refused by the config's key, not initialize's
+    for zero in ({"stage": 2, "offload_param": {"device": "cpu"}},
+                 {"stage": 1, "cpu_offload_params": True}):
+        plan = deepspeed.translate({"zero_optimization": zero})
+        assert _paths(plan) == ["zero_optimization.offload_param"]
+        assert "offload_params" not in plan.zero_kwargs
 
 
 def test_cpu_offload_config_trains_offloaded(single_rank_group):
@@ -209,7 +326,7 @@ def test_keys_zero_py_does_not_honour_are_refused_by_path():
                                  "stage3_param_persistence_threshold": 10,
                                  "zero_hpz_partition_size": 8, "stage_typo": 1},
            "optimizer": {"type": "OneBitAdam", "params": {}},
-           "scheduler": {"type": "OneCycle", "params": {}},
+           "scheduler": {"type": "LRRangeTest", "params": {}},
            "activation_checkpointing": {"partition_activations": True},
            "flops_profiler": {"enabled": False},  # switched off: nothing to honour
            "tensorboard": {"enabled": True, "output_path": "runs"}}
@@ -279,6 +396,96 @@ def test_strict_refusal_lists_every_key(single_rank_group):
     assert "strict=False" in text
 
 
+def test_resume_goes_on_with_the_configs_schedule(tmp_path, single_rank_group):
+    # DeepSpeed's engine checkpoints its scheduler: a run resumed from save_checkpoint or
+    # state_dict() goes on with the rates of the run that was not interrupted, not from the
+    # warm-up's start
+    def config(kind):
+        params = {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
+                  "total_num_steps": 8, "warmup_type": "linear"}
+        if kind == "WarmupLR":
+            del params["total_num_steps"]
+        return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": 2}, "scheduler": {"type": kind,
+                                                                 "params": params}}
+
+    def build(kind="WarmupDecayLR"):
+        torch.manual_seed(0)
+        return zero_py.initialize(models.MLP(), config=config(kind))
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.mlp_batch(gen) for _ in range(6)]
+
+    def train(model, opt, bs):
+        for batch in bs:
+            models.mlp_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            rates.append(opt.param_groups[0]["lr"])
+    rates = []
+    train(*build(), batches)
+    want = rates
+    rates = []
+    model, opt = build()
+    train(model, opt, batches[:4])
+    zero_py.save_checkpoint(tmp_path / "ckpt", model, opt)
+    saved = opt.state_dict()
+    head = rates
+    other_model, other = build("WarmupLR")  # another schedule: refused, nothing changed
+    with pytest.raises(zero_py.CheckpointError, match="lr_scheduler.*'WarmupDecayLR'"):
+        zero_py.load_checkpoint(tmp_path / "ckpt", other_model, other)
+    assert other.lr_scheduler.last_epoch == 0
+    for load in ("checkpoint", "state_dict"):
+        rates = list(head)
+        model, opt = build()
+        if load == "checkpoint":
+            zero_py.load_checkpoint(tmp_path / "ckpt", model, opt)
+        else:  # the rates only: the parameters start afresh here
+            opt.load_state_dict(copy.deepcopy(saved))
+        train(model, opt, batches[4:])
+        assert rates == pytest.approx(want, rel=1e-12), load
+    # a scheduler state the manifest cannot hold is refused before anything is written, on
+    # every rank (the manifest is rank 0's: refused there alone, the other ranks would hang)
+    opt.lr_scheduler.extra_state = torch.ones(2)
+    with pytest.raises(zero_py.CheckpointError, match=r"lr scheduler state.*extra_state"):
+        zero_py.save_checkpoint(tmp_path / "again", model, opt)
+    assert not (tmp_path / "again").exists()
+
+
+def test_torch_optimizer_and_scheduler_by_name_as_deepspeed_looks_them_up(single_rank_group):
+    # DeepSpeed builds getattr(torch.optim, type) / getattr(torch.optim.lr_scheduler, type) for
+    # a type it does not have itself; checked against torch's own classes
+    cfg = {"optimizer": {"type": "RMSprop", "params": {"lr": 1e-2, "alpha": 0.9,
+                                                       "momentum": 0.5}},
+           "scheduler": {"type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}},
+           "gradient_clipping": 0, "zero_optimization": {"stage": 2}}
+    torch.manual_seed(0)
+    model, opt = zero_py.initialize(models.MLP(), config=cfg)
+    torch.manual_seed(0)
+    ref = models.MLP()
+    ref_opt = torch.optim.RMSprop(ref.parameters(), lr=1e-2, alpha=0.9, momentum=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        batch = models.mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            models.mlp_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        ref_sched.step()
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        if step == 2:
+            saved = copy.deepcopy(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.load_state_dict(saved)  # the StepLR state comes back with it
+    assert opt.lr_scheduler.last_epoch == 3
+    refused = {"ReduceLROnPlateau": "scheduler.type", "LRRangeTest": "scheduler.type",
+               "rmsprop": "optimizer.type", "Lamb": "optimizer.type"}
+    for kind, path in refused.items():
+        section = "scheduler" if path.startswith("scheduler") else "optimizer"
+        plan = deepspeed.translate({section: {"type": kind, "params": {}}})
+        assert _paths(plan) == [path], kind
+
+
 def test_strict_false_warns_once_and_trains(single_rank_group):
     model = models.MLP()
     with warnings.catch_warnings(record=True) as caught:
@@ -303,8 +510,16 @@ def test_explicit_keywords_that_conflict_are_errors(single_rank_group):
         zero_py.initialize(models.MLP(), torch.optim.SGD, config=ZERO2_GETTING_STARTED)
     with pytest.raises(ValueError, match="bucket_bytes=.*reduce_bucket_size"):
         zero_py.initialize(models.MLP(), config=ZERO2_GETTING_STARTED, bucket_bytes=2**20)
-    with pytest.raises(ValueError, match="loss_scaler=.*fp16"):
-        zero_py.initialize(models.MLP(), config=FP16_WARMUP, loss_scaler=zero_py.LossScaler())
+    # a failed call leaves the model as it was: not cast to fp16, not sharded by stage 3
+    model = models.MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"loss_scaler= was given.*makes one \(its fp16 section"):
+        zero_py.initialize(model, config=FP16_WARMUP, loss_scaler=zero_py.LossScaler())
+    per_group = {"zero_optimization": {"stage": 3}, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, 2e-3]}}}
+    with pytest.raises(ValueError, match="scheduler.params: WarmupLR rejects.*1 param group"):
+        zero_py.initialize(model, torch.optim.AdamW, config=per_group)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="strict applies to a DeepSpeed config only"):
         zero_py.initialize(models.MLP(), stage=2, strict=False)
     # the same value twice is no conflict, and what the config leaves out may be given
@@ -364,6 +579,42 @@ def test_warmup_schedules_follow_deepspeed():
     opt = _opt(lr=0.2)
     sched = schedules.WarmupLR(opt, warmup_num_steps=4, warmup_type="linear")
     assert _lrs(sched, opt, 6)[-1] == pytest.approx(0.2)
+
+
+def test_one_cycle_follows_deepspeed():
+    # DeepSpeed's OneCycle: at batch iteration i (b = i + 1, cycle length F + S), the rate
+    # climbs lo -> hi over F iterations and back over S, then lo / (1 + rate * (i - F - S + 1)
+    # / decay_step_size); with betas, beta1 moves hi_mom -> lo_mom and back (decaying by
+    # growing), beta2 is 0.99; at the start (-1) lr = lo and beta1 = lo_mom
+    lo, hi, first, second, rate, size = 1e-3, 1e-2, 4, 2, 0.5, 3
+    mom_lo, mom_hi, mom_rate = 0.8, 0.95, 0.01
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.1, betas=(0.9, 0.999))
+    sched = schedules.OneCycle(opt, lo, hi, rate, first, second, decay_step_size=size,
+                               cycle_min_mom=mom_lo, cycle_max_mom=mom_hi,
+                               decay_mom_rate=mom_rate)
+    got, want = [(opt.param_groups[0]["lr"], opt.param_groups[0]["betas"])], [(lo, (mom_lo, 0.99))]
+    for i in range(12):
+        opt.step()
+        sched.step()
+        got.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+        b = i + 1
+        if i < first + second:
+            scale = b / first if b <= first else (first + second - b) / second
+            want.append((lo + (hi - lo) * scale, (mom_hi - (mom_hi - mom_lo) * scale, 0.99)))
+        else:
+            k = (i - first - second + 1) / size
+            want.append((lo / (1 + rate * k), (mom_hi * (1 + mom_rate * k), 0.99)))
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-12)
+    assert [g[1][0] for g in got] == pytest.approx([w[1][0] for w in want], rel=1e-12)
+    assert all(g[1][1] == 0.99 for g in got)
+    # from a config; SGD has no betas: its momentum is left alone, as in DeepSpeed
+    plan = deepspeed.translate({"scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": lo, "cycle_max_lr": hi, "cycle_first_step_size": first}}})
+    assert plan.refusals == [] and plan.scheduler[0] is schedules.OneCycle
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    assert _lrs(schedules.OneCycle(sgd, lo, hi, cycle_first_step_size=first), sgd, 2)[-1] == \
+        pytest.approx(lo + (hi - lo) * 2 / first)
+    assert sgd.param_groups[0]["momentum"] == 0.9 and "betas" not in sgd.param_groups[0]
 
 
 def _deepspeed_scale_sequence(overflows, init, window, min_scale, delayed_shift, consecutive):
@@ -565,9 +816,9 @@ PARITY = {
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
                                "stage3_max_live_parameters": 1e5},
          "communication_data_type": "fp32"},
-        {"optimizer": zero_py.Lion, "dtype": torch.bfloat16,
+        {"optimizer": zero_py.Lion, "dtype": torch.bfloat16, "clip": 1.0,  # the default
          "kwargs": {"stage": 3, "lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.01,
-                    "persistence_threshold": 100, "prefetch_bytes": 2 * 10**5,
+                    "persistence_threshold": 101, "prefetch_bytes": 2 * 10**5,
                     "grad_reduce_dtype": torch.float32}},
         True),
 }
@@ -599,3 +850,10 @@ def test_zero_plus_plus_quantization_keys_become_options():
         "stage": 2, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": True}})
     assert "quantized_weights" not in off.zero_kwargs
     assert _paths(off) == ["zero_optimization.zero_quantized_nontrainable_weights"]
+    # DeepSpeed's stages 1-2 ignore them (full-precision collectives): refused, not quantized
+    for stage in (1, 2):
+        low = deepspeed.translate({"zero_optimization": {
+            "stage": stage, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+        assert _paths(low) == ["zero_optimization.zero_quantized_weights",
+                               "zero_optimization.zero_quantized_gradients"]
+        assert not {"quantized_weights", "quantized_grads"} & set(low.zero_kwargs)

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from zero_py.checkpoint import feedback, plain
+from zero_py.config import attached_schedule
 from zero_py.checkpoint.holdings import Held, holdings, persistent_buffers
 from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
@@ -121,6 +122,10 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
             opt.loss_scaler.check_state(ck.decoded("loss_scaler", man["loss_scaler"]))
         except ValueError as exc:
             raise CheckpointError(f"{ck.path}: {MANIFEST}'s loss_scaler: {exc}") from None
+    try:  # a DeepSpeed config's scheduler (absent from checkpoints saved without one)
+        attached_schedule.check(opt, ck.decoded("lr_scheduler", man.get("lr_scheduler")))
+    except ValueError as exc:
+        raise CheckpointError(f"{ck.path}: {MANIFEST}'s lr_scheduler: {exc}") from None
     return new_groups, keys
 
 
@@ -239,6 +244,8 @@ def _commit(ck: Checkpoint, model, opt, held: Dict[str, Held], groups: List[dict
         buf.copy_(buffers[name])
     if opt.loss_scaler is not None and man["loss_scaler"] is not None:
         opt.loss_scaler.load_state_dict(plain.decode(man["loss_scaler"]))
+    attached_schedule.load(opt, attached_schedule.check(
+        opt, plain.decode(man.get("lr_scheduler"))))
     opt._sr_seed = opt._rounding_seed_base() + int(man["optimizer"]["rounding_steps"])
     opt.skipped_steps = int(man["optimizer"]["skipped_steps"])
 

@@ -46,6 +46,7 @@ from zero_py.checkpoint.reader import (FORMAT, MANIFEST, VERSION, CheckpointErro
                                        optimizer_of, rank_file)
 from zero_py.collectives.objects import broadcast_json, gather_json
 from zero_py.collectives.timeout import group_timeout
+from zero_py.config import attached_schedule
 from zero_py.optim.update import BUFFER
 
 
@@ -186,6 +187,9 @@ def _manifest_base(model, opt, held: Dict[str, Held], save_id: str) -> dict:
                       "skipped_steps": opt.skipped_steps},
         "loss_scaler": None if opt.loss_scaler is None else
         plain.encode(opt.loss_scaler.state_dict(), None, "loss scaler state"),
+        # a DeepSpeed config's scheduler (optimizer.lr_scheduler), as DeepSpeed checkpoints it
+        "lr_scheduler": plain.encode(attached_schedule.state_of(opt), None,
+                                     "lr scheduler state"),
         "params": params, "aliases": aliases, "buffers": buffers,
         "versions": {"torch": torch.__version__},
     }
@@ -467,6 +471,8 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
     if error is None:
         try:
             held = holdings(model, opt)
+            # what rank 0 puts in the manifest, refused here on every rank (not on rank 0 alone)
+            plain.encode(attached_schedule.state_of(opt), None, "lr scheduler state")
             with torch.no_grad():
                 tensors, record = _rank_payload(model, opt, held, extra, reader, pieces)
                 if async_save and writes:  # training may change it all once this returns

@@ -13,21 +13,28 @@ What each key becomes (docs/tools.md has the full table):
 
 - zero_optimization: stage -> stage; reduce_bucket_size (elements) -> bucket_bytes (stages
   1-2; both bucket sizes must agree: zero_py gathers by the buckets it reduces);
-  stage3_param_persistence_threshold -> persistence_threshold; the smaller of
-  stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) -> prefetch_bytes.
+  stage3_param_persistence_threshold + 1 -> persistence_threshold (DeepSpeed: numel <= it);
+  the smaller of stage3_prefetch_bucket_size and stage3_max_live_parameters (elements) ->
+  prefetch_bytes.
   Keys that state what zero_py always does (contiguous_gradients, reduce_scatter, ...) are
   accepted with that value and refused with the other. offload_optimizer / offload_param with
   device "cpu" -> offload_optimizer="cpu" / offload_params="cpu"; device "nvme" with nvme_path
   -> offload_optimizer="nvme" / offload_params="nvme" and offload_dir=nvme_path (one directory:
   two different nvme_paths are refused).
 - optimizer: Adam/AdamW/SGD/Adagrad/Lion -> torch.optim.Adam/AdamW/SGD/Adagrad, zero_py.Lion
-  and its params. DeepSpeed's "Adam" decouples weight decay (adam_w_mode, default true), so
-  it becomes AdamW unless adam_w_mode is false.
-- scheduler: WarmupLR/WarmupDecayLR/WarmupCosineLR -> zero_py.config.schedules (torch LR
-  schedulers), stepped after every step that was not skipped, as DeepSpeed's engine does.
+  and its params (keys left out take DeepSpeed's defaults); another type, as DeepSpeed does,
+  the torch.optim class of that exact name. DeepSpeed's "Adam" decouples weight decay
+  (adam_w_mode, default true), so it becomes AdamW unless adam_w_mode is false.
+- scheduler: WarmupLR/WarmupDecayLR/WarmupCosineLR/OneCycle -> zero_py.config.schedules (torch LR
+  schedulers); another type, as DeepSpeed does, the torch.optim.lr_scheduler class of that
+  exact name; stepped after every step that was not skipped, as DeepSpeed's engine does, and
+  saved with the optimizer (attached_schedule.py).
 - fp16 -> the model cast to float16 and a loss scaler (HysteresisLossScaler: DeepSpeed's
-  policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16.
-- gradient_clipping -> optimizer.clip_grad_norm_(value) before every step.
+  policy; loss_scale > 0: a static one); bf16 -> the model cast to bfloat16 and, under stages
+  1-2 with check_grad_overflow (default true), a static scale of 1: steps whose gradients are
+  not finite are skipped, as DeepSpeed's stages 1-2 skip them.
+- gradient_clipping -> optimizer.clip_grad_norm_(value) before every step; left out, 1.0
+  (DeepSpeed's default since 0.19.3; 0 turns clipping off, as DeepSpeed's default did before).
 - communication_data_type -> grad_reduce_dtype.
 - zero_quantized_weights: true -> quantized_weights="int8"; zero_quantized_gradients: true ->
   quantized_grads="int4" (DeepSpeed's qwZ and qgZ widths; docs/scale-out.md).
@@ -42,6 +49,7 @@ memory and speed knobs not given keep zero_py's defaults.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -62,8 +70,14 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float1
            "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
                "adagrad": torch.optim.Adagrad, "lion": Lion}
+# DeepSpeed's own optimizers' defaults where they differ from the zero_py class's (its FusedAdam
+# and CPU Adam take weight_decay=0, torch's AdamW 0.01; its Lion lr=1e-3, betas=(0.9, 0.999),
+# zero_py's 1e-4 and (0.9, 0.99)): a key the config leaves out trains with DeepSpeed's value.
+# With torch_adam: true DeepSpeed builds torch's Adam/AdamW, so torch's defaults hold.
+_DS_DEFAULTS = {torch.optim.AdamW: {"weight_decay": 0.0},
+                Lion: {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}}
 _SCHEDULERS = {"WarmupLR": schedules.WarmupLR, "WarmupDecayLR": schedules.WarmupDecayLR,
-               "WarmupCosineLR": schedules.WarmupCosineLR}
+               "WarmupCosineLR": schedules.WarmupCosineLR, "OneCycle": schedules.OneCycle}
 
 
 # -- optimizer ----------------------------------------------------------------------------------
@@ -78,11 +92,15 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
     if not isinstance(kind, str):
         raise ConfigError(f"{path}.type must name the optimizer, e.g. \"AdamW\"; got {kind!r}")
     params = dict(as_section(f"{path}.params", section.get("params", {})))
-    cls = _OPTIMIZERS.get(kind.lower())
+    cls = _OPTIMIZERS.get(kind.lower()) or _torch_class(torch.optim, kind,
+                                                         torch.optim.Optimizer)
+    torch_adam = False
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} has no zero_py counterpart; zero_py maps Adam, "
-                                    "AdamW, SGD, Adagrad and Lion (or pass optimizer_class= to "
-                                    "initialize and drop the optimizer section)")
+                                    "AdamW, SGD, Adagrad, Lion and, as DeepSpeed does, any "
+                                    "torch.optim class by its exact name (e.g. RMSprop); or "
+                                    "pass optimizer_class= to initialize and drop the "
+                                    "optimizer section")
         return
     for key in list(params):
         if is_auto(params[key]):
@@ -94,13 +112,18 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
             raise ConfigError(f"{path}.params.adam_w_mode must be true or false")
         if cls is torch.optim.Adam and adam_w_mode:
             cls = torch.optim.AdamW  # DeepSpeed's Adam decouples weight decay by default
-        params.pop("torch_adam", None)  # same math either way: zero_py's kernel or torch's
+        # same math either way (zero_py's kernel or torch's), but torch's defaults
+        torch_adam = params.pop("torch_adam", False)
+        if not isinstance(torch_adam, bool):
+            raise ConfigError(f"{path}.params.torch_adam must be true or false")
         if params.pop("bias_correction", True) is not True:
             plan.refuse(f"{path}.params.bias_correction",
                         "torch.optim's Adam and AdamW always correct bias; remove it")
         for key in ("fused", "foreach"):
             if key in params:
                 params.pop(key)  # torch's implementation choice; zero_py runs its own kernel
+    defaults = {} if cls in (torch.optim.Adam, torch.optim.AdamW) and torch_adam else \
+        {k: v for k, v in _DS_DEFAULTS.get(cls, {}).items() if k not in params}
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
     signature = inspect.signature(cls.__init__).parameters
@@ -109,13 +132,28 @@ def _read_optimizer(plan: DeepSpeedPlan, path: str, value) -> None:
             plan.refuse(f"{path}.params.{key}", f"{cls.__name__} takes no {key!r}")
             del params[key]
     try:
-        cls([torch.zeros(1, requires_grad=True)], **params)
+        cls([torch.zeros(1, requires_grad=True)], **defaults, **params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}.params: {cls.__name__} rejects them: {exc}") from None
     plan.optimizer_class, plan.optimizer_kwargs = cls, params
+    plan.optimizer_defaults = defaults
+
+
+def _torch_class(module, name: str, base: type) -> Optional[type]:
+    """DeepSpeed's fallback for a type it does not have itself: getattr(torch.optim, name)
+    (or torch.optim.lr_scheduler), the exact name of a class."""
+    found = getattr(module, name, None) if not name.startswith("_") else None
+    return found if isinstance(found, type) and issubclass(found, base) else None
 
 
 # -- scheduler ----------------------------------------------------------------------------------
+
+# DeepSpeed's own schedules zero_py does not provide (DeepSpeed looks these up before torch's)
+_DS_ONLY_SCHEDULERS = ("LRRangeTest",)
+# torch schedulers a JSON config cannot drive: they take a metric in step() or other schedulers
+# or functions as arguments
+_NOT_FROM_JSON = ("ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR", "SequentialLR",
+                  "ChainedScheduler")
 
 def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
     section = as_section(path, value)
@@ -125,17 +163,23 @@ def _read_scheduler(plan: DeepSpeedPlan, path: str, value) -> None:
                                          "(it reads type and params)")
     kind = section.get("type")
     cls = _SCHEDULERS.get(kind) if isinstance(kind, str) else None
+    if cls is None and isinstance(kind, str) and kind not in _DS_ONLY_SCHEDULERS \
+            and kind not in _NOT_FROM_JSON:
+        cls = _torch_class(torch.optim.lr_scheduler, kind, torch.optim.lr_scheduler.LRScheduler)
     if cls is None:
         plan.refuse(f"{path}.type", f"{kind!r} is not one zero_py provides (WarmupLR, "
-                                    "WarmupDecayLR, WarmupCosineLR); build the torch scheduler "
-                                    "yourself and drop the section")
+                                    "WarmupDecayLR, WarmupCosineLR, OneCycle, and as DeepSpeed "
+                                    "does a torch.optim.lr_scheduler class by its exact name, "
+                                    "but for those a JSON config cannot drive); build the "
+                                    "scheduler yourself and drop the section")
         return
     params = dict(as_section(f"{path}.params", section.get("params", {})))
-    last = params.pop("last_batch_iteration", -1)
+    resume_key = "last_batch_iteration" if cls in _SCHEDULERS.values() else "last_epoch"
+    last = params.pop(resume_key, -1)
     if last != -1:
-        plan.refuse(f"{path}.params.last_batch_iteration",
-                    "zero_py starts schedules at the beginning; resume by loading the "
-                    "scheduler's state_dict()")
+        plan.refuse(f"{path}.params.{resume_key}",
+                    "zero_py starts schedules at the beginning; resume with load_checkpoint "
+                    "or the optimizer's load_state_dict(), which restore the schedule")
     signature = inspect.signature(cls.__init__).parameters
     for key in list(params):
         if is_auto(params[key]):
@@ -208,8 +252,11 @@ def _read_fp16(plan: DeepSpeedPlan, path: str, value) -> None:
         plan.loss_scaler = lambda: LossScaler(init_scale=static, min_scale=min(1.0, static),
                                               dynamic=False)
     else:
-        if min_scale <= 0 or min_scale > 2.0**power:
-            raise ConfigError(f"{path}.min_loss_scale must be in (0, 2**initial_scale_power], "
+        if min_scale == 0:
+            # DeepSpeed's scale then halves with no floor: the smallest positive float is one
+            min_scale = math.ulp(0.0)
+        if min_scale > 2.0**power:
+            raise ConfigError(f"{path}.min_loss_scale must be in [0, 2**initial_scale_power], "
                               f"got {min_scale}")
         plan.loss_scaler = lambda: HysteresisLossScaler(
             init_scale=2.0**power, scale_window=window, min_scale=min_scale,
@@ -220,9 +267,15 @@ def _read_bf16(plan: DeepSpeedPlan, path: str, value) -> None:
     section = as_section(path, value)
     enabled = section.get("enabled", False)
     for key in section:
-        if key != "enabled":
+        if key not in ("enabled", "check_grad_overflow"):
             plan.refuse(f"{path}.{key}", "not a key zero_py honours in the bf16 section (zero_py "
                                          "keeps fp32 masters and fp32 optimizer states)")
+    if "check_grad_overflow" in section:
+        try:
+            plan.check_grad_overflow = flag(f"{path}.check_grad_overflow",
+                                            section["check_grad_overflow"])
+        except Refused as refusal:
+            plan.refuse(f"{path}.check_grad_overflow", str(refusal))
     if is_auto(enabled):
         plan.refuse(f"{path}.enabled", AUTO)
         return
@@ -238,6 +291,13 @@ def _batch_key(name: str):
     def read(plan, path, value):
         setattr(plan, name, number(path, value, integer=True, minimum=1))
     return read
+
+
+_DEFAULT_CLIPPING = 1.0
+
+
+def _SKIP_NONFINITE() -> LossScaler:
+    return LossScaler(init_scale=1.0, min_scale=1.0, dynamic=False)
 
 
 def _clipping(plan, path, value):
@@ -315,20 +375,37 @@ def translate(config, world_size: Optional[int] = None, stage: int = 3) -> DeepS
                   "misspelling); remove it")
     if plan.stage is None:
         plan.stage = stage
+    if "gradient_clipping" not in cfg:
+        # DeepSpeed's default since 0.19.3 (microsoft/DeepSpeed#8068; 0 before): "0" turns it off
+        plan.gradient_clipping = _DEFAULT_CLIPPING
     check_zero(plan)
+    if plan.dtype is torch.bfloat16 and plan.check_grad_overflow and plan.stage in (1, 2):
+        # DeepSpeed's stages 1-2 skip a bf16 step whose gradients are not finite
+        # (bf16.check_grad_overflow, default true since 0.19.3; its stage 3 checks fp16 only):
+        # a static scale of 1 skips such steps and scales nothing
+        plan.loss_scaler = _SKIP_NONFINITE
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    _check_batch(plan, world_size)
+    _check_batch(plan, world_size, "gradient_accumulation_steps" in cfg)
     return plan
 
 
 
-def _check_batch(plan: DeepSpeedPlan, world_size: Optional[int]) -> None:
+def _check_batch(plan: DeepSpeedPlan, world_size: Optional[int], gas_given: bool) -> None:
+    """DeepSpeed's rules: train = micro x accumulation x world; of the three, the one the config
+    leaves out is derived from the others (accumulation 1 when two are left out)."""
     train, micro = plan.train_batch_size, plan.train_micro_batch_size_per_gpu
     gas = plan.gradient_accumulation_steps
     if world_size is None:
         return
-    if train is not None and micro is not None:
+    if train is not None and micro is not None and not gas_given:
+        if train % (micro * world_size) or train < micro * world_size:
+            raise ConfigError(
+                f"train_batch_size ({train}) must be a multiple of train_micro_batch_size_per_gpu "
+                f"({micro}) x world size ({world_size}) = {micro * world_size}: "
+                "gradient_accumulation_steps is derived from them; fix one of them")
+        plan.gradient_accumulation_steps = train // (micro * world_size)
+    elif train is not None and micro is not None:
         if train != micro * gas * world_size:
             raise ConfigError(
                 f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu "

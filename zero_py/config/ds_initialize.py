@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
+from zero_py.config import attached_schedule
 from zero_py.config.deepspeed import ConfigError, DeepSpeedPlan, translate
 
 __all__ = ["initialize"]
@@ -74,7 +75,13 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
     opt_kwargs = dict(kwargs)
 
     def take(target: Dict[str, Any], name: str, value, path: str) -> None:
-        if name in target and (name == "loss_scaler" or target[name] != value):
+        if name == "loss_scaler" and name in target:
+            raise ConfigError("loss_scaler= was given to initialize, but the DeepSpeed config "
+                              "makes one (its fp16 section: DeepSpeed's policy from its keys; "
+                              "bf16 under stages 1-2: a scale of 1 that skips steps whose "
+                              "gradients are not finite, as DeepSpeed does); give it in one "
+                              "place only")
+        if name in target and target[name] != value:
             raise _conflict(name, target[name], value, path)
         target[name] = value
 
@@ -83,9 +90,11 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
         take(merged, "optimizer_class", plan.optimizer_class, "optimizer.type")
         for key, value in plan.optimizer_kwargs.items():
             take(opt_kwargs, key, value, f"optimizer.params.{key}")
-    if plan.dtype is not None:
-        model.to(plan.dtype)
-    param_dtype = _model_dtype(model)
+        for key, value in plan.optimizer_defaults.items():
+            opt_kwargs.setdefault(key, value)  # a keyword the config leaves out may be given
+    # everything is checked before the model is cast (and, under stage 3, sharded): a call
+    # that fails leaves it as it was
+    param_dtype = plan.dtype or _model_dtype(model)
     grad_dtype = plan.zero_kwargs.get("grad_reduce_dtype") or param_dtype
     if plan.reduce_bucket_numel is not None:
         take(opt_kwargs, "bucket_bytes", plan.reduce_bucket_numel * grad_dtype.itemsize,
@@ -95,7 +104,8 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
              "zero_optimization.stage3_prefetch_bucket_size / stage3_max_live_parameters")
     # (option, initialize's own keyword or the optimizer's, the config path it came from)
     for option, own, path in (
-            ("persistence_threshold", True, "stage3_param_persistence_threshold"),
+            ("persistence_threshold", True, "stage3_param_persistence_threshold (+ 1: "
+                                            "DeepSpeed keeps numel <= it replicated)"),
             ("offload_optimizer", False, "offload_optimizer.device"),
             ("offload_dir", False, "offload_optimizer.nvme_path / offload_param.nvme_path"),
             ("offload_params", True, "offload_param.device"),
@@ -108,9 +118,30 @@ def initialize(model: torch.nn.Module, config, strict: bool, explicit: Dict[str,
                  f"zero_optimization.{path}" if path else "communication_data_type")
     if plan.loss_scaler is not None:
         take(opt_kwargs, "loss_scaler", plan.loss_scaler(), "fp16")
+    _check_schedule(plan, explicit.get("params"))
+    if plan.dtype is not None:
+        model.to(plan.dtype)
     model, optimizer = api_initialize(model, **merged, **opt_kwargs)
     _attach(optimizer, plan)
     return model, optimizer
+
+
+def _check_schedule(plan: DeepSpeedPlan, params) -> None:
+    """The scheduler section's per-param-group values (lists) against the groups the optimizer
+    will have (`params` given as a list of group dicts: one per dict; else one), before the
+    model is touched."""
+    if plan.scheduler is None:
+        return
+    cls, kwargs = plan.scheduler
+    n = (len(params) if isinstance(params, (list, tuple)) and params
+         and all(isinstance(g, dict) for g in params) else 1)
+    probe = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]}
+                             for _ in range(n)], lr=1e-3)
+    try:
+        cls(probe, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"scheduler.params: {cls.__name__} rejects them for this optimizer's "
+                          f"{n} param group(s): {exc}") from None
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -138,3 +169,27 @@ def _attach(optimizer, plan: DeepSpeedPlan) -> None:
             if not opt.last_step_skipped:
                 scheduler.step()
         optimizer.register_step_post_hook(advance_schedule)
+        _save_schedule_with(optimizer)
+
+
+def _save_schedule_with(optimizer) -> None:
+    """optimizer.state_dict() carries the scheduler's state and load_state_dict() restores it
+    (zero_py.save_checkpoint / load_checkpoint do so too: attached_schedule.py), as
+    DeepSpeed's engine checkpoints its scheduler: a resumed run does not restart the warm-up."""
+    loading = {}
+
+    def add_schedule(opt, state_dict):
+        state_dict[attached_schedule.KEY] = attached_schedule.state_of(opt)
+
+    def take_schedule(opt, state_dict):
+        state_dict = dict(state_dict)
+        loading["state"] = attached_schedule.check(opt, state_dict.pop(attached_schedule.KEY,
+                                                                        None))
+        return state_dict
+
+    def restore_schedule(opt):
+        attached_schedule.load(opt, loading.pop("state", None))
+
+    optimizer.register_state_dict_post_hook(add_schedule)
+    optimizer.register_load_state_dict_pre_hook(take_schedule)
+    optimizer.register_load_state_dict_post_hook(restore_schedule)

@@ -36,12 +36,16 @@ class DeepSpeedPlan:
     stage: Optional[int] = None
     optimizer_class: Optional[type] = None
     optimizer_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # DeepSpeed's defaults for the optimizer keys the config leaves out (where they differ
+    # from the zero_py class's): used unless initialize is given the keyword
+    optimizer_defaults: Dict[str, Any] = dataclasses.field(default_factory=dict)
     # zero_py options for initialize / ZeroOptimizer (bucket sizes still in elements here)
     zero_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     reduce_bucket_numel: Optional[int] = None
     live_numel: Optional[int] = None  # stage-3 prefetch budget, in elements
     dtype: Optional[torch.dtype] = None  # fp16 / bf16: the model is cast to it
     loss_scaler: Optional[Callable[[], LossScaler]] = None
+    check_grad_overflow: bool = True  # bf16: skip a step whose gradients are not finite
     gradient_clipping: Optional[float] = None
     gradient_accumulation_steps: int = 1
     train_micro_batch_size_per_gpu: Optional[int] = None

@@ -35,7 +35,9 @@ def _overlap(plan, path, value):
 
 
 def _persistence(plan, path, value):
-    plan.zero_kwargs["persistence_threshold"] = number(path, value, integer=True)
+    # DeepSpeed keeps a parameter replicated when numel <= the threshold, zero_py when
+    # numel < persistence_threshold
+    plan.zero_kwargs["persistence_threshold"] = number(path, value, integer=True) + 1
 
 
 def _prefetch_bucket(plan, path, value):
@@ -43,8 +45,30 @@ def _prefetch_bucket(plan, path, value):
     plan.live_numel = numel if plan.live_numel is None else min(plan.live_numel, numel)
 
 
+# the keys of DeepSpeed's offload sections (it refuses others: extra="forbid"); besides device,
+# nvme_path, pin_memory and ratio (read below) they tune DeepSpeed's own swapper and CPU Adam,
+# and do nothing here (docs/tools.md)
+_OFFLOAD_KEYS = {
+    "offload_optimizer": {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                          "pipeline_write", "fast_init", "ratio", "super_offload",
+                          "cpuadam_cores_perc"},
+    "offload_param": {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
+                      "pin_memory"},
+}
+
+
 def _offload(plan, path, value):
     section = as_section(path, value)
+    name = path.rsplit(".", 1)[-1]
+    for key in section:
+        if key not in _OFFLOAD_KEYS[name]:
+            plan.refuse(f"{path}.{key}", f"not a key of DeepSpeed's {name} section (its keys: "
+                                         f"{', '.join(sorted(_OFFLOAD_KEYS[name]))}); check "
+                                         "its spelling, or remove it")
+    if section.get("super_offload", False) is not False:
+        plan.refuse(f"{path}.super_offload", "DeepSpeed's SuperOffload is not implemented; "
+                                             "zero_py offloads the whole update to its fused "
+                                             "CPU kernels: set it to false or remove it")
     device = section.get("device", "none")
     if is_auto(device):
         plan.refuse(f"{path}.device", AUTO)
@@ -184,6 +208,13 @@ def check_zero(plan: DeepSpeedPlan) -> None:
     stage = plan.stage
     gather = zk.pop("_allgather_bucket_numel", None)
     overlap = zk.pop("_overlap_comm", None)
+    if zk.get("offload_params") == "nvme" and zk.get("offload_optimizer") != "nvme":
+        zk.pop("offload_params")
+        plan.refuse("zero_optimization.offload_param.device",
+                    f"'nvme' needs offload_optimizer.device 'nvme' too in zero_py (this config "
+                    f"gives {zk.get('offload_optimizer') or 'none'!r}), with the same nvme_path: "
+                    "a step writes each bucket's parameters and optimizer states together; "
+                    "offload both to NVMe, or the parameters to 'cpu'")
     if stage == 3:
         if plan.reduce_bucket_numel is not None:
             plan.refuse("zero_optimization.reduce_bucket_size",
@@ -212,11 +243,23 @@ def check_zero(plan: DeepSpeedPlan) -> None:
             plan.refuse("zero_optimization.overlap_comm",
                         "stage 1 reduces gradients in step() in zero_py, without overlap; use "
                         "stage 2 to overlap, or set it to false")
-        for key, name in (("persistence_threshold", "stage3_param_persistence_threshold"),):
+        for key, name in (("persistence_threshold", "stage3_param_persistence_threshold"),
+                          ("offload_params", "offload_param")):
             if key in zk:
                 zk.pop(key)
                 plan.refuse(f"zero_optimization.{name}", f"applies to stage 3 only (this "
                                                          f"config is stage {stage})")
+        # DeepSpeed's ZeRO++ switches act in its stage-3 engine only: its stages 1-2 ignore them
+        # and communicate at full precision, where zero_py's options would quantize
+        for key, name in (("quantized_weights", "zero_quantized_weights"),
+                          ("quantized_grads", "zero_quantized_gradients")):
+            if key in zk:
+                zk.pop(key)
+                plan.refuse(f"zero_optimization.{name}",
+                            f"DeepSpeed applies it under stage 3 only (this config is stage "
+                            f"{stage}, where DeepSpeed communicates at full precision); remove "
+                            f"it, or pass {key}= to initialize to quantize stage {stage}'s "
+                            "collectives")
         if plan.live_numel is not None:
             plan.live_numel = None
             plan.refuse("zero_optimization.stage3_prefetch_bucket_size",

@@ -1,5 +1,6 @@
-"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) as torch LR
-schedulers, so that a DeepSpeed config's `scheduler` section trains with the same learning rates.
+"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as
+torch LR schedulers, so that a DeepSpeed config's `scheduler` section trains with the same
+learning rates.
 
 The step count follows DeepSpeed's: its `last_batch_iteration` is torch's `last_epoch - 1`.
 Construction puts the rate of iteration -1 into the optimizer (the warm-up's start: min_lr, or
@@ -127,3 +128,89 @@ class WarmupCosineLR(LRScheduler):
     def get_lr(self) -> List[float]:
         r = self.ratio(self.last_epoch - 1)
         return [lr * r for lr in self.org_lrs]
+
+
+class OneCycle(LRScheduler):
+    """DeepSpeed's OneCycle: the rate climbs from cycle_min_lr to cycle_max_lr over
+    cycle_first_step_size steps and back over cycle_second_step_size (optionally in stairs),
+    then decays as cycle_min_lr / (1 + decay_lr_rate * i / decay_step_size). With
+    cycle_momentum and an optimizer that has betas, beta1 moves the other way between
+    cycle_max_mom and cycle_min_mom (then grows by decay_mom_rate), and beta2 is set to 0.99,
+    as DeepSpeed sets it; without betas (SGD) the momentum is left alone, as there."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: Rates,
+                 cycle_max_lr: Rates, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True,
+                 cycle_min_mom: Rates = 0.8, cycle_max_mom: Rates = 0.9,
+                 decay_mom_rate: float = 0.0):
+        first = float(cycle_first_step_size)
+        second = first if cycle_second_step_size is None else float(cycle_second_step_size)
+        if not first > 0 or not second >= 0:
+            raise ValueError(f"cycle_first_step_size must be > 0 and cycle_second_step_size "
+                             f">= 0, got {cycle_first_step_size!r}, {cycle_second_step_size!r}")
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = float(decay_lr_rate)
+        self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
+        self.cycle_momentum = bool(cycle_momentum) and "betas" in optimizer.defaults
+        self.decay_mom_rate = float(decay_mom_rate)
+        self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
+        self.min_moms = [[m, 0.99] for m in _per_group(optimizer, cycle_min_mom, "cycle_min_mom")]
+        self.max_moms = [[m, 0.99] for m in _per_group(optimizer, cycle_max_mom, "cycle_max_mom")]
+        super().__init__(optimizer)
+
+    def _scale(self, it: int) -> float:
+        batch = it + 1
+        cycle = math.floor(1 + batch / self.total_size)
+        x = 1.0 + batch / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:
+            within = batch % self.total_size
+            if within <= self.first_step_size:
+                position = within * stairs / self.first_step_size
+            else:
+                position = (self.total_size - within) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> List[float]:
+        it = self.last_epoch - 1  # DeepSpeed's last_batch_iteration
+        if it < 0:
+            return list(self.min_lrs)
+        if it < self.total_size:
+            scale = self._scale(it)
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        factor = 1 + self.decay_lr_rate * (it - self.total_size + 1) / self.decay_step_size
+        return [lo / factor for lo in self.min_lrs]
+
+    def _betas(self, it: int) -> List[tuple]:
+        if it < 0:
+            return [tuple(m) for m in self.min_moms]
+        if it < self.total_size:
+            scale = self._scale(it)
+            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1])
+                    for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return [tuple(m) for m in self.max_moms]
+        factor = 1 + self.decay_mom_rate * (it - self.total_size + 1) / self.decay_step_size
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
+    def step(self, epoch=None) -> None:
+        super().step(epoch)
+        if self.cycle_momentum:
+            for group, betas in zip(self.optimizer.param_groups, self._betas(self.last_epoch - 1)):
+                group["betas"] = betas
