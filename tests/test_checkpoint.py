@@ -691,6 +691,11 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert ck.manifest["step"] == 1  # the previous checkpoint, whole
     assert sorted(os.listdir(os.path.join(tmp, "ck"))) == [
         "manifest.json", "rank00000.safetensors", "rank00001.safetensors"]
+    # the survivor (rank 0, which made the temporary directory) removed it as it raised: the
+    # partial save used to stay beside the checkpoint, rank files and all, until a save of the
+    # same name came again
+    left = [n for n in os.listdir(tmp) if n.startswith(".ck.tmp-")]
+    assert not left, f"the failed save left {left} behind"
 
 
 # -- consolidation and inspection, in one process without torch.distributed --------------------

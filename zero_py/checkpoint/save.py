@@ -375,7 +375,20 @@ def _async_executors(opt):
 def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Optional[dict],
             keep_last: Optional[int]) -> Optional[str]:
     """Writes this rank's file, then rank 0 publishes the checkpoint when every rank has
-    written its own. Collective over `ex`; returns None, or the error every rank raises."""
+    written its own. Collective over `ex`; returns None, or the error every rank raises.
+    A collective that fails (a peer died or stopped: the group's timeout) raises; rank 0 then
+    removes the temporary directory, so a survivor leaves no partial save behind."""
+    try:
+        return _write_and_publish(ex, path, tmp, tensors, record, meta, base, keep_last)
+    except BaseException:
+        if ex.rank == 0:  # unpublished: its files; published: the checkpoint it replaced
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_and_publish(ex, path: str, tmp: str, tensors, record: dict, meta: dict,
+                       base: Optional[dict], keep_last: Optional[int]) -> Optional[str]:
+    """_finish's body."""
     error = None
     try:
         record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
@@ -493,7 +506,12 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
             os.mkdir(tmp)
         except OSError as exc:
             error = f"cannot create the checkpoint directory next to {path}: {exc}"
-    agree(ex, error, "save_checkpoint")
+    try:
+        agree(ex, error, "save_checkpoint")
+    except BaseException:  # a peer died or stopped here: leave no empty temporary behind
+        if world.rank == 0 and error is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     step = max(opt._step_count, default=0)
     meta = {"format": FORMAT, "version": str(VERSION), "save_id": save_id, "rank": str(ex.rank),
