@@ -213,6 +213,7 @@ def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
+_LEFT_BEHIND = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}(\.old)?$")  # a save's temporary name
 
 
 def _finished_manifest(path: str) -> Optional[dict]:
@@ -248,7 +249,9 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     beyond the keep_last newest (by step, then number), never `path` itself (a run restarted
     from scratch saves smaller steps under new names: the checkpoint just written is kept, and
     the keep_last - 1 newest others), and never a directory without a finished zero_py manifest
-    (or whose step is not a number). Returns what could not be removed: '<path> (<why>)'."""
+    (or whose step is not a number). Also removes the temporary directories that saves of the
+    other checkpoints named like it left behind (their rank 0 died mid-save). Returns what
+    could not be removed: '<path> (<why>)'."""
     parent, base = os.path.split(path)
     stem = _NUMBERED.match(base).group(1)
     found = []
@@ -259,6 +262,14 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     for name in names:
         m = _NUMBERED.match(name)
         full = os.path.join(parent, name)
+        left = _LEFT_BEHIND.match(name)
+        if left is not None:
+            # what a save of another checkpoint of this run left when its rank 0 died (killed,
+            # or SIGTERM from torchrun): only a save of that same name used to remove it
+            other = _NUMBERED.match(left.group(1))
+            if other is not None and other.group(1) == stem and left.group(1) != base:
+                shutil.rmtree(full, ignore_errors=True)
+            continue
         if not m or m.group(1) != stem or full == path:
             continue
         man = _finished_manifest(full)  # None: not a finished zero_py checkpoint, not ours
