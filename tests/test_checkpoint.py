@@ -1019,15 +1019,17 @@ def _small_run(seed=0):
 def test_keep_last_removes_what_a_save_whose_rank_0_died_left(single_rank_group, tmp_path):
     """A save whose rank 0 is killed (or SIGTERMed by torchrun) mid-write leaves its temporary
     directory; keep_last's rotation removes those of the checkpoints named like the new one
-    (they used to stay until a save of that very name came again), never another family's."""
+    (they used to stay until a save of that very name came again), never another family's,
+    nor an '.old' one (publish_dir's fallback: it may be the only copy of a checkpoint)."""
     model, opt = _small_run()
-    hexes = [uuid.uuid4().hex for _ in range(3)]
+    hexes = [uuid.uuid4().hex for _ in range(4)]
     for name in (f".step_00200.tmp-{hexes[0]}", f".step_00300.tmp-{hexes[1]}.old",
-                 f".other_00200.tmp-{hexes[2]}"):
+                 f".other_00200.tmp-{hexes[2]}", f".step_00400.tmp-{hexes[3]}"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank00000.safetensors").write_bytes(os.urandom(64))
     zero_py.save_checkpoint(tmp_path / "step_00100", model, opt, keep_last=2)
-    assert sorted(os.listdir(tmp_path)) == [f".other_00200.tmp-{hexes[2]}", "step_00100"]
+    assert sorted(os.listdir(tmp_path)) == [f".other_00200.tmp-{hexes[2]}",
+                                            f".step_00300.tmp-{hexes[1]}.old", "step_00100"]
 
 
 def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single_rank_group,

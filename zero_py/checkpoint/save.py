@@ -213,7 +213,9 @@ def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
-_LEFT_BEHIND = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}(\.old)?$")  # a save's temporary name
+# a save's temporary directory; not its '.old' (publish_dir's fallback without an atomic swap:
+# the previous checkpoint, the only copy of it if the save died before the new one took its name)
+_LEFT_BEHIND = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}$")
 
 
 def _finished_manifest(path: str) -> Optional[dict]:
