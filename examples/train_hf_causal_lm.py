@@ -194,7 +194,8 @@ def main(argv=None) -> None:
         text = bytes(vocab[i] for i in out[0].tolist()).decode("utf-8", errors="replace")
         log(f"sample (rank 0): {text!r}")
 
-    out_dir = args.out or tempfile.mkdtemp(prefix="zero_py_hf_")
+    # rank 0 writes the export: a directory made on every rank left an empty one per other rank
+    out_dir = args.out or (tempfile.mkdtemp(prefix="zero_py_hf_") if rank == 0 else "")
     probe = val[:args.seq_len].unsqueeze(0).to(device)
     with torch.no_grad():
         logits = model(input_ids=probe).logits.float().cpu()  # collective under stage 3

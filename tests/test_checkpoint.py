@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -730,6 +731,11 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert ck.manifest["step"] == 1  # the previous checkpoint, whole
     assert sorted(os.listdir(os.path.join(tmp, "ck"))) == [
         "manifest.json", "rank00000.safetensors", "rank00001.safetensors"]
+    # the survivor (rank 0, which made the temporary directory) removed it as it raised: the
+    # partial save used to stay beside the checkpoint, rank files and all, until a save of the
+    # same name came again
+    left = [n for n in os.listdir(tmp) if n.startswith(".ck.tmp-")]
+    assert not left, f"the failed save left {left} behind"
 
 
 # -- consolidation and inspection, in one process without torch.distributed --------------------
@@ -1047,6 +1053,22 @@ def _small_run(seed=0):
     opt.step()
     opt.zero_grad()
     return model, opt
+
+
+def test_keep_last_removes_what_a_save_whose_rank_0_died_left(single_rank_group, tmp_path):
+    """A save whose rank 0 is killed (or SIGTERMed by torchrun) mid-write leaves its temporary
+    directory; keep_last's rotation removes those of the checkpoints named like the new one
+    (they used to stay until a save of that very name came again), never another family's,
+    nor an '.old' one (publish_dir's fallback: it may be the only copy of a checkpoint)."""
+    model, opt = _small_run()
+    hexes = [uuid.uuid4().hex for _ in range(4)]
+    for name in (f".step_00200.tmp-{hexes[0]}", f".step_00300.tmp-{hexes[1]}.old",
+                 f".other_00200.tmp-{hexes[2]}", f".step_00400.tmp-{hexes[3]}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank00000.safetensors").write_bytes(os.urandom(64))
+    zero_py.save_checkpoint(tmp_path / "step_00100", model, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == [f".other_00200.tmp-{hexes[2]}",
+                                            f".step_00300.tmp-{hexes[1]}.old", "step_00100"]
 
 
 def test_extra_round_trips_plain_data_and_refuses_tensors_it_cannot_store(single_rank_group,

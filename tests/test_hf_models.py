@@ -505,16 +505,21 @@ def test_torch_compile_stage3_second_model_of_a_class():
 def test_example_script_stage3_exports(tmp_path):
     import transformers
 
-    out = tmp_path / "export"
+    # no --out: the export goes to a temporary directory, made by rank 0 alone (every rank
+    # used to make one, and rank 1's stayed behind, empty, after each run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", os.path.join(ROOT, "examples", "train_hf_causal_lm.py"), "--stage", "3",
            "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--generate", "4",
-           "--out", str(out), "--check-export"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           "--check-export"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "activation checkpointing on" in proc.stdout
     assert "max |logit difference| = 0" in proc.stdout, proc.stdout
+    made = [n for n in os.listdir(tmp_path) if n.startswith("zero_py_hf_")]
+    assert len(made) == 1, made
+    out = tmp_path / made[0]
+    assert f"saved with save_pretrained to {out}" in proc.stdout, proc.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.lm_head.weight is model.transformer.wte.weight
 

@@ -11,6 +11,7 @@ show the group is still usable after the refusals.
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,21 @@ def _scenarios(rank, world_size):
             m.fc2.double()
         zero_py.initialize(m, stage=3, process_group=group)
     out["refused_on_one_rank_stage3"] = _attempt(float64_stage3, group)
+
+    # a ZP_* knob set to a value it does not take: refused at construction, naming it, on
+    # every rank (it used to be a bare int()/float() error, or a failed all-gather, in the
+    # middle of the first forward, or ignored), here on rank 1 alone and at stage 3 on both
+    def with_env(value, build):
+        os.environ["ZP_SHM_TIMEOUT_S"] = value
+        try:
+            build()
+        finally:
+            del os.environ["ZP_SHM_TIMEOUT_S"]
+    out["env_refused_on_one_rank"] = _attempt(lambda: with_env("abc" if rank else "30", (
+        lambda: zero_py.ZeroOptimizer(models.MLP().parameters(), stage=2,
+                                      process_group=group))), group)
+    out["env_refused_stage3"] = _attempt(lambda: with_env("-1", (
+        lambda: zero_py.initialize(models.MLP(), stage=3, process_group=group))), group)
 
     # loads: every rank loads or none (a dict refused on one rank, shard dicts of other steps)
     m = models.MLP()
@@ -208,6 +224,9 @@ def test_disagreeing_ranks_raise_on_every_rank():
                                 "rank 1: \"refused: Invalid learning rate: -1.0"],
         "refused_on_one_rank_stage3": ["zero_py.initialize: the ranks disagree on arguments",
                                        "rank 0: \"accepted\"", "dtype torch.float64"],
+        "env_refused_on_one_rank": ["rank 0: \"accepted\"",
+                                    "ZP_SHM_TIMEOUT_S='abc' is not a number of seconds > 0"],
+        "env_refused_stage3": ["ZP_SHM_TIMEOUT_S='-1' is not a number of seconds > 0"],
     }
     for name, words in expected.items():
         per_rank = [r[name] for r in results]
@@ -216,7 +235,8 @@ def test_disagreeing_ranks_raise_on_every_rank():
             for word in words:
                 assert word in got["error"], f"{name}: {word!r} not in:\n{got['error']}"
         # the same message on both ranks (but for the call's name: stage 2 and stage 3 differ)
-        texts = [got["error"][got["error"].index("the ranks disagree"):] for got in per_rank]
+        texts = [got["error"][max(0, got["error"].find("the ranks disagree")):]
+                 for got in per_rank]
         assert texts[0] == texts[1], name
     assert all(r["load_agreeing"]["error"] is None for r in results)
     clip_words = {

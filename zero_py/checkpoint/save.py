@@ -217,6 +217,9 @@ def _complete_manifest(manifest: dict, records: List[dict]) -> dict:
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
+# a save's temporary directory; not its '.old' (publish_dir's fallback without an atomic swap:
+# the previous checkpoint, the only copy of it if the save died before the new one took its name)
+_LEFT_BEHIND = re.compile(r"^\.(.+)\.tmp-[0-9a-f]{32}$")
 
 
 def _finished_manifest(path: str) -> Optional[dict]:
@@ -252,7 +255,9 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     beyond the keep_last newest (by step, then number), never `path` itself (a run restarted
     from scratch saves smaller steps under new names: the checkpoint just written is kept, and
     the keep_last - 1 newest others), and never a directory without a finished zero_py manifest
-    (or whose step is not a number). Returns what could not be removed: '<path> (<why>)'."""
+    (or whose step is not a number). Also removes the temporary directories that saves of the
+    other checkpoints named like it left behind (their rank 0 died mid-save). Returns what
+    could not be removed: '<path> (<why>)'."""
     parent, base = os.path.split(path)
     stem = _NUMBERED.match(base).group(1)
     found = []
@@ -263,6 +268,14 @@ def _rotate(path: str, keep_last: int) -> List[str]:
     for name in names:
         m = _NUMBERED.match(name)
         full = os.path.join(parent, name)
+        left = _LEFT_BEHIND.match(name)
+        if left is not None:
+            # what a save of another checkpoint of this run left when its rank 0 died (killed,
+            # or SIGTERM from torchrun): only a save of that same name used to remove it
+            other = _NUMBERED.match(left.group(1))
+            if other is not None and other.group(1) == stem and left.group(1) != base:
+                shutil.rmtree(full, ignore_errors=True)
+            continue
         if not m or m.group(1) != stem or full == path:
             continue
         man = _finished_manifest(full)  # None: not a finished zero_py checkpoint, not ours
@@ -379,7 +392,20 @@ def _async_executors(opt):
 def _finish(ex, path: str, tmp: str, tensors, record: dict, meta: dict, base: Optional[dict],
             keep_last: Optional[int]) -> Optional[str]:
     """Writes this rank's file, then rank 0 publishes the checkpoint when every rank has
-    written its own. Collective over `ex`; returns None, or the error every rank raises."""
+    written its own. Collective over `ex`; returns None, or the error every rank raises.
+    A collective that fails (a peer died or stopped: the group's timeout) raises; rank 0 then
+    removes the temporary directory, so a survivor leaves no partial save behind."""
+    try:
+        return _write_and_publish(ex, path, tmp, tensors, record, meta, base, keep_last)
+    except BaseException:
+        if ex.rank == 0:  # unpublished: its files; published: the checkpoint it replaced
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_and_publish(ex, path: str, tmp: str, tensors, record: dict, meta: dict,
+                       base: Optional[dict], keep_last: Optional[int]) -> Optional[str]:
+    """_finish's body."""
     error = None
     try:
         record["bytes"], crc = write_tensor_file(os.path.join(tmp, rank_file(ex.rank)),
@@ -505,7 +531,12 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
             os.mkdir(tmp)
         except OSError as exc:
             error = f"cannot create the checkpoint directory next to {path}: {exc}"
-    agree(ex, error, "save_checkpoint")
+    try:
+        agree(ex, error, "save_checkpoint")
+    except BaseException:  # a peer died or stopped here: leave no empty temporary behind
+        if world.rank == 0 and error is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     step = max(opt._step_count, default=0)
     meta = {"format": FORMAT, "version": str(VERSION), "save_id": save_id, "rank": str(ex.rank),

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from zero_py._native import _C
 from zero_py.collectives.work import Work
+from zero_py.config import environment
 
 SLOTS = 2
 _CHECK_PEERS_S = 0.5  # how often a long wait looks whether its late peers still live
@@ -77,7 +78,7 @@ def _host_key() -> int:
 
 def enabled() -> bool:
     """ZP_SHM=0 turns the shared-memory all-gather off (gloo's messages are used instead)."""
-    return os.environ.get("ZP_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+    return environment.read("ZP_SHM", 1) != 0 and os.path.isdir("/dev/shm")
 
 
 def same_host(group) -> bool:
@@ -150,8 +151,8 @@ class HostAllGather:
         self.rank = executor.rank
         self.world_size = executor.world_size
         self.global_rank = executor.global_rank
-        env = os.environ.get("ZP_SHM_TIMEOUT_S")
-        self.timeout = float(timeout if timeout is not None else env or executor.timeout_s)
+        self.timeout = float(timeout if timeout is not None else
+                             environment.read("ZP_SHM_TIMEOUT_S", executor.timeout_s))
         self.chunk_cap = 0  # bytes of one chunk a slot holds
         self.buf: Optional[torch.Tensor] = None
         self.seq = 0

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
+from zero_py.config import environment
 from zero_py.io.engine import IO_ALIGN, DirectFile, IoEngine, aligned_empty
 from zero_py.sharding.layout import FlatLayout
 
@@ -119,9 +120,9 @@ class NvmeStore:
                  chunk_bytes: Optional[int] = None, ring: Optional[int] = None,
                  engine: Optional[IoEngine] = None):
         if chunk_bytes is None:
-            chunk_bytes = int(os.environ.get("ZP_OFFLOAD_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+            chunk_bytes = environment.read("ZP_OFFLOAD_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
         if ring is None:
-            ring = int(os.environ.get("ZP_OFFLOAD_RING", DEFAULT_RING))
+            ring = environment.read("ZP_OFFLOAD_RING", DEFAULT_RING)
         if ring < 2:
             raise ValueError(f"the NVMe ring needs at least 2 buffers, got {ring}")
         directory = check_offload_dir(offload_dir)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from zero_py.config import environment
 from zero_py.io.engine import IO_ALIGN, IoEngine, aligned_empty, default_engine
 from zero_py.offload.nvme import check_offload_dir, reserved_file
 
@@ -59,7 +59,7 @@ class ParamStore:
     def __init__(self, flat, offload_dir, rank: int, what: str = "parameters",
                  ring: Optional[int] = None, engine: Optional[IoEngine] = None):
         if ring is None:
-            ring = int(os.environ.get("ZP_OFFLOAD_PARAM_RING", DEFAULT_PARAM_RING))
+            ring = environment.read("ZP_OFFLOAD_PARAM_RING", DEFAULT_PARAM_RING)
         if ring < 2:
             raise ValueError(f"the NVMe parameter ring needs at least 2 buffers, got {ring}")
         self.directory = check_offload_dir(offload_dir, "offload_params")

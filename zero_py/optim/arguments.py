@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py.collectives import quantized
+from zero_py.config import environment
 from zero_py.offload import check_offload_optimizer
 from zero_py.offload.early import check_overlap_step
 from zero_py.optim.loss_scaler import LossScaler
@@ -77,6 +78,7 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
                     overlap_step: float = 0.0, **optimizer_kwargs) -> dict:
     """Checks the constructor's arguments (zero_py.initialize does it before it shards a
     stage-3 model) and returns optimizer_class's defaults with optimizer_kwargs applied."""
+    environment.check()  # the ZP_* knobs, refused here rather than mid-forward
     if not (isinstance(optimizer_class, type)
             and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
