@@ -261,11 +261,15 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
             if not p.requires_grad and p.dtype not in PARAM_DTYPES:
                 # _check_param's "cast the model" misleads for a frozen int8/float8 weight of a
                 # quantized base model, which is not to be trained
+                # a model with nothing to train is refused by stages 1-2: not them, then
+                trains = any(q.requires_grad and q.numel() > 0 for q in model.parameters())
                 raise ValueError(
                     f"parameter {name!r} (index {i}) is frozen with dtype {p.dtype}: stage 3 "
-                    "shards frozen parameters too, in float32, bfloat16 and float16 only; use "
-                    "stage 1 or 2 (they keep frozen parameters whole, in any dtype), or hold "
-                    "it as a buffer (module.register_buffer), which every stage keeps whole")
+                    "shards frozen parameters too, in float32, bfloat16 and float16 only; " + (
+                        "use stage 1 or 2 (they keep frozen parameters whole, in any dtype), or "
+                        if trains else "keep this model, which has no trainable parameter, a "
+                        "plain model on every rank, or ") + "hold it as a buffer "
+                    "(module.register_buffer), which every stage keeps whole")
             if p.is_meta:
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
