@@ -375,6 +375,14 @@ def _stage3_frozen_int8(_):
     return model, None, lambda: zero_py.initialize(model, stage=3)
 
 
+def _stage3_all_frozen_int8(_):
+    """A model with nothing to train and an int8 weight: stages 1-2 refuse it (no trainable
+    parameter), so the message does not send it there."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Module()).requires_grad_(False)
+    model[1].qweight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    return model, None, lambda: zero_py.initialize(model, stage=3)
+
+
 def _stage3_add_param_group(_):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].requires_grad_(False)
@@ -549,6 +557,10 @@ CALL_CASES = [
     ("stage 3: float64 parameter", _stage3({}, float64=True), ValueError, "dtype torch.float64"),
     ("stage 3: frozen int8 parameter", _stage3_frozen_int8, ValueError,
      r"'1.qweight' \(index 2\) is frozen with dtype torch.int8.*use stage 1 or 2"),
+    ("stage 3: all-frozen model, int8 parameter", _stage3_all_frozen_int8, ValueError,
+     r"'1.qweight' \(index 2\) is frozen with dtype torch.int8.*float16 only; keep this "
+     "model, which has no trainable parameter, a plain model on every rank, or hold it as a "
+     "buffer"),
     ("stage 3: add_param_group", _stage3_add_param_group, RuntimeError,
      "param group of their own from the start"),
     ("stage 3: params not of the model", _stage3({"params": [nn.Parameter(torch.ones(3))]}),

@@ -165,14 +165,21 @@ def test_bad_parameters(single_rank_group):
                                              "torch.float64"):
             zero_py.initialize(nn.Sequential(nn.Tanh(), nn.Linear(4, 4)).double(), stage=stage)
     frozen = nn.Linear(4, 4).requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"):
+    with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model.*"
+                                         r"zero_py.initialize\(model, stage=3\)"):
         zero_py.ZeroOptimizer(frozen.parameters())
-    # a frozen reference model (RLHF/DPO) or teacher given alone: the message says what to do
-    for stage in (1, 3):
-        with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"
-                                             ".*submodule of the trained model" * (stage == 3)):
+    # a frozen reference model (RLHF/DPO) or teacher given alone: stages 1-2 keep parameters
+    # whole, so the message says what to do (stage 3 shards it: test_stage3_params.py)
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"):
             zero_py.initialize(frozen, stage=stage)
         assert frozen.weight.shape == (4, 4) and not hasattr(frozen, "_zero_py")
+    # param groups holding none of a trainable model's parameters: refused before sharding
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].requires_grad_(False)
+    with pytest.raises(ValueError, match="params holds none of the model's trainable"):
+        zero_py.initialize(model, stage=3, params=[model[1].weight])
+    assert model[0].weight.shape == (4, 4) and not hasattr(model, "_zero_py")
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

@@ -243,6 +243,23 @@ def test_gpt_with_tied_embeddings_matches_memory_report():
             _check_terms(est, reports[stage], f"TinyGPT stage {stage}, rank {rank} of 4")
 
 
+def test_a_model_with_no_trainable_parameter_matches_memory_report(single_rank_group):
+    """Stage 3 shards a frozen model (a reference or teacher model) with nothing to reduce or
+    update (defect: the estimate counted the gradient buckets of reductions that never run)."""
+    torch.manual_seed(0)
+    model, opt = zero_py.initialize(Stack(4, 64).requires_grad_(False), stage=3,
+                                    wrap_policy={nn.Linear})
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.no_grad():
+        model(x)
+    model(x).sum().backward()  # gradients reach x only
+    opt.step()
+    est = estimate_memory(Stack(4, 64).requires_grad_(False).to("meta"), 1, 3,
+                          shared_memory=False, wrap_policy={nn.Linear})
+    assert est.grads == 0 and est.optimizer_states == 0
+    _check_terms(est, opt.memory_report(), "a frozen Stack under stage 3")
+
+
 def test_closed_forms_for_a_parameter_count():
     """The ZeRO paper's per-rank model states (K = 12 for mixed-precision Adam): 2 psi + 2 psi
     + K psi / N for stage 1, 2 psi + (2 + K) psi / N for stage 2 and (2 + 2 + K) psi / N for

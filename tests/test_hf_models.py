@@ -144,8 +144,36 @@ def _hf(rank, world_size, export_dir):
                                          pad_token_id=0)
                 r["prompt"], r["generated"] = prompt, tokens
             res[stage] = r
+        res["frozen"] = _frozen_alone(ref, rank)
         out[name] = res
     return out
+
+
+def _frozen_alone(trained, rank):
+    """The trained model frozen and sharded alone under stage 3 (a reference model, a
+    generate-only model; defect: refused, "no trainable parameter"), against a plain copy:
+    no_grad logits, generate() of a different length on each rank, and the gradient a loss on
+    its output gives its inputs (none reaches its parameters). The largest differences."""
+    plain = copy.deepcopy(trained).eval().requires_grad_(False)
+    model, opt = zero_py.initialize(copy.deepcopy(plain), stage=3, wrap_policy=_blocks(plain))
+    gen = torch.Generator().manual_seed(7 + rank)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=gen)
+    emb = torch.randn(2, 8, 64, generator=gen)
+    got, want = [], []
+    for m, out in ((model, got), (plain, want)):
+        with torch.no_grad():
+            out.append(m(input_ids=ids).logits)
+        out.append(m.generate(ids[:1, :3 + rank], max_new_tokens=3 + 3 * rank, do_sample=False,
+                              pad_token_id=0).float())
+        x = emb.clone().requires_grad_()
+        m(inputs_embeds=x).logits.square().mean().backward()
+        out.append(x.grad)
+        opt.step()  # nothing to update
+    return {"diff": max((a - b).abs().max().item() if a.shape == b.shape else float("inf")
+                        for a, b in zip(got, want)),
+            "param_grads": sum(p.grad is not None for p in model.parameters()),
+            "local": sum(p.numel() for p in model.parameters()),
+            "full": sum(p.numel() for p in plain.parameters())}
 
 
 def _saved_diff(path, ref_sd):
@@ -405,6 +433,16 @@ def test_stage3_num_parameters_counts_the_full_model(hf, name):
         r = res[name][3]
         assert r["counts"] == r["ref_counts"], (rank, r["counts"], r["ref_counts"])
         assert r["shard_count"] < r["ref_counts"][0]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_stage3_frozen_model_alone_generates_like_the_plain_model(hf, name):
+    """A model with no trainable parameter, sharded by itself (a reference model; ZeRO-
+    Inference): its logits, generate() and its inputs' gradients equal the plain model's."""
+    for r in hf:
+        f = r[name]["frozen"]
+        assert f["diff"] < 1e-5 and f["param_grads"] == 0, f
+        assert f["local"] <= f["full"] / 2 + 1024, f  # 1/N of it on each rank
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

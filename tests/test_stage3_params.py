@@ -31,6 +31,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
@@ -188,6 +189,77 @@ def frozen(rank, world_size):
             "padding": rep["padding"],
             "ddp_params": rep["ddp_params"],
             "all_bytes": sum(p.numel() * p.element_size() for p in ref.parameters())}
+
+
+def all_frozen(rank, world_size, tmp):
+    """RLHF-style: a trained policy beside a frozen reference model and a frozen reward model,
+    each sharded alone under stage 3 (defect: a model with no trainable parameter was refused),
+    against DDP with plain frozen copies. The reward model takes the policy's logits with
+    gradients: they reach the policy through it, none its parameters."""
+    torch.manual_seed(0)
+    policy = models.TiedGPT(n_layer=2, d_model=32)
+    torch.manual_seed(1)
+    ref = models.TiedGPT(n_layer=2, d_model=32).requires_grad_(False)
+    torch.manual_seed(2)
+    reward = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1)).requires_grad_(False)
+    plain = {"ref": copy.deepcopy(ref), "reward": copy.deepcopy(reward)}
+    ddp = DDP(copy.deepcopy(policy))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), **LR)
+    zp, zopt = zero_py.initialize(policy, stage=3, wrap_policy={Block}, **LR)
+    zref, ref_opt = zero_py.initialize(ref, stage=3, wrap_policy={Block})
+    zrew, rew_opt = zero_py.initialize(reward, stage=3, wrap_policy={nn.Linear})
+
+    def loss_of(pol, r, w, idx, tgt):
+        logits = pol(idx)
+        with torch.no_grad():
+            ref_logits = r(idx)
+        ce = nn.functional.cross_entropy(logits.reshape(-1, 32), tgt.reshape(-1))
+        return ce + (logits - ref_logits).square().mean() - 0.1 * w(logits).mean()
+
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        idx, tgt = _batch(gen)
+        pair = []
+        for pol, r, w, opts in ((zp, zref, zrew, (zopt, ref_opt, rew_opt)),
+                                (ddp, plain["ref"], plain["reward"], (ddp_opt,))):
+            loss = loss_of(pol, r, w, idx, tgt)
+            loss.backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    full, ref_sd = _full(zp), zref.state_dict()
+    out = {"loss_rel": max(abs(a - b) / abs(b) for a, b in losses),
+           "rel": max(models.max_rel_diff(full[n], p) for n, p in ddp.module.named_parameters()),
+           "ref_kept": all(torch.equal(ref_sd[k], v) for k, v in plain["ref"].state_dict().items()),
+           "no_param_grads": all(p.grad is None for m in (zref, zrew) for p in m.parameters()),
+           "ref_local": sum(p.numel() for p in zref.parameters()),
+           "ref_numel": sum(p.numel() for p in plain["ref"].parameters()),
+           "opt_state": len(ref_opt.state_dict()["state"])}
+    # load_state_dict of other values, then a checkpoint of them loaded back after a change
+    torch.manual_seed(3)
+    other = models.TiedGPT(n_layer=2, d_model=32)
+    zref.load_state_dict(other.state_dict())
+    path = os.path.join(tmp, "frozen_ref")
+    zero_py.save_checkpoint(path, zref, ref_opt)
+    zref.load_state_dict(plain["ref"].state_dict())
+    zero_py.load_checkpoint(path, zref, ref_opt)
+    idx, _ = _batch(gen)
+    with torch.no_grad():
+        out["loaded"] = (zref(idx) - other(idx)).abs().max().item()
+    with zero_py.gathered(zref):
+        out["gathered"] = torch.equal(zref.lm_head.weight, other.lm_head.weight)
+    out["alone"] = True
+    if rank == 0:  # alone (a log's sample, an export) while the peers wait: gathers one-sided
+        with torch.no_grad():
+            alone = zref(idx)
+        sd = zero_py.full_state_dict(zref)
+        out["alone"] = torch.equal(alone, other(idx)) and all(
+            torch.equal(sd[k], v) for k, v in other.state_dict().items())
+    dist.barrier()
+    return out
 
 
 class _Counting:
@@ -675,6 +747,7 @@ def errors(rank, world_size):
 
 def _all(rank, world_size, tmp):
     out = {"touch": touch(rank, world_size), "frozen": frozen(rank, world_size),
+           "all_frozen": all_frozen(rank, world_size, tmp),
            "no_sync": no_sync_and_seam(rank, world_size),
            "leftovers": no_sync_leftovers(rank, world_size),
            "one_rank_saves": one_rank_saves(rank, world_size, tmp),
@@ -741,6 +814,17 @@ def test_frozen_parameters_are_sharded_and_kept(results):
         name, error = f["unfrozen"]
         assert f"parameter {name!r} had requires_grad=False when the optimizer was built" \
             in error, error
+
+
+def test_a_model_with_no_trainable_parameter_is_sharded_beside_a_trained_one(results):
+    n, res = results
+    for r in res:
+        f = r["all_frozen"]
+        assert f["loss_rel"] < 1e-5 and f["rel"] < 1e-5, f
+        assert f["ref_kept"] and f["no_param_grads"] and f["opt_state"] == 0, f
+        # the reference model is sharded: this rank holds about 1/n of it
+        assert f["ref_local"] <= f["ref_numel"] / n + 256, f
+        assert f["loaded"] < 1e-6 and f["gathered"] and f["alone"], f
 
 
 def test_no_sync_skips_the_reduction_and_matches_ddp(results):

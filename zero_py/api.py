@@ -74,7 +74,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     holding at least 1M parameters not already in a smaller unit; an int: that parameter count;
     module classes, e.g. {Block}; or a callable(module, name) -> bool), each unit's parameters
     exist only as shards between uses, and hooks gather them for forward and backward. Frozen
-    parameters (requires_grad=False) are sharded too. Between uses a parameter is its slice
+    parameters (requires_grad=False) are sharded too; a model with no trainable parameter (a
+    reference, reward or teacher model, inference) gets an optimizer with nothing to update
+    (step() does nothing; it serves save/load_checkpoint). Between uses a parameter is its slice
     of this rank's shard (1-D; zero_py.full_shape(p) gives its real shape); read full values
     inside `with zero_py.gathered(model):`. model.state_dict() / load_state_dict() take and give
     full values (who must call them: zero_py/stage3/state_dict.py). Cast and move the model
@@ -242,16 +244,14 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                              "of the model (e.g. of shape "
                              f"{tuple(strangers[0].shape)}); stage 3 shards the model's own "
                              "parameters: give param groups over model.parameters()")
-        candidates = model.parameters() if groups is None else (p for g in groups
-                                                                for p in g["params"])
-        if not any(p.requires_grad and p.numel() > 0 and id(p) in unit_of for p in candidates):
+        if groups is not None and params is not None and not any(
+                p.requires_grad and p.numel() > 0 and id(p) in unit_of
+                for g in groups for p in g["params"]) and any(
+                p.requires_grad and p.numel() > 0 for p in model.parameters()):
             raise ValueError(
-                "zero_py.initialize got no trainable parameter: every parameter has "
-                "requires_grad=False or no elements. A model used only for inference (a "
-                "frozen reference or teacher, run under no_grad) cannot be given alone: keep "
-                "it a plain model on every rank, or, to shard it under stage 3, make it a "
-                "submodule of the trained model, called from that model's forward (its "
-                "frozen parameters are then sharded with the others)")
+                "params holds none of the model's trainable parameters: give param groups over "
+                "them (a model with no trainable parameter at all is sharded for inference "
+                "with params=None)")
         _refuse_in_place_forward_writes(model)
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
         check_no_aliased_buffers(list(model.parameters()), model.named_buffers(),
@@ -262,11 +262,15 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
             if not p.requires_grad and p.dtype not in PARAM_DTYPES:
                 # _check_param's "cast the model" misleads for a frozen int8/float8 weight of a
                 # quantized base model, which is not to be trained
+                # a model with nothing to train is refused by stages 1-2: not them, then
+                trains = any(q.requires_grad and q.numel() > 0 for q in model.parameters())
                 raise ValueError(
                     f"parameter {name!r} (index {i}) is frozen with dtype {p.dtype}: stage 3 "
-                    "shards frozen parameters too, in float32, bfloat16 and float16 only; use "
-                    "stage 1 or 2 (they keep frozen parameters whole, in any dtype), or hold "
-                    "it as a buffer (module.register_buffer), which every stage keeps whole")
+                    "shards frozen parameters too, in float32, bfloat16 and float16 only; " + (
+                        "use stage 1 or 2 (they keep frozen parameters whole, in any dtype), or "
+                        if trains else "keep this model, which has no trainable parameter, a "
+                        "plain model on every rank, or ") + "hold it as a buffer "
+                    "(module.register_buffer), which every stage keeps whole")
             if p.is_meta:
                 ZeroOptimizer._check_param(torch.empty(0, dtype=p.dtype), i, name)
             else:
@@ -327,7 +331,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         files = {"param_file": _param_file(kwargs["offload_dir"], dp.rank, "parameters"),
                  "on_made": lambda flat: _agree_param_file(dp, flat)}
     storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
-                               persistence_threshold, uninitialized, host_shards, **files)
+                               persistence_threshold, uninitialized, host_shards, device=device,
+                               **files)
     if frozen:
         if params_on_nvme:
             files["param_file"] = _param_file(kwargs["offload_dir"], dp.rank,

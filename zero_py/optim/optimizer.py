@@ -242,11 +242,12 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                     groups_of.append(gi)
                     self._managed_index.append(index)
                 index += 1
-        if not managed:
+        if not managed and storage is None:
             raise ValueError("ZeroOptimizer got no trainable parameter: every parameter has "
                              "requires_grad=False or no elements. A model used only for "
                              "inference (a frozen reference or teacher) needs no optimizer: "
-                             "keep it a plain model on every rank")
+                             "keep it a plain model on every rank, or shard it with "
+                             "zero_py.initialize(model, stage=3)")
         if len({p.device for p in managed}) > 1:
             raise ValueError("the parameters are on several devices "
                              f"({sorted(str(d) for d in {p.device for p in managed})}); zero_py "

@@ -49,11 +49,13 @@ class FlatLayout:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  world_size: int, rank: int, align_bytes: int, bucket_bytes: int,
-                 layout_keys: Optional[Sequence[int]] = None):
+                 layout_keys: Optional[Sequence[int]] = None,
+                 device: Optional[torch.device] = None):
         self.params = list(params)
         self.world_size = world_size
         self.rank = rank
-        self.device = self.params[0].device
+        # device: where an empty layout (a stage-3 model with no trainable parameter) lives
+        self.device = self.params[0].device if self.params else torch.device(device)
         # sizes as planned: stage 3 later shows a parameter as its shard slice between uses
         self.param_numel: List[int] = [p.numel() for p in self.params]
         self.param_shapes: List[tuple] = [tuple(p.shape) for p in self.params]
@@ -66,7 +68,8 @@ class FlatLayout:
         keys = list(groups) if layout_keys is None else list(layout_keys)
         plan = _C.layout_plan(list(self.param_numel), keys, buffer_of,
                               [p.element_size() for p in self.params], world_size, align_bytes,
-                              bucket_bytes)
+                              bucket_bytes) if self.params else _empty_plan(world_size,
+                                                                            align_bytes)
         self.plan = plan
         self.param_bucket: List[int] = plan["param_bucket"]
         self.param_offset: List[int] = plan["param_offset"]
@@ -125,3 +128,15 @@ class FlatLayout:
                     out.append(ShardSlice(i, b, a - lo, z - lo, a - piece_lo,
                                           self.bucket_shard_offset[b] + a - piece_lo))
         return out
+
+
+def _empty_plan(world_size: int, align_bytes: int) -> dict:
+    """The plan of no parameters (the C planner refuses an empty list): no bucket, no buffer,
+    an empty shard. A stage-3 model with no trainable parameter has this trainable layout."""
+    plan: dict = {k: [] for k in ("param_bucket", "param_offset", "bucket_group",
+                                  "bucket_buffer", "bucket_numel", "bucket_shard_numel",
+                                  "bucket_flat_offset", "bucket_shard_offset", "bucket_params",
+                                  "buffer_numel")}
+    plan.update(bucket_param_start=[0], shard_numel=0, padding_numel=0, world_size=world_size,
+                align_bytes=align_bytes)
+    return plan

@@ -100,6 +100,19 @@ _INCOMPLETE = (
     "optimizer.zero_grad(); continue`)")
 
 
+class _NoBuckets:
+    """The bucket schedule of a layout without parameters: nothing is ever released."""
+
+    def grad_ready(self, i: int) -> list:
+        raise IndexError(f"parameter {i}: this layout has no parameter")
+
+    def flush(self) -> list:
+        return []
+
+    def reset(self) -> None:
+        pass
+
+
 class GradReducer:
     def __init__(self, flat: FlatLayout, executor, stage: int,
                  reduce_dtype: Optional[torch.dtype] = None,
@@ -111,7 +124,10 @@ class GradReducer:
         # DDP averages over every rank: under hybrid sharding, every replica's too
         self._averaged_over = getattr(executor, "data_parallel_size", executor.world_size)
         self.stage = stage
-        self.schedule = _C.Schedule(flat.param_bucket, flat.n_buckets)
+        # a stage-3 model with no trainable parameter reduces nothing (the C schedule needs a
+        # bucket): its passes still open and end, driving the engine's end of backward
+        self.schedule = (_C.Schedule(flat.param_bucket, flat.n_buckets) if flat.n_buckets
+                         else _NoBuckets())
         device = flat.device
         # buckets travel in wire_dtype; the shard holds the sum, in accum_dtype when given (a
         # bf16 wire summed in fp32: the executor's reduce-scatter widens, collectives/quantized.py)

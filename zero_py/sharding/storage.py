@@ -219,11 +219,12 @@ class ShardedParams(PiecesOnFile, FlatLayout):
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[int],
                  unit_of: Sequence[int], n_units: int, executor, align_bytes: int,
                  meter: GatherMeter, persistent_unit: Optional[int] = None,
-                 host_shards: bool = False, param_file: Optional[Callable] = None):
-        n_groups = max(groups) + 1
+                 host_shards: bool = False, param_file: Optional[Callable] = None,
+                 device: Optional[torch.device] = None):
+        n_groups = max(groups, default=0) + 1
         keys = [u * n_groups + g for u, g in zip(unit_of, groups)]
         super().__init__(params, groups, executor.world_size, executor.rank, align_bytes,
-                         NO_BUCKET_LIMIT, layout_keys=keys)
+                         NO_BUCKET_LIMIT, layout_keys=keys, device=device)
         self.executor = executor
         self.meter = meter
         self.n_units = n_units

@@ -17,7 +17,7 @@ def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
                      unit_of: Dict[int, int], n_units: int, executor, align_bytes: int,
                      meter: GatherMeter, persistence_threshold: int,
                      uninitialized: Set[int], host_shards: bool = False,
-                     param_file=None, on_made=None) -> ShardedParams:
+                     param_file=None, on_made=None, device=None) -> ShardedParams:
     """The sharded storage of `params`, filled from their current values (rank 0's, broadcast),
     one bucket at a time: the caller's storage of a parameter is dropped as soon as its bucket
     is done, so no more than one unit is whole at a time beyond the model the caller built.
@@ -39,7 +39,8 @@ def shard_parameters(params: Sequence[nn.Parameter], groups: Sequence[int],
             return None
     flat = ShardedParams(params, groups, units, n_units + 1, executor, align_bytes, meter,
                          persistent_unit=persistent, host_shards=host_shards,
-                         param_file=make_file if param_file is not None else None)
+                         param_file=make_file if param_file is not None else None,
+                         device=device)
     if on_made is not None:
         flat.param_file_error = failure[0] if failure else None
         on_made(flat)

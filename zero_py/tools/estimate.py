@@ -340,6 +340,8 @@ def _estimate(sizes: _Sizes, n: int, stage: int, dtype: torch.dtype,
         grads = trainable_shard * rb + sum(live) * rb
         if gloo and n > 2:  # a reduction in flight and the next one's receive buffers
             grads += 2 * (largest * (n - 2) // n) * rb
+        if not psi:  # nothing trainable (a reference or teacher model): nothing is reduced
+            grads = 0
         states = trainable_shard * (state_bytes + master)
     return MemoryEstimate(stage, n, psi + sizes.frozen, dtype, int(params), int(grads),
                           int(states), int(working), int(sizes.buffer_bytes), ddp,
