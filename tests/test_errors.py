@@ -170,7 +170,7 @@ def test_bad_parameters(single_rank_group):
     # a frozen reference model (RLHF/DPO) or teacher given alone: the message says what to do
     for stage in (1, 3):
         with pytest.raises(ValueError, match="no trainable parameter.*keep it a plain model"
-                                             ".*submodule of the trained model" * (stage == 3)):
+                                             + ".*submodule of the trained model" * (stage == 3)):
             zero_py.initialize(frozen, stage=stage)
         assert frozen.weight.shape == (4, 4) and not hasattr(frozen, "_zero_py")
 
