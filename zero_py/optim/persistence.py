@@ -245,9 +245,15 @@ class StateDicts:
             pre_hook(self)
         with self.resident():
             shard = self._shard_state_dict()
+        # the param groups are the same on every rank (each step checks): `to` keeps its own,
+        # unsent, as torch.optim's state_dict() does. gather_object reads what it receives
+        # with torch.load(weights_only=True), which refuses values a group may hold (a NumPy
+        # float lr written by a schedule; a set under torch 2.4): it raised on `to` alone.
+        groups = shard.pop("param_groups")
         gathered = gather_object(self.executor, shard, to)
         if gathered is None:
             return None
+        gathered[0]["param_groups"] = groups
         shapes = {self._managed_index[i]: torch.Size(shape)
                   for i, shape in enumerate(self._flat.param_shapes)}
         shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
