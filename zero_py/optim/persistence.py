@@ -225,8 +225,9 @@ class StateDicts:
         every rank before anything runs (one rank out of range would have gathered on no rank
         and returned None everywhere)."""
         shard = getattr(self.executor, "shard", self.executor)  # hybrid: the group it gathers
-        agreement.check(shard, [("consolidate_state_dict's to", to)],
-                        "ZeroOptimizer.consolidate_state_dict")
+        with self._comm.outside():  # in no step's comm_stats, as the gather below
+            agreement.check(shard, [("consolidate_state_dict's to", to)],
+                            "ZeroOptimizer.consolidate_state_dict")
         if (not isinstance(to, int) or isinstance(to, bool)
                 or not 0 <= to < shard.world_size):
             raise ValueError(
@@ -298,15 +299,17 @@ class StateDicts:
         except (TypeError, ValueError) as exc:
             problem = exc
         # every rank loads, or none: a rank whose dict is refused, or that resumes from another
-        # step than its peers, makes every rank raise (one small collective)
-        agreement.check(self.executor, [
-            ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
-            *(() if problem else self._load_entries(state_dict, shard))],
-            "ZeroOptimizer.load_state_dict")
-        if problem is not None:
-            raise problem
-        with self.resident():
-            self._load_checked(state_dict, groups, shard, saved_state, scaler)
+        # step than its peers, makes every rank raise (one small collective, in no step's
+        # comm_stats)
+        with self._comm.outside():
+            agreement.check(self.executor, [
+                ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
+                *(() if problem else self._load_entries(state_dict, shard))],
+                "ZeroOptimizer.load_state_dict")
+            if problem is not None:
+                raise problem
+            with self.resident():
+                self._load_checked(state_dict, groups, shard, saved_state, scaler)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
