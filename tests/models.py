@@ -26,9 +26,29 @@ def mlp_batch(gen: torch.Generator, batch=8, d_in=16, d_out=8):
     return torch.randn(batch, d_in, generator=gen), torch.randn(batch, d_out, generator=gen)
 
 
+def _bf16_mse_loss_on_cpu() -> bool:
+    try:
+        one = torch.ones(1, dtype=torch.bfloat16)
+        torch.nn.functional.mse_loss(one, one)
+        return True
+    except RuntimeError:  # torch 2.4: "mse_cpu" not implemented for 'BFloat16'
+        return False
+
+
+_BF16_MSE_LOSS = _bf16_mse_loss_on_cpu()
+
+
+def mse_loss(out, y):
+    """mse_loss; in fp32 for bf16 tensors where this torch has no bf16 mse_loss on the CPU
+    (torch 2.4), in their own dtype elsewhere."""
+    if not _BF16_MSE_LOSS and torch.bfloat16 in (out.dtype, y.dtype):
+        out, y = out.float(), y.float()
+    return torch.nn.functional.mse_loss(out, y)
+
+
 def mlp_loss(model, batch):
     x, y = batch
-    return torch.nn.functional.mse_loss(model(x), y)
+    return mse_loss(model(x), y)
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -300,6 +300,23 @@ def _torch_clip(stage):
     return build
 
 
+def _torch_split_clip(stage):
+    """torch >= 2.6's clip_grad_norm_ in two calls (torchtitan's): the total norm of this
+    rank's param.grad (unreduced under stage 1; none, so 0, under stages 2-3) clipped by
+    (11.9% and 0.2% off DDP's weights after 3 steps at 2 ranks, silently)."""
+    def build(_):
+        model = nn.Linear(4, 4)
+        first = zero_py.ZeroOptimizer(model.parameters(), stage=stage)
+        model(torch.randn(2, 4)).sum().backward()
+
+        def call():
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads)
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-3, total)
+        return model, first, call
+    return build
+
+
 def _torch_clip_beside_others(_):
     """All of the optimizer's parameters, and another module's with gradients of their own."""
     model, other = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -538,6 +555,13 @@ CALL_CASES = [
     ("torch clip_grad_norm_ over two optimizers", _torch_clip_over_two_optimizers,
      RuntimeError, r"got parameters of 2 ZeroOptimizers: .*opt_k\.clip_grad_norm_\(n_k \* c\)"),
     ("torch clip_grad_value_", _torch_clip_value, RuntimeError, "optimizer.clip_grad_norm_"),
+    *([("torch get_total_norm, clip_grads_with_norm_ stage 1", _torch_split_clip(1),
+        RuntimeError, "by a total norm that torch.nn.utils.get_total_norm took of it.*"
+        r"optimizer\.clip_grad_norm_"),
+       ("torch get_total_norm, clip_grads_with_norm_ stage 2", _torch_split_clip(2),
+        RuntimeError, r"clip nothing \(torch.nn.utils.get_total_norm of their param.grad "
+        r"gives 0\).*optimizer\.clip_grad_norm_")]
+      if hasattr(torch.nn.utils, "clip_grads_with_norm_") else []),  # torch >= 2.6
     ("GradScaler.step", _grad_scaler, RuntimeError, "zero_py.LossScaler"),
     ("initialize a DDP model stage 2", _wrapped_in_ddp("root", 2), ValueError,
      r"the model is wrapped in DistributedDataParallel.*drop the DDP\(\.\.\.\)"),
@@ -647,6 +671,10 @@ def test_torch_clipping_of_other_parameters_is_untouched(single_rank_group):
     assert norm > 1e-3
     total = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).norm()
     assert total == pytest.approx(1e-3, rel=1e-3)
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+        torch.nn.utils.clip_grads_with_norm_(plain.parameters(), 1e-4, total)
+        total = torch.cat([p.grad.reshape(-1) for p in plain.parameters()]).norm()
+        assert total == pytest.approx(1e-4, rel=1e-3)
 
 
 def test_a_collected_optimizer_frees_its_parameters(single_rank_group):

@@ -89,12 +89,14 @@ def _buckets(storage, numel_of):
 def _outside_steps(model, opt):
     """A checkpoint saved and loaded, the optimizer's and the model's full state dicts: their
     collectives belong to no step (before, the next step's counts held them: broadcasts and
-    all-gathers of the object exchanges, 124 kB at 2 ranks for consolidate_state_dict)."""
+    all-gathers of the object exchanges, 124 kB at 2 ranks for consolidate_state_dict; then
+    the control all-reduce of consolidate_state_dict's and load_state_dict's checks)."""
     path = [tempfile.mkdtemp(prefix="zp_comm_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
     zero_py.save_checkpoint(os.path.join(path[0], "ck"), model, opt)
     zero_py.load_checkpoint(os.path.join(path[0], "ck"), model, opt)
     opt.consolidate_state_dict()
+    opt.load_state_dict(opt.state_dict())  # its ranks' agreement check (control) too
     if hasattr(model, "_zero_py"):  # built by initialize
         zero_py.full_state_dict(model)
     dist.barrier()

@@ -121,7 +121,7 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
         path = tmp_path / f"{isa}.pt"
         subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], check=True,
                        env={**os.environ, "ZP_CPU_ISA": isa})
-        out = torch.load(path)
+        out = torch.load(path, weights_only=True)
         outs[out["isa"]] = out["out"]
     assert "scalar" in outs
     first = next(iter(outs.values()))

@@ -179,7 +179,7 @@ torch.save(torch.cat(out), sys.argv[1])
         path = f"/tmp/zp_q_{isa}_{os.getpid()}.pt"
         env = {**os.environ, "ZP_CPU_ISA": isa}
         subprocess.run([sys.executable, "-c", code, path], check=True, env=env, timeout=120)
-        results[isa] = torch.load(path)
+        results[isa] = torch.load(path, weights_only=True)
         os.unlink(path)
     for isa in ("avx2", "avx512"):
         assert torch.equal(torch.nan_to_num(results[isa]), torch.nan_to_num(results["scalar"]))

@@ -26,6 +26,7 @@ import os
 import pickle
 import warnings
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.utils.prune as prune
@@ -107,8 +108,11 @@ def add_param_group(rank, stage, amsgrad=False):
     The reference trains the head's gradients from the start (DDP registers only parameters
     that require gradients when it is built) but gives them to torch.optim only then.
     amsgrad: the new group has it (the others not), as torch.optim takes it; the consolidated
-    dict then holds max_exp_avg_sq for the head only, as torch's."""
+    dict then holds max_exp_avg_sq for the head only, as torch's. Its lr is a NumPy float (as a
+    schedule computed with NumPy writes), which the consolidated dict keeps as torch.optim's
+    state_dict() does (rank 0 alone raised an UnpicklingError in consolidate_state_dict)."""
     extra = {"amsgrad": True} if amsgrad else {}
+    head_lr = np.float64(5e-3) if amsgrad else 5e-3
     torch.manual_seed(0)
     ref = models.MLP()
     zmodel = copy.deepcopy(ref)
@@ -122,13 +126,13 @@ def add_param_group(rank, stage, amsgrad=False):
     worst = 0.0
     for k in range(7):
         if k == 3:
-            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": 5e-3,
+            ref_opt.add_param_group({"params": list(ref.head.parameters()), "lr": head_lr,
                                      **extra})
             zmodel.head.requires_grad_(True)
             if rank == 1:  # a new layer built per rank: add_param_group starts from rank 0's
                 with torch.no_grad():
                     zmodel.head.weight.add_(1.0)
-            zopt.add_param_group({"params": list(zmodel.head.parameters()), "lr": 5e-3,
+            zopt.add_param_group({"params": list(zmodel.head.parameters()), "lr": head_lr,
                                   **extra})
         batch = models.mlp_batch(gen)
         models.mlp_loss(ddp, batch).backward()
@@ -144,7 +148,9 @@ def add_param_group(rank, stage, amsgrad=False):
     viewed = [(sorted(zopt.state[p]), sorted(ref_opt.state[q])) for p, q in
               zip(zmodel.parameters(), ref.parameters()) if len(zopt.state[p])]
     return {"rel": worst, "groups": len(zopt.param_groups),
-            "lr": [g["lr"] for g in zopt.param_groups], "keys": keys,
+            "lr": [float(g["lr"]) for g in zopt.param_groups], "keys": keys,
+            "full_lr": None if full is None else (type(full["param_groups"][1]["lr"]).__name__,
+                                                  float(full["param_groups"][1]["lr"])),
             "ref_keys": [sorted(st) for _, st in sorted(ref_opt.state_dict()["state"].items())],
             "viewed": viewed}
 
@@ -768,6 +774,8 @@ def test_torch_idioms_match_ddp(tmp_path):
             for key in (("add_group", stage), ("add_group", stage, "amsgrad")):
                 assert res[key]["groups"] == 2
                 assert res[key]["lr"] == [1e-2, 5e-3]
+                assert res[key]["full_lr"] in (None, ("float64" if "amsgrad" in key else "float",
+                                                      5e-3)), res[key]["full_lr"]
                 assert res[key]["keys"] in (None, res[key]["ref_keys"]), res[key]
                 assert res[key]["viewed"] and all(a == b for a, b in res[key]["viewed"]), \
                     res[key]["viewed"]

@@ -17,8 +17,11 @@
   without a gradient may be among them) is that optimizer's clip_grad_norm_, the same total
   norm and the same clipping as torch's under DDP. Over some of them only, or beside other
   parameters that have gradients, and clip_grad_value_ always, they are refused, pointing to
-  optimizer.clip_grad_norm_. The guard wraps the two functions in torch.nn.utils when the
-  first ZeroOptimizer is built; for any other parameters they run unchanged.
+  optimizer.clip_grad_norm_. So is torch >= 2.6's split of clip_grad_norm_ (torchtitan's:
+  total = get_total_norm(grads), then clip_grads_with_norm_(parameters, max_norm, total)),
+  whose total norm is of this rank's param.grad (unreduced, or none: 0, clipping nothing).
+  The guard wraps those functions in torch.nn.utils when the first ZeroOptimizer is built;
+  for any other parameters they run unchanged.
 - Parameters the step could not update, which torch.optim would: step() refuses them
   (refuse_detached_params) rather than leave them as they are.
 - nn.Module.zero_grad (model.zero_grad(), which Hugging Face's Trainer and many scripts call
@@ -286,6 +289,11 @@ def _guard(fn_name: str, original):
                        if stage == 1 else
                        "each rank keeps only its shard of the gradients and param.grad is None")
                 effect = "by each rank's own norm" if stage == 1 else "nothing and return 0"
+                if fn_name == "clip_grads_with_norm_":  # torch >= 2.6's clip_grad_norm_ split
+                    effect = ("each rank's unreduced gradient, by a total norm that "
+                              "torch.nn.utils.get_total_norm took of it" if stage == 1 else
+                              "nothing (torch.nn.utils.get_total_norm of their param.grad "
+                              "gives 0)")
                 raise RuntimeError(_CLIP_MESSAGE.format(fn=fn_name, stage=stage, why=why,
                                                         effect=effect))
         return original(params, *args, **kwargs)
@@ -294,10 +302,11 @@ def _guard(fn_name: str, original):
 
 
 def install_clip_guards() -> None:
-    """Wraps torch.nn.utils.clip_grad_norm_ and clip_grad_value_ (once)."""
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        current = getattr(torch.nn.utils, name)
-        if getattr(current, "_zero_py_guard", False):
+    """Wraps torch.nn.utils.clip_grad_norm_, clip_grad_value_ and (torch >= 2.6)
+    clip_grads_with_norm_ (once)."""
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
+        current = getattr(torch.nn.utils, name, None)
+        if current is None or getattr(current, "_zero_py_guard", False):
             continue
         guarded = _guard(name, current)
         setattr(torch.nn.utils, name, guarded)

@@ -226,8 +226,9 @@ class StateDicts:
         every rank before anything runs (one rank out of range would have gathered on no rank
         and returned None everywhere)."""
         shard = getattr(self.executor, "shard", self.executor)  # hybrid: the group it gathers
-        agreement.check(shard, [("consolidate_state_dict's to", to)],
-                        "ZeroOptimizer.consolidate_state_dict")
+        with self._comm.outside():  # in no step's comm_stats, as the gather below
+            agreement.check(shard, [("consolidate_state_dict's to", to)],
+                            "ZeroOptimizer.consolidate_state_dict")
         if (not isinstance(to, int) or isinstance(to, bool)
                 or not 0 <= to < shard.world_size):
             raise ValueError(
@@ -246,9 +247,15 @@ class StateDicts:
             pre_hook(self)
         with self.resident():
             shard = self._shard_state_dict()
+        # the param groups are the same on every rank (each step checks): `to` keeps its own,
+        # unsent, as torch.optim's state_dict() does. gather_object reads what it receives
+        # with torch.load(weights_only=True), which refuses values a group may hold (a NumPy
+        # float lr written by a schedule; a set under torch 2.4): it raised on `to` alone.
+        groups = shard.pop("param_groups")
         gathered = gather_object(self.executor, shard, to)
         if gathered is None:
             return None
+        gathered[0]["param_groups"] = groups
         shapes = {self._managed_index[i]: torch.Size(shape)
                   for i, shape in enumerate(self._flat.param_shapes)}
         shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
@@ -293,15 +300,17 @@ class StateDicts:
         except (TypeError, ValueError) as exc:
             problem = exc
         # every rank loads, or none: a rank whose dict is refused, or that resumes from another
-        # step than its peers, makes every rank raise (one small collective)
-        agreement.check(self.executor, [
-            ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
-            *(() if problem else self._load_entries(state_dict, shard))],
-            "ZeroOptimizer.load_state_dict")
-        if problem is not None:
-            raise problem
-        with self.resident():
-            self._load_checked(state_dict, groups, shard, saved_state, scaler)
+        # step than its peers, makes every rank raise (one small collective, in no step's
+        # comm_stats)
+        with self._comm.outside():
+            agreement.check(self.executor, [
+                ("the loaded state dict", f"refused: {problem}" if problem else "accepted"),
+                *(() if problem else self._load_entries(state_dict, shard))],
+                "ZeroOptimizer.load_state_dict")
+            if problem is not None:
+                raise problem
+            with self.resident():
+                self._load_checked(state_dict, groups, shard, saved_state, scaler)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
