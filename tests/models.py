@@ -57,6 +57,17 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def average_grads(module: nn.Module) -> None:
+    """The reference's gradients averaged over the ranks by hand (summed, then divided), for a
+    plain model beside zero_py's where DDP does not fit the idiom."""
+    import torch.distributed as dist
+
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def tiny_gpt(vocab=32, block=16):
     from zero_py.examples.demo import TinyGPT
 

@@ -245,7 +245,6 @@ def _entry_points(rank, world_size):
     hand, each step calling submodules on their own outside the model's forward (_t5_steps,
     _llama_steps); then the T5's encoder alone under no_grad, and generate() with a
     different prompt and length on each rank."""
-    import torch.distributed as dist
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -268,9 +267,7 @@ def _entry_points(rank, world_size):
             for m, o in ((ref, ro), (zm, zo)):
                 steps(m, ids, k).backward()
                 if m is ref:
-                    for p in ref.parameters():
-                        dist.all_reduce(p.grad)
-                        p.grad /= world_size
+                    models.average_grads(ref)
                 o.step()
                 o.zero_grad()
         r = {"weights": _rel_max(zero_py.full_state_dict(zm), ref.state_dict())

@@ -16,7 +16,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
@@ -152,9 +151,7 @@ def two_forwards(rank, world_size):
             loss = model(idx, tgt) + model(idx2, tgt2, skip=(2, 0) if rank else (2,))
             loss.backward()
             if model is ref:
-                for p in ref.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad /= world_size
+                models.average_grads(ref)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
