@@ -3,6 +3,7 @@ anything changes (the optimizer's state, the parameters, the loss scaler and the
 they were, and training goes on). One rank in this process: the checks are local.
 """
 
+import contextlib
 import copy
 import gc
 import io
@@ -426,6 +427,20 @@ def _step_after_unfreezing(stage):
     return build
 
 
+@contextlib.contextmanager
+def _views_kept(model, optimizer=None):
+    """The block, then each parameter's .data back to the flat buffer's view it had (and the
+    optimizer's gradients zeroed, if given): the optimizer then trains on."""
+    views = [p.data for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, view in zip(model.parameters(), views):
+            p.data = view
+        if optimizer is not None:
+            optimizer.zero_grad()
+
+
 def _step_after_replacing_data(stage):
     """torch.nn.utils.vector_to_parameters replaces every parameter's .data: the flat buffer
     the step updates was then no parameter's any more, and training silently stopped."""
@@ -434,15 +449,11 @@ def _step_after_replacing_data(stage):
         model, first = zero_py.initialize(model, stage=stage)
 
         def call():
-            views = [p.data for p in model.parameters()]
-            try:
+            with _views_kept(model):
                 vector = torch.nn.utils.parameters_to_vector(model.parameters())
                 torch.nn.utils.vector_to_parameters(vector * 0.5, model.parameters())
                 model(torch.randn(2, 4)).pow(2).sum().backward()
                 first.step()
-            finally:  # the flat buffer's views again: the optimizer then trains on
-                for p, view in zip(model.parameters(), views):
-                    p.data = view
         return model, first, call
     return build
 
@@ -456,16 +467,11 @@ def _step_after_casting(stage, cast):
         model, first = zero_py.initialize(model, stage=stage)
 
         def call():
-            views = [p.data for p in model.parameters()]
-            try:
+            with _views_kept(model, first):
                 cast(model)
                 dtype = next(model.parameters()).dtype
                 model(torch.randn(2, 4, dtype=dtype)).float().pow(2).sum().backward()
                 first.step()
-            finally:  # the flat buffer's views again: the optimizer then trains on
-                for p, view in zip(model.parameters(), views):
-                    p.data = view
-                first.zero_grad()
         return model, first, call
     return build
 
@@ -478,15 +484,10 @@ def _step_after_channels_last(_):
     model, first = zero_py.initialize(model, stage=2)
 
     def call():
-        views = [p.data for p in model.parameters()]
-        try:
+        with _views_kept(model, first):
             model.to(memory_format=torch.channels_last)
             model(torch.randn(2, 4)).pow(2).sum().backward()
             first.step()
-        finally:  # the flat buffer's views again: the optimizer then trains on
-            for p, view in zip(model.parameters(), views):
-                p.data = view
-            first.zero_grad()
     return model, first, call
 
 
