@@ -23,8 +23,9 @@ ZP_AVX2 static inline __m128i zp_pack_u32_avx2(__m256i x) {
 
 /* bits + r with NaNs replaced by 0x7FC0 << 16, shifted down: the bf16 lanes as uint32. */
 ZP_AVX2 static inline __m256i zp_bf16_round_avx2(__m256i u, __m256i r) {
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+  /* one compare of the value with itself, rather than |bits| > inf's mask and compare */
+  const __m256 f = _mm256_castsi256_ps(u);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
   __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
 }
