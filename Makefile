@@ -14,7 +14,7 @@ CTEST_SRC := $(wildcard tests/c/*.c)
 CFLAGS_TEST := -std=c11 -O1 -g -Wall -Wextra -Werror -fno-omit-frame-pointer \
                -fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc -Itests/c
 
-.PHONY: peers all deps build install gpu-wheels test test-long test-torch ctest fuzz soak wheel-check lint pytest demo bench clean gpu-check
+.PHONY: peers all deps build install gpu-wheels test test-long test-torch ctest fuzz soak wheel-check lint pytest demo bench bench-bodies clean gpu-check
 
 all: build
 
@@ -76,8 +76,11 @@ build/ctest: csrc/sources.mk $(CORE_SRC) $(CTEST_SRC) $(wildcard $(ZP_HEADERS) t
 	@mkdir -p build
 	$(CC) $(CFLAGS_TEST) $(CORE_SRC) $(CTEST_SRC) -lpthread -lm -o $@
 
-ctest: build/ctest
+# ... and the optimizer bodies' benchmark at a size that times nothing: it builds (so it does
+# not rot) and checks every body against the scalar one, bit for bit, at 1001 elements.
+ctest: build/ctest build/optim_bodies
 	./build/ctest
+	./build/optim_bodies 1001 1 1 > /dev/null
 
 # Coverage-guided fuzzing of the pure C layers (libFuzzer + ASan + UBSan, built with clang):
 # one harness per noun in tests/fuzz/ (layout, schedule, prefetch, and contract: the optimizer
@@ -189,6 +192,16 @@ demo: build
 bench: build
 	$(PYTHON) benchmarks/adamw_kernel.py
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/step_time.py
+
+# The optimizer bodies alone (benchmarks/optim_bodies.c): one thread, data in L2, each body
+# checked against the scalar one bit for bit, then timed in ns per element; which body to tune
+# when optim_kernels.py's step falls short of its bound on a CPU.
+build/optim_bodies: benchmarks/optim_bodies.c csrc/sources.mk $(CORE_SRC) $(wildcard $(ZP_HEADERS))
+	@mkdir -p build
+	$(CC) -std=c11 -O3 -fno-math-errno -Wall -Wextra -Werror -Icsrc $< $(CORE_SRC) -lpthread -lm -o $@
+
+bench-bodies: build/optim_bodies
+	./build/optim_bodies
 
 # On a machine with a GPU: builds (zero_py._cuda too, ZP_CUDA=1: a failed nvcc is an error;
 # nothing is fetched: `install`), runs the GPU tests with ZP_REQUIRE_CUDA=1 (a missing GPU fails
