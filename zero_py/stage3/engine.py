@@ -183,7 +183,12 @@ class Stage3Engine:
         self._order_seen: Optional[List[int]] = None
         self._order_carried: Optional[List[int]] = None
         self._order_rows: Optional[List[List[int]]] = None
-        reducer.riders.add(len(units) + 1, self._order_fill, self._order_deliver)
+        # weakly, as the reducer's other callbacks into the engine (_weakly): the model's hooks
+        # keep the reducer alive, which must not keep a dropped optimizer's engine
+        me = weakref.ref(self)
+        reducer.riders.add(len(units) + 1,
+                           lambda: None if me() is None else me()._order_fill(),
+                           lambda rows: None if me() is None else me()._order_deliver(rows))
         self._hooks: list = []
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
         self._to_free: List[int] = []  # freed once the backward's pass ended
