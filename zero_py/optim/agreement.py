@@ -91,11 +91,11 @@ def hyperparameters(param_groups: Sequence[dict],
     """The param groups' settings (every key but "params"), and the loss scaler's state when
     there is one, as a 62-bit fingerprint that is equal on two ranks exactly when the settings
     agree, and a callable giving them in words (for the error). Each step compares the
-    fingerprint in its count all-reduce (sharding/reducer.py; stage 1's count carries nothing
-    else): a scheduler stepped on a per-rank metric would otherwise train each rank's shard at
-    its own learning rate, and a loss scale loaded on one rank only would reduce gradients
-    scaled differently per rank, each shard unscaled by its own rank's scale. A few
-    microseconds per group and step."""
+    fingerprint in its count all-reduce (sharding/reducer.py; stage 1's count carries only
+    the used mask besides): a scheduler stepped on a per-rank metric would otherwise train
+    each rank's shard at its own learning rate, and a loss scale loaded on one rank only
+    would reduce gradients scaled differently per rank, each shard unscaled by its own rank's
+    scale. A few microseconds per group and step."""
     settings = _settings(param_groups)
     if loss_scaler is not None:
         settings.append([("loss scaler " + str(k), v) for k, v in sorted(loss_scaler.items())])

@@ -40,8 +40,11 @@ class GradStatistics:
         and whether it refused them (`refused`: why): a rank that raised alone before it, or
         clipped with its own max_norm, left the others waiting in a collective it never made,
         or clipped each rank's shard of the gradients by another coefficient. Such a call
-        raises ValueError on every rank, before anything changes. A second all-reduce (MAX)
-        gives the norm for p = inf, once the ranks are known to agree on p."""
+        raises ValueError on every rank, before anything changes. For p = inf each rank's max
+        goes in a slot of its own of the same all-reduce (the others' slots zero, so the SUM
+        gives every rank every max): a second all-reduce (MAX) was one more round trip. The
+        slots are there for every p, so the tensor has the same size on ranks that disagree
+        on p; the max is read only once they are known to agree."""
         flat, grads = self._flat, self._reducer.grads
         if refused is None:
             tables: Dict[torch.dtype, array] = {}  # the pieces are ours: no checks needed
@@ -63,26 +66,24 @@ class GradStatistics:
                              dtype=torch.float64).to(both.device, non_blocking=True)
         nan = both[:1].isnan().to(both.dtype)
         by_max = math.isinf(norm_type) and refused is None
-        total = both[:1].clone()
-        if by_max:  # summed with the rest (0 here), then taken by a MAX of its own
+        world = getattr(self.executor, "shard", self.executor)
+        slots = torch.zeros(world.world_size, dtype=both.dtype, device=both.device)
+        if by_max:  # summed with the rest (0 here), the max taken from the slots
+            slots[world.rank] = both[0]
             both[0] = 0.0
-        both = torch.cat([both, nan, check])
+        both = torch.cat([both, nan, slots, check])
         if self.executor.device != both.device:
             both = both.to(self.executor.device)
         with comm_stats.control():
             work = self.executor.all_reduce(both, dist.ReduceOp.SUM)
         work.wait()
         sums = both.cpu().tolist()
-        world = getattr(self.executor, "shard", self.executor)
-        if sums[3] > 0 or not agreement.calls_agree(sums[4:], world.world_size):
+        ws = world.world_size
+        maxima, terms = sums[3:3 + ws], sums[3 + ws:]
+        if terms[0] > 0 or not agreement.calls_agree(terms[1:], ws):
             raise ValueError(self._call_refusal(world, call, refused))
-        if by_max:
-            if self.executor.device != total.device:
-                total = total.to(self.executor.device)
-            with comm_stats.control():
-                work = self.executor.all_reduce(total, dist.ReduceOp.MAX)
-            work.wait()
-            sums[0] = float(total[0])
+        if by_max:  # a NaN max is the NaN flag's (sums[2]), whatever max() makes of it
+            sums[0] = max(maxima)
         # sums[0], not both[0]: reading the device tensor again waited for the device a second
         # time each step
         return (float("nan") if sums[2] > 0 else sums[0]), sums[1] > 0

@@ -6,9 +6,14 @@ one pass more, or called a collective gathered access alone, would pair its coll
 other ones on its peers (wrong sums, or a hang). So GradReducer (sharding/reducer.py) begins
 each of them with a Count: every rank fills its own row (what it is starting, its step, its
 pass, whether it refuses to go on, and at a step the fingerprint of its param groups' settings)
-and one SUM all-reduce gives every rank all rows. Rows that differ raise the same error on
-every rank, naming each rank's count, before any mismatched collective is waited for.
+and one all-reduce gives every rank all rows (a MAX: every value is >= 0 and the other ranks'
+rows are zeros, so MAX gives what SUM would; the executor's all_reduce_max, whose only
+per-step caller was the used mask before it rode here, stays exercised every step). Rows
+that differ raise the same error on every rank, naming each rank's count, before any
+mismatched collective is waited for.
 Stage 1 counts no passes; its step still compares the param groups' settings in a Count.
+Other small control data rides in further columns of the same all-reduce (sharding/riders.py):
+a Count is the one control collective of each point where the ranks must agree.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from zero_py.collectives.stats import control
 from zero_py.collectives.work import CollectiveError, issue
+from zero_py.sharding.riders import Riders
 
 # what a rank announces at the start of a pass or a step (Count)
 PASS, STEP, PASS_WITHOUT_BACKWARD, FORWARD, EVAL_FORWARD, STEP_STRAY, GATHERED = (
@@ -28,6 +34,9 @@ _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                STEP_STRAY: "step() with a param.grad set after the last reduced backward",
                FORWARD: "forward", EVAL_FORWARD: "no_grad forward",
                GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()"}
+
+# a Count's own columns: what, step, pass, refused, hyperparameters' fingerprint
+_OWN = 5
 
 # what every rank is told when one called a collective gathered access alone
 _CALL_ON_EVERY_RANK = (
@@ -44,14 +53,15 @@ _CALL_ON_EVERY_RANK = (
 
 
 class Count:
-    """Every rank's (what, step, pass, refused) in one SUM all-reduce (each rank fills its own
+    """Every rank's (what, step, pass, refused) in one MAX all-reduce (each rank fills its own
     row). `problem`: why this rank refuses to go on (e.g. its model was cast after
     zero_py.initialize), raised on every rank by check(). `what`: the gathered access a
     GATHERED count announces, in words."""
 
     def __init__(self, executor, kind: int, step: int, passes: int,
                  problem: Optional[str] = None, what: Optional[str] = None,
-                 hyper: Optional[Tuple[int, Callable[[], str]]] = None):
+                 hyper: Optional[Tuple[int, Callable[[], str]]] = None,
+                 riders: Optional[Riders] = None):
         # hybrid sharding: every replica's ranks (a replica out of step would pair its
         # replicate all-reduces with other ones)
         executor = getattr(executor, "world", executor)
@@ -59,20 +69,28 @@ class Count:
         self.problem, self.what = problem, what
         # a step's hyperparameters: (their fingerprint, a callable: this rank's in words)
         self.hyper = hyper
+        # what rides on this count (riders.py): the same columns on every rank, filled or not
+        self.riders = riders
+        width = riders.width if riders is not None else 0
         ws = executor.world_size
-        self.rows = torch.zeros(ws, 5, dtype=torch.int64, device=executor.device)
+        self.rows = torch.zeros(ws, _OWN + width, dtype=torch.int64, device=executor.device)
+        mine = torch.zeros(_OWN + width, dtype=torch.int64)
+        mine[:_OWN] = torch.tensor(
+            [kind, step, passes, problem is not None, hyper[0] if hyper else 0],
+            dtype=torch.int64)
+        extra = riders.payload() if riders is not None else None
+        if extra is not None:
+            mine[_OWN:] = extra
         # copied in without blocking: a blocking copy to a device would wait for the work
         # queued on the stream (the forward, at the start of each backward)
-        self.rows[executor.rank].copy_(torch.tensor(
-            [kind, step, passes, problem is not None, hyper[0] if hyper else 0],
-            dtype=torch.int64), non_blocking=True)
+        self.rows[executor.rank].copy_(mine, non_blocking=True)
         if kind == GATHERED:
             name = (f"the all-reduce that starts {what} (which gathers collectively here: "
                     "every rank of the group must call it)")
         else:
             name = f"all-reduce of the ranks' pass counts at the start of a {_KIND_NAMES[kind]}"
         with control():
-            self.work = issue(name, executor.all_reduce, self.rows)
+            self.work = issue(name, executor.all_reduce_max, self.rows)
         self.rank = executor.rank
 
     def check(self) -> None:
@@ -88,7 +106,10 @@ class Count:
                 "every rank of the group: the all-reduce that starts it did not complete "
                 f"within the process group's timeout ({exc.reason}). {_CALL_ON_EVERY_RANK}",)
             raise err from exc
-        rows = self.rows.tolist()
+        # one copy to the host: the riders read their columns from it
+        host = self.rows.cpu()
+        listed = host.tolist()
+        rows = [r[:_OWN] for r in listed]
         refused = [q for q, r in enumerate(rows) if r[3]]
         if refused:
             if self.problem is not None:
@@ -114,6 +135,8 @@ class Count:
                     "all-reduced across ranks, and change param_groups (and load a loss "
                     "scaler's state) alike on every rank")
         if all(r[:4] == rows[0][:4] for r in rows):
+            if self.riders is not None:
+                self.riders.deliver(host[:, _OWN:], [r[_OWN:] for r in listed])
             return
         said = "; ".join(
             f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"

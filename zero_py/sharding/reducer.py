@@ -18,9 +18,9 @@ Gradients are reduced in the parameters' dtype, or in `reduce_dtype` when given 
 bf16/fp16 models that want an exact sum); with `accum_dtype` (fp32) they travel in the reduce
 dtype and are summed into an fp32 shard. The gradient shard (the rank's piece of every
 bucket, one compact tensor per reduction dtype) accumulates over passes until zero_grad().
-Which parameters got a gradient is tracked per rank and combined with a MAX all-reduce, so a
-parameter that no rank used is skipped by the optimizer exactly as torch.optim skips a None
-gradient under DDP.
+Which parameters got a gradient is tracked per rank and combined (an OR) in the step's Count,
+where it rides (sharding/riders.py), so a parameter that no rank used is skipped by the
+optimizer exactly as torch.optim skips a None gradient under DDP.
 
 Ranks must run the same number of reduced backward passes per step (stages 2 and 3: each pass
 is a sequence of collectives, and an extra one on one rank would pair with other collectives on
@@ -52,11 +52,11 @@ import torch
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
-from zero_py.collectives.stats import control
 from zero_py.collectives.work import Work, issue
 from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, GATHERED, PASS,
                                      PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY, Count)
 from zero_py.sharding.layout import FlatLayout
+from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
 from zero_py.sharding.storage import PieceStore
 
 def _cuda_usable() -> bool:
@@ -139,7 +139,14 @@ class GradReducer:
         # pass ends (setting an element of a tensor cost 5 us, a gradient)
         self._local_used = bytearray(len(flat.params))
         self._global_used: Optional[torch.Tensor] = None
-        self._used_pending: Optional[Work] = None
+        # what rides on the Counts (riders.py): the used mask rides on the step's count, read
+        # there by finish() (its own all-reduce at each backward's end was one more round
+        # trip a step); the stage-3 engine adds its order of first uses
+        self.riders = Riders()
+        self._carry_used = False  # the Count being built carries _local_used
+        n_words = words_for(len(flat.params))
+        self.riders.add(n_words, lambda: (pack_bytes(self._local_used, n_words)
+                                          if self._carry_used else None), self._take_used)
         self._open: Dict[int, torch.Tensor] = {}  # bucket -> its buffer (from the pool)
         self._in_flight: List[Tuple[Work, Optional[torch.Tensor], int]] = []  # (reduction,
         # its buffer, its bucket)
@@ -377,7 +384,8 @@ class GradReducer:
         self._unused = bytearray(len(self.flat.params))
         if self.check_counts:
             self._check_count()  # the previous pass's, if not checked yet
-            self._count = Count(self.executor, kind, self.steps, self.passes_since_step + 1)
+            self._count = Count(self.executor, kind, self.steps, self.passes_since_step + 1,
+                                riders=self.riders)
             if self.check_at_once:
                 self._check_count()
         self._pass_open = True
@@ -398,17 +406,6 @@ class GradReducer:
                         self._copy_in(i)
                 self._launch(b)
             self.grad_shard_valid = True
-            # on the executor's device: torch's NCCL process group takes no CPU tensor (the
-            # native executor copied it there and back). Non-blocking: a blocking host-to-device
-            # copy waits for the whole backward queued on the stream. Read on the host after
-            # the wait (_wait_used)
-            used = torch.tensor(list(self._local_used), dtype=torch.uint8).to(
-                getattr(self.executor, "device", "cpu"), non_blocking=True)
-            with control():
-                self._used_pending = issue("all-reduce of which parameters got a gradient at "
-                                           "the end of backward", self.executor.all_reduce_max,
-                                           used)
-            self._global_used = used
         self._pass_open = False
         self.passes_since_step += 1
 
@@ -627,15 +624,15 @@ class GradReducer:
                 # the ranks wait for each other before copying their gradients in: ~8 ms a
                 # step here). A refused step changes nothing: its sums are dropped, and the
                 # next step() reduces param.grad again
-                settings = Count(self.executor, STEP, self.steps, 0,
-                                 hyper=self.hyperparameters())
+                # it carries the used mask: which param.grad the reduction reads (below)
+                self._local_used = bytearray(p.grad is not None for p in self.flat.params)
+                settings = self._counted(STEP, 0)
             self.reduce_now()
             if settings is not None:
                 try:
-                    settings.check()
+                    settings.check()  # gives _global_used (_take_used)
                 except RuntimeError:
                     self._retire(block_over=0)
-                    self._wait_used()
                     raise
             stray = []
         else:
@@ -645,9 +642,8 @@ class GradReducer:
                     stray = [i for i, p in enumerate(self.flat.params) if p.grad is not None]
         if self.check_counts:
             self._check_count()
-            self._count = Count(self.executor, STEP_STRAY if stray else STEP, self.steps,
-                                 self.passes_since_step, hyper=self.hyperparameters())
-            self._check_count()
+            self._count = self._counted(STEP_STRAY if stray else STEP, self.passes_since_step)
+            self._check_count()  # gives _global_used (_take_used)
         if stray:
             more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
             # every parameter at once: the usual cause is a DDP wrapper, whose reducer writes
@@ -670,18 +666,22 @@ class GradReducer:
         if not self._updating:
             self._updating = True
             getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
-        self._wait_used()
         self._finished = True
         return self._global_used
 
-    def _wait_used(self) -> None:
-        """Waits for the end of backward's all-reduce of the used mask; the mask on the host
-        (its readers index it per parameter)."""
-        if self._used_pending is not None:
-            self._used_pending.wait()
-            self._used_pending = None
-            if self._global_used is not None and self._global_used.device.type != "cpu":
-                self._global_used = self._global_used.cpu()
+    def _counted(self, kind: int, passes: int) -> Count:
+        """The step's Count, with the param groups' settings and the used mask riding on it."""
+        self._carry_used = True
+        try:
+            return Count(self.executor, kind, self.steps, passes, hyper=self.hyperparameters(),
+                         riders=self.riders)
+        finally:
+            self._carry_used = False
+
+    def _take_used(self, rows: torch.Tensor) -> None:
+        """The step's count delivers every rank's used mask: 'some rank had a gradient', on
+        the host (its readers index it per parameter)."""
+        self._global_used = unpack_any(rows, len(self.flat.params))
 
     def announce_forward(self, eval_forward: bool, problem: Optional[str] = None) -> None:
         """Stage 3, at the start of a forward whose gathers are collective: every rank must be
@@ -694,7 +694,7 @@ class GradReducer:
         self._check_count()
         n = self.forwards_since_step + (not eval_forward)
         self._count = Count(self.executor, EVAL_FORWARD if eval_forward else FORWARD,
-                             self.steps, n, problem)
+                             self.steps, n, problem, riders=self.riders)
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
 
@@ -705,7 +705,8 @@ class GradReducer:
         backward or step, or start one with another key, raises with them, naming each rank's
         call; a rank whose peers run no collective of the group raises after its timeout."""
         self._check_count()
-        self._count = Count(self.executor, GATHERED, self.steps, key, what=what)
+        self._count = Count(self.executor, GATHERED, self.steps, key, what=what,
+                             riders=self.riders)
         self._check_count()
 
     @property

@@ -21,16 +21,16 @@ reducer owns the end-of-backward callback and calls the engine after it.
 Every rank must issue its all-gathers in the same sequence. The schedule guarantees it for the
 gathers it schedules (the recorded order, drained at the end of each phase), whatever each
 rank's own path; the order itself is merged over ranks after every backward (merge_orders: a
-topological order of every rank's first uses), so units that some ranks skip are still gathered
-by all. Gathers run on an executor channel of their own (collectives.channel). Two channels
-can deadlock when a rank waits on one for a peer that waits on the other, so in backward a rank
-issues the gathers of units its forward did not run as soon as the schedule reaches them
-(_skip_ahead, freed once complete, never waited for there), the reducer sends those units'
-gradients as zeros at once (GradReducer.mark_unused, DDP's find_unused_parameters), and the
-backward's last gathers are issued before its last reductions are waited for
-(_drain_backward). A gather only this rank makes (a no_grad forward, which a rank may run
-alone; a unit reached out of the order, or run twice by this rank only) copies every rank's
-shard out of shared memory, with no collective, where the ranks share a host
+topological order of every rank's first uses, which ride on the next Count), so units that some
+ranks skip are still gathered by all. Gathers run on an executor channel of their own
+(collectives.channel). Two channels can deadlock when a rank waits on one for a peer that waits
+on the other, so in backward a rank issues the gathers of units its forward did not run as soon
+as the schedule reaches them (_skip_ahead, freed once complete, never waited for there), the
+reducer sends those units' gradients as zeros at once (GradReducer.mark_unused, DDP's
+find_unused_parameters), and the backward's last gathers are issued before its last reductions
+are waited for (_drain_backward). A gather only this rank makes (a no_grad forward, which a
+rank may run alone; a unit reached out of the order, or run twice by this rank only) copies
+every rank's shard out of shared memory, with no collective, where the ranks share a host
 (ShardedParams.gather_one_sided); elsewhere such gathers are collective, and a no_grad forward
 is announced first (GradReducer.announce_forward) so that one rank's alone is refused on every
 rank. docs/stage3.md, "Control flow that differs between ranks".
@@ -48,8 +48,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
-from zero_py.collectives.stats import control
-from zero_py.collectives.work import issue
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.drain import DrainGathers
@@ -162,7 +160,8 @@ class Stage3Engine:
     """Hooks and prefetch for one stage-3 model (see the module docstring).
 
     storages: the model's ShardedParams (the trainable ones, then the frozen ones if any), laid
-    out over the same units; `executor` runs the small all-reduce that merges the order."""
+    out over the same units; `executor` their group; `reducer` the trainable storage's, whose
+    Counts carry the ranks' first uses that merge into the order (sharding/riders.py)."""
 
     def __init__(self, model: nn.Module, units: List[Tuple[str, nn.Module]],
                  storages: Sequence[ShardedParams], executor, reducer: GradReducer,
@@ -178,7 +177,18 @@ class Stage3Engine:
         self._post_pending: List[int] = [0] * len(units)
         self._phase: Optional[int] = None
         self._eval_alone = True  # the current no_grad forward gathers alone (_begin_forward)
-        self._order_pending = None
+        # the next order: this rank's first uses at its last backward's end, riding on the next
+        # Count (sharding/riders.py) until it delivers every rank's (_order_rows), which the
+        # next forward merges (its own all-reduce was one more round trip a step)
+        self._order_seen: Optional[List[int]] = None
+        self._order_carried: Optional[List[int]] = None
+        self._order_rows: Optional[List[List[int]]] = None
+        # weakly, as the reducer's other callbacks into the engine (_weakly): the model's hooks
+        # keep the reducer alive, which must not keep a dropped optimizer's engine
+        me = weakref.ref(self)
+        reducer.riders.add(len(units) + 1,
+                           lambda: None if me() is None else me()._order_fill(),
+                           lambda rows: None if me() is None else me()._order_deliver(rows))
         self._hooks: list = []
         self._held: List[Set[int]] = []  # units held by open gathered() blocks
         self._to_free: List[int] = []  # freed once the backward's pass ended
@@ -482,15 +492,23 @@ class Stage3Engine:
             self._run(self.prefetch.end())
         self._phase = None
 
-    def _begin_forward(self) -> None:
-        _forget_autocast_casts()
-        self.reducer.settle_failed_backward()
-        self._close_phase()
-        if self._order_pending is not None:
-            work, rows = self._order_pending
-            work.wait()
-            self._order_pending = None
-            rows = rows.tolist()
+    def _order_fill(self) -> Optional[torch.Tensor]:
+        self._order_carried = self._order_seen
+        if self._order_seen is None:
+            return None
+        return torch.tensor([len(self._order_seen)] + self._order_seen, dtype=torch.int64)
+
+    def _order_deliver(self, rows: torch.Tensor) -> None:
+        """Every rank's first uses (a rank without any: a zero row), as the Count that carried
+        them passed its checks on every rank alike."""
+        self._order_rows = rows.tolist()
+        if self._order_seen is self._order_carried:
+            self._order_seen = None
+
+    def _apply_order(self) -> None:
+        """The order merged from the last delivered first uses, on every rank alike."""
+        if self._order_rows is not None:
+            rows, self._order_rows = self._order_rows, None
             order = merge_orders(rows, len(self.units))
             used = {u for row in rows for u in row[1:1 + row[0]]}
             self._set_order(order)
@@ -510,6 +528,11 @@ class Stage3Engine:
                     keep[k] = True
                     room -= self._unit_bytes[k]
                 self._set_keep(keep)
+
+    def _begin_forward(self) -> None:
+        _forget_autocast_casts()
+        self.reducer.settle_failed_backward()
+        self._close_phase()
         phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
         problem = self.check_model()
         # between finish() and the end of the step (clip_grad_norm_, then step()) a peer may
@@ -523,6 +546,8 @@ class Stage3Engine:
             self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL, problem)
         elif problem is not None:
             raise RuntimeError(problem)
+        # after the announcement, which may have carried the last backward's first uses
+        self._apply_order()
         self._phase = phase
         self._open_phase(self._phase)
         self._post_pending = [0] * len(self.units)
@@ -588,18 +613,9 @@ class Stage3Engine:
             self._to_free = []
             self._phase = None
             self._post_pending = [0] * len(self.units)
-            # agree on the next order: every rank's sequence of first uses (one row each of a
-            # SUM all-reduce), merged on every rank alike (merge_orders)
-            n = len(self.units)
-            rows = torch.full((self.executor.world_size, n + 1), 0, dtype=torch.int64)
-            seen = self.prefetch.seen()
-            rows[self.executor.rank, 0] = len(seen)
-            rows[self.executor.rank, 1:1 + len(seen)] = torch.tensor(seen, dtype=torch.int64)
-            rows = rows.to(self.executor.device)
-            with control():
-                work = issue("all-reduce of the units' order at the end of backward",
-                             self.executor.all_reduce, rows)
-            self._order_pending = (work, rows)
+            # agree on the next order: every rank's sequence of first uses rides on the next
+            # Count (a row each), merged on every rank alike (merge_orders, _apply_order)
+            self._order_seen = list(self.prefetch.seen())
 
     # -- commands -----------------------------------------------------------------------------
 
