@@ -10,6 +10,7 @@ missed mismatch fails fast instead of hanging; a final scenario trains on the sa
 show the group is still usable after the refusals.
 """
 
+import contextlib
 import datetime
 import os
 
@@ -196,6 +197,44 @@ def _scenarios(rank, world_size):
         return error, [p.detach().clone() for p in m.parameters()]
     (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
 
+    # stage 3's no_sync() entered on rank 0 only, around the forward and backward (a rank's
+    # own accumulation counter) or around the backward alone: rank 1's backward reduced and
+    # rank 0's did not, so each waited in a collective the other never made until the group's
+    # timeout, then raised a bare timeout. Both ranks raise at once, naming no_sync(), and the
+    # run then goes on (zero_grad, the same two micro-batches agreeing: the first under
+    # no_sync() on both) as one that never made the calls
+    def no_sync_then_trained(calls):
+        torch.manual_seed(0)
+        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
+                                    wrap_policy={nn.Linear}, lr=1e-2)
+        errors = []
+        for around in calls:
+            dist.barrier(group)
+            batch = models.mlp_batch(torch.Generator().manual_seed(10 + rank))
+            alone = opt.no_sync() if rank == 0 else contextlib.nullcontext()
+            try:
+                if around == "forward and backward":
+                    with alone:
+                        models.mlp_loss(m, batch).backward()
+                else:
+                    loss = models.mlp_loss(m, batch)
+                    with alone:
+                        loss.backward()
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+            opt.zero_grad()
+        for k in range(2):
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                models.mlp_loss(m, models.mlp_batch(
+                    torch.Generator().manual_seed(2 * rank + k))).backward()
+        opt.step()
+        with zero_py.gathered(m):
+            return errors, [p.detach().clone() for p in m.parameters()]
+    out["no_sync_errors"], out["no_sync_then"] = no_sync_then_trained(
+        ["forward and backward", "backward"])
+    out["no_sync_never"] = no_sync_then_trained([])[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -269,6 +308,14 @@ def test_disagreeing_ranks_raise_on_every_rank():
         for a, b in zip(r["gathered_then"], r["gathered_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(r["clip_then"], r["clip_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for r in results:
+        for error, where in zip(r["no_sync_errors"], ("forward", "backward")):
+            assert error is not None and "no_sync() was entered on some ranks only" in error, (
+                error)
+            assert f"rank 0: {where} inside no_sync() number 1" in error, error
+            assert "inside no_sync(): rank 0; outside: rank 1" in error, error
+        for a, b in zip(r["no_sync_then"], r["no_sync_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -53,8 +53,9 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.work import Work, issue
-from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, GATHERED, PASS,
-                                     PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY, Count)
+from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED, PASS,
+                                     PASS_NO_SYNC, PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
+                                     Count)
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
 from zero_py.sharding.storage import PieceStore
@@ -178,6 +179,9 @@ class GradReducer:
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
+        # stage 3: whether the last training forward was announced outside no_sync() (None:
+        # none since the last step); see begin_pass
+        self._forward_synced: Optional[bool] = None
         # the pass and step counts are compared across ranks (Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
@@ -308,6 +312,15 @@ class GradReducer:
         self._queue_end()
         if self.sync_enabled:
             self._begin_pass()
+        elif self.check_at_once and self._forward_synced:
+            # stage 3: no_sync() entered after a forward announced outside it (on every
+            # rank, see announce_forward): this backward announces itself, so that a peer
+            # starting a reduced pass here (its PASS count) meets this and both raise, rather
+            # than wait in gathers and reductions that do not pair. A backward inside
+            # no_sync() of a forward inside it announces nothing: the forward compared that
+            self._count = Count(self.executor, PASS_NO_SYNC, self.steps,
+                                self.passes_since_step + 1, riders=self.riders)
+            self._check_count()
         return self._pass_open
 
     def _queue_end(self) -> None:
@@ -693,10 +706,16 @@ class GradReducer:
             return
         self._check_count()
         n = self.forwards_since_step + (not eval_forward)
-        self._count = Count(self.executor, EVAL_FORWARD if eval_forward else FORWARD,
-                             self.steps, n, problem, riders=self.riders)
+        # a training forward says whether it runs inside no_sync(): the ranks' backwards of it
+        # differ in collectives otherwise (its own comparison, counts.py), and no collective is
+        # added for it
+        kind = (EVAL_FORWARD if eval_forward else FORWARD if self.sync_enabled else
+                FORWARD_NO_SYNC)
+        self._count = Count(self.executor, kind, self.steps, n, problem, riders=self.riders)
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
+        if not eval_forward:
+            self._forward_synced = self.sync_enabled
 
     def announce_gathered(self, what: str, key: int = 0) -> None:
         """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
@@ -729,6 +748,7 @@ class GradReducer:
     def after_step(self) -> None:
         self.passes_since_step = 0
         self.forwards_since_step = 0
+        self._forward_synced = None
         self.steps += 1
         self._end_update()
         self._finished = False
