@@ -66,16 +66,22 @@ class GradStatistics:
                              dtype=torch.float64).to(both.device, non_blocking=True)
         nan = both[:1].isnan().to(both.dtype)
         by_max = math.isinf(norm_type) and refused is None
-        world = getattr(self.executor, "shard", self.executor)
+        # hybrid sharding: the call is compared over every rank (a replica clipping with its
+        # own max_norm drifted from the others, 8% in one SGD step, unseen by its shard
+        # group's comparison), so the all-reduce spans the world; the norm counts each
+        # element once, from the first replica's ranks (the replicas hold the same bits;
+        # adding the others' zeros is exact, so the sum is the shard group's to the bit)
+        world = getattr(self.executor, "world", self.executor)
         slots = torch.zeros(world.world_size, dtype=both.dtype, device=both.device)
         if by_max:  # summed with the rest (0 here), the max taken from the slots
             slots[world.rank] = both[0]
+        if by_max or (world is not self.executor and self.executor.replica_rank != 0):
             both[0] = 0.0
         both = torch.cat([both, nan, slots, check])
-        if self.executor.device != both.device:
-            both = both.to(self.executor.device)
+        if world.device != both.device:
+            both = both.to(world.device)
         with comm_stats.control():
-            work = self.executor.all_reduce(both, dist.ReduceOp.SUM)
+            work = world.all_reduce(both, dist.ReduceOp.SUM)
         work.wait()
         sums = both.cpu().tolist()
         ws = world.world_size
