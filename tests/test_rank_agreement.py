@@ -235,6 +235,32 @@ def _scenarios(rank, world_size):
         ["forward and backward", "backward"])
     out["no_sync_never"] = no_sync_then_trained([])[1]
 
+    # zero_grad(set_to_none=False) on rank 1 only, then a step without backward: rank 1 kept
+    # zeroed gradients that torch.optim applies (momentum, weight decay) and rank 0 none, so
+    # rank 1 updated its shard and all-gathered it while rank 0 skipped the update and its
+    # all-gather (rank 1 waited until the group's timeout; the ranks' models 7% apart). Every
+    # rank refuses the step; after a zero_grad() alike training goes on as a run without it
+    def zeroed(diverge):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), torch.optim.SGD, stage=2,
+                                    process_group=group, lr=0.1, momentum=0.9,
+                                    weight_decay=0.1)
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        opt.step()
+        error = None
+        if diverge:
+            opt.zero_grad(set_to_none=rank == 0)
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                error = str(exc)
+        opt.zero_grad()
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(5 + rank))).backward()
+        opt.step()
+        return error, [p.detach().clone() for p in m.parameters()]
+    (out["zeroed_error"], out["zeroed_then"]), out["zeroed_never"] = zeroed(True), zeroed(False)[1]
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -316,6 +342,13 @@ def test_disagreeing_ranks_raise_on_every_rank():
             assert f"rank 0: {where} inside no_sync() number 1" in error, error
             assert "inside no_sync(): rank 0; outside: rank 1" in error, error
         for a, b in zip(r["no_sync_then"], r["no_sync_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for rank, r in enumerate(results):
+        assert r["zeroed_error"] is not None, f"rank {rank} stepped with other kept gradients"
+        assert "hyperparameters differ between ranks" in r["zeroed_error"], r["zeroed_error"]
+        assert ("zero_grad(set_to_none=False) kept the zeroed gradients of 6 parameters"
+                if rank else "no zeroed gradient kept") in r["zeroed_error"], r["zeroed_error"]
+        for a, b in zip(r["zeroed_then"], r["zeroed_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
