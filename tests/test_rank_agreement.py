@@ -46,7 +46,7 @@ def _attempt(build, group):
     return {"error": None}
 
 
-def _scenarios(rank, world_size):
+def _scenarios(rank, world_size, root):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10))
     torch.manual_seed(0)
     out = {}
@@ -261,6 +261,28 @@ def _scenarios(rank, world_size):
         return error, [p.detach().clone() for p in m.parameters()]
     (out["zeroed_error"], out["zeroed_then"]), out["zeroed_never"] = zeroed(True), zeroed(False)[1]
 
+    # save_checkpoint with async_save on rank 1 only: rank 1 went on to make the save
+    # thread's groups while rank 0 waited in the write's collectives (a hang until the
+    # group's timeout; under hybrid sharding past it); another path per rank, or keep_last,
+    # failed on a missing temporary directory or went unseen. Refused on every rank, nothing
+    # written; the same call then saves
+    m, opt = zero_py.initialize(models.MLP(), torch.optim.SGD, stage=2, process_group=group,
+                                lr=1e-2)
+    saves = {}
+    for name, kwargs in (("async_save", {"async_save": rank == 1}),
+                         ("path", {"path": os.path.join(root, f"ck{rank}")}),
+                         ("agreeing", {})):
+        dist.barrier(group)
+        path = kwargs.pop("path", os.path.join(root, "ck"))
+        try:
+            zero_py.save_checkpoint(path, m, opt, **kwargs)
+            saves[name] = None
+        except zero_py.CheckpointError as exc:
+            saves[name] = str(exc)
+        dist.barrier(group)
+        saves[name + " files"] = sorted(os.listdir(root))
+    out["saves"] = saves
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -270,8 +292,8 @@ def _scenarios(rank, world_size):
     return out
 
 
-def test_disagreeing_ranks_raise_on_every_rank():
-    results = distributed.run(_scenarios, 2, timeout=120)
+def test_disagreeing_ranks_raise_on_every_rank(tmp_path):
+    results = distributed.run(_scenarios, 2, str(tmp_path), timeout=120)
     expected = {
         "extra_layer": ["parameter 4", "head.weight (8, 32)", "extra.weight (32, 32)",
                         "parameters per rank: rank 0: 6, rank 1: 8"],
@@ -350,5 +372,15 @@ def test_disagreeing_ranks_raise_on_every_rank():
                 if rank else "no zeroed gradient kept") in r["zeroed_error"], r["zeroed_error"]
         for a, b in zip(r["zeroed_then"], r["zeroed_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for r in results:
+        saves = r["saves"]
+        for name, words in (("async_save", ["rank 0: save_checkpoint(", "async_save=False); "
+                                            "rank 1: save_checkpoint(", "async_save=True)"]),
+                            ("path", ["/ck0'", "/ck1'"])):
+            assert saves[name] is not None and all(w in saves[name] for w in words), saves
+            assert "the ranks passed different arguments" in saves[name], saves[name]
+            assert "nothing was written" in saves[name], saves[name]
+            assert saves[name + " files"] == [], saves
+        assert saves["agreeing"] is None and saves["agreeing files"] == ["ck"], saves
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
