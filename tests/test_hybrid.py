@@ -305,9 +305,14 @@ def _errors(rank, world_size):
     # replicas drifted apart (8% of a parameter after one SGD step, silently). Every rank now
     # raises, and the run goes on as one that never made the calls
     replica = rank // 2
+    # On replica 0 only (after the fix above, replica 0 waited in the norm's all-reduce over
+    # the world while replica 1 stepped, until the world's timeout): refused on every rank,
+    # at the count that starts the clip on some ranks and the step on the others
     out["clip per replica"], out["clip then"] = _clipped(rank, [
         lambda opt: opt.clip_grad_norm_(0.05 if replica == 0 else 0.5),
         lambda opt: opt.clip_grad_norm_(0.05, 2.0 if replica == 0 else 1.0)])
+    out["clip one replica"], out["clip one then"] = _clipped(rank, [
+        lambda opt: (opt.clip_grad_norm_(0.05) if replica == 0 else None, opt.step())])
     out["clip never"] = _clipped(rank, [])[1]
     # last: a replica running one backward more is named (and leaves collectives unpaired)
     out["out of step"] = _replica_out_of_step(rank, world_size)
@@ -351,9 +356,18 @@ def test_bad_hybrid_input_is_the_same_error_on_every_rank():
         message = messages.pop()
         assert message is not None and "the ranks passed different arguments" in message, message
         assert all(w in message for w in words) and "nothing was changed" in message, message
+    messages = {r["clip one replica"][0] for r in results}
+    assert len(messages) == 4, messages  # each names its own rank
+    for rank, r in enumerate(results):
+        message = r["clip one replica"][0]
+        assert message is not None and message.startswith(
+            f"zero_py: clip_grad_norm_() was called on some ranks only (this is rank {rank})")
+        assert ("rank 1: clip_grad_norm_() after 1 backward pass in step 0; rank 2: step() "
+                "after 1 backward pass") in message, message
     for r in results:
-        for a, b, c in zip(r["clip then"], r["clip never"], results[0]["clip never"]):
-            assert torch.equal(a, b) and torch.equal(b, c)
+        for a, b, c, d in zip(r["clip then"], r["clip never"], results[0]["clip never"],
+                              r["clip one then"]):
+            assert torch.equal(a, b) and torch.equal(b, c) and torch.equal(b, d)
     for rank, r in enumerate(results):
         message = r["out of step"]
         assert message is not None and "different numbers of forward or backward" in message, \
@@ -373,7 +387,7 @@ def _clipped(rank, calls):
         try:
             call(opt)
             errors.append(None)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:
             errors.append(str(exc))
     opt.clip_grad_norm_(MAX_NORM)
     opt.step()

@@ -129,7 +129,7 @@ class GradStatistics:
                 reducer.mirror.writing(b)  # a copy of the piece to the host finishes first
             reducer.grads.piece(b).mul_(coef)
 
-    def _finish_reduction(self) -> Optional[torch.Tensor]:
+    def _finish_reduction(self, clip: bool = False) -> Optional[torch.Tensor]:
         """The reducer's finish(). Stage 1 reduces param.grad when asked (it has no hooks in
         backward): where a backward ran between a clip_grad_norm_ and now, param.grad is
         reduced again, and the shard made what torch's would hold, the clipped gradients of
@@ -137,13 +137,13 @@ class GradStatistics:
         reducer = self._reducer
         reducer.check_complete()
         if not reducer.grads_changed():
-            return reducer.finish()
+            return reducer.finish(clip=clip)
         coef, self._clip_coef, self._nonfinite = self._clip_coef, None, None
         n = self._flat.n_buckets
         held = ([reducer.grads.piece(b).clone() for b in range(n)]
                 if coef is not None and coef != 1.0 else None)
         reducer.reduce_again()
-        mask = reducer.finish()
+        mask = reducer.finish(clip=clip)
         if held is not None:
             for b in range(n):
                 piece = reducer.grads.piece(b)
@@ -180,7 +180,7 @@ class GradStatistics:
         if refused is not None:
             norm_type = 2.0
         with torch.no_grad():
-            used = self._finish_reduction()  # the same on every rank: so is a refusal
+            used = self._finish_reduction(clip=True)  # the same on every rank: so is a refusal
             held = [i for i in _left_out if used is not None and used[i]]
             if held:
                 raise RuntimeError(

@@ -32,6 +32,10 @@ PASS, STEP, PASS_WITHOUT_BACKWARD, FORWARD, EVAL_FORWARD, STEP_STRAY, GATHERED =
 # stage 3: a training forward inside no_sync(), and a backward inside no_sync() of a forward
 # run outside it (the only one that announces itself: see GradReducer.begin_pass)
 FORWARD_NO_SYNC, PASS_NO_SYNC = 8, 9
+# the finish of the reductions that clip_grad_norm_ starts (step() after it finishes nothing):
+# a rank that clips where another goes on to step() meets that step's count, not a collective
+# of another size or group (a hang until the group's timeout)
+CLIP = 10
 _NO_SYNC = {FORWARD_NO_SYNC: FORWARD, PASS_NO_SYNC: PASS}
 _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
@@ -39,7 +43,8 @@ _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                FORWARD: "forward", EVAL_FORWARD: "no_grad forward",
                GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()",
                FORWARD_NO_SYNC: "forward inside no_sync()",
-               PASS_NO_SYNC: "backward inside no_sync()"}
+               PASS_NO_SYNC: "backward inside no_sync()",
+               CLIP: "clip_grad_norm_()"}
 
 # a Count's own columns: what, step, pass, refused, hyperparameters' fingerprint
 _OWN = 5
@@ -159,6 +164,14 @@ class Count:
             raise RuntimeError(
                 "zero_py: the ranks did not all start the same gathered access (this is rank "
                 f"{self.rank}){other}: {said}. {_CALL_ON_EVERY_RANK}")
+        clipped = [q for q, r in enumerate(rows) if r[0] == CLIP]
+        if clipped and all(r[0] in (CLIP, STEP, STEP_STRAY) and r[1:3] == rows[0][1:3]
+                           for r in rows):
+            raise RuntimeError(
+                f"zero_py: clip_grad_norm_() was called on some ranks only (this is rank "
+                f"{self.rank}): {said}. The clipping norm is a collective over every rank's "
+                "gradient shard (and every replica's ranks under hybrid sharding): call it on "
+                "every rank, with the same arguments, before step(). Nothing was changed")
         inside = [q for q, r in enumerate(rows) if r[0] in _NO_SYNC]
         if inside and all(_NO_SYNC.get(r[0], r[0]) == _NO_SYNC.get(rows[0][0], rows[0][0])
                           and r[1:3] == rows[0][1:3] for r in rows):

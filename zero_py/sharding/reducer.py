@@ -53,8 +53,8 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.work import Work, issue
-from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED, PASS,
-                                     PASS_NO_SYNC, PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
+from zero_py.sharding.counts import (CLIP, EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED,
+                                     PASS, PASS_NO_SYNC, PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
                                      Count)
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
@@ -617,9 +617,10 @@ class GradReducer:
 
     # -- what the optimizer asks -------------------------------------------------------------
 
-    def finish(self, check_stray: bool = True) -> torch.Tensor:
+    def finish(self, check_stray: bool = True, clip: bool = False) -> torch.Tensor:
         """Waits for every reduction; returns the per-parameter 'some rank had a gradient'
         mask (uint8). Calling it again before the next pass or step returns the same.
+        `clip`: for clip_grad_norm_, which its step's count names (counts.CLIP).
 
         Stages 2-3, with check_stray: a param.grad set after the last reduced backward (`p.grad
         = g` after backward, or a backward under no_sync() after the reduced one) would be
@@ -639,7 +640,7 @@ class GradReducer:
                 # next step() reduces param.grad again
                 # it carries the used mask: which param.grad the reduction reads (below)
                 self._local_used = bytearray(p.grad is not None for p in self.flat.params)
-                settings = self._counted(STEP, 0)
+                settings = self._counted(CLIP if clip else STEP, 0)
             self.reduce_now()
             if settings is not None:
                 try:
@@ -655,7 +656,8 @@ class GradReducer:
                     stray = [i for i, p in enumerate(self.flat.params) if p.grad is not None]
         if self.check_counts:
             self._check_count()
-            self._count = self._counted(STEP_STRAY if stray else STEP, self.passes_since_step)
+            self._count = self._counted(STEP_STRAY if stray else CLIP if clip else STEP,
+                                        self.passes_since_step)
             self._check_count()  # gives _global_used (_take_used)
         if stray:
             more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
