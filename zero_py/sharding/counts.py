@@ -14,6 +14,9 @@ mismatched collective is waited for.
 Stage 1 counts no passes; its step still compares the param groups' settings in a Count.
 Other small control data rides in further columns of the same all-reduce (sharding/riders.py):
 a Count is the one control collective of each point where the ranks must agree.
+What a count announces also says what the ranks must agree on beyond the numbers: a stage-3
+training forward (or a backward entered into it after the forward) whether it runs inside
+no_sync(), and the finish of the reductions whether clip_grad_norm_ or step() started it.
 """
 
 from __future__ import annotations
