@@ -469,12 +469,19 @@ def run_second_2(rank, world, tmp):
     got = resumed[0].state_dict()["state"] if resumed else {}
     out["reloaded_equal"] = sorted(got) == sorted(ref) and all(
         torch.equal(got[i][k], ref[i][k]) for i in ref for k in ref[i])
-    # a rank that cannot write its file (here: given another path, so rank 0's directory is
-    # not where it looks; a file system it does not share with rank 0 alike) raised alone and
-    # left the others waiting: every rank raises, nothing is published, the next save works
-    out["other_paths"] = _refusal(
-        lambda: zero_py.save_checkpoint(os.path.join(tmp, f"C_rank{rank}"), model, opt))
-    out["other_paths_absent"] = not any(os.path.exists(os.path.join(tmp, f"C_rank{r}"))
+    # a rank that cannot write its file (here: the same relative path from another working
+    # directory per rank, so rank 0's directory is not where rank 1 looks; a file system it
+    # does not share with rank 0 alike) raised alone and left the others waiting: every rank
+    # raises, nothing is published, the next save works. (Paths given differently are
+    # refused before anything is written: tests/test_rank_agreement.py)
+    here = os.getcwd()
+    os.makedirs(os.path.join(tmp, f"cwd{rank}"), exist_ok=True)
+    os.chdir(os.path.join(tmp, f"cwd{rank}"))
+    try:
+        out["other_paths"] = _refusal(lambda: zero_py.save_checkpoint("C", model, opt))
+    finally:
+        os.chdir(here)
+    out["other_paths_absent"] = not any(os.path.exists(os.path.join(tmp, f"cwd{r}", "C"))
                                         for r in range(world))
     zero_py.save_checkpoint(os.path.join(tmp, "C_after_refusal"), model, opt)
     return out

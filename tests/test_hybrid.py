@@ -300,6 +300,20 @@ def _errors(rank, world_size):
     other = nn.Linear(4, 5) if rank == 3 else nn.Linear(4, 4)  # one replica's model differs
     out["replica model"] = refused(stage=2, model=other, hybrid="node")
     out["after"] = refused(stage=2, hybrid="node")  # still in step: this one works
+    # clip_grad_norm_ with another max_norm (or norm_type) per replica: the call was compared
+    # within the shard group only, so each replica clipped by its own coefficient and the
+    # replicas drifted apart (8% of a parameter after one SGD step, silently). Every rank now
+    # raises, and the run goes on as one that never made the calls
+    replica = rank // 2
+    # On replica 0 only (after the fix above, replica 0 waited in the norm's all-reduce over
+    # the world while replica 1 stepped, until the world's timeout): refused on every rank,
+    # at the count that starts the clip on some ranks and the step on the others
+    out["clip per replica"], out["clip then"] = _clipped(rank, [
+        lambda opt: opt.clip_grad_norm_(0.05 if replica == 0 else 0.5),
+        lambda opt: opt.clip_grad_norm_(0.05, 2.0 if replica == 0 else 1.0)])
+    out["clip one replica"], out["clip one then"] = _clipped(rank, [
+        lambda opt: (opt.clip_grad_norm_(0.05) if replica == 0 else None, opt.step())])
+    out["clip never"] = _clipped(rank, [])[1]
     # last: a replica running one backward more is named (and leaves collectives unpaired)
     out["out of step"] = _replica_out_of_step(rank, world_size)
     return out
@@ -333,11 +347,52 @@ def test_bad_hybrid_input_is_the_same_error_on_every_rank():
         message = r["hybrid on some ranks"]
         assert message is not None and "the ranks check different things" in message, message
         assert "rank 3: arguments" in message and "rank 0: hybrid sharding" in message, message
+    for which, words in enumerate([("rank 0: clip_grad_norm_(max_norm=0.05, norm_type=2.0",
+                                    "rank 2: clip_grad_norm_(max_norm=0.5, norm_type=2.0"),
+                                   ("rank 1: clip_grad_norm_(max_norm=0.05, norm_type=2.0",
+                                    "rank 3: clip_grad_norm_(max_norm=0.05, norm_type=1.0")]):
+        messages = {r["clip per replica"][which] for r in results}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        assert message is not None and "the ranks passed different arguments" in message, message
+        assert all(w in message for w in words) and "nothing was changed" in message, message
+    messages = {r["clip one replica"][0] for r in results}
+    assert len(messages) == 4, messages  # each names its own rank
+    for rank, r in enumerate(results):
+        message = r["clip one replica"][0]
+        assert message is not None and message.startswith(
+            f"zero_py: clip_grad_norm_() was called on some ranks only (this is rank {rank})")
+        assert ("rank 1: clip_grad_norm_() after 1 backward pass in step 0; rank 2: step() "
+                "after 1 backward pass") in message, message
+    for r in results:
+        for a, b, c, d in zip(r["clip then"], r["clip never"], results[0]["clip never"],
+                              r["clip one then"]):
+            assert torch.equal(a, b) and torch.equal(b, c) and torch.equal(b, d)
     for rank, r in enumerate(results):
         message = r["out of step"]
         assert message is not None and "different numbers of forward or backward" in message, \
             (rank, message)
         assert "rank 2: backward pass number 2" in message, (rank, message)
+
+
+def _clipped(rank, calls):
+    """The errors of `calls` on a 2 x 2 stage-2 run, then its parameters after a step with an
+    agreeing clip."""
+    torch.manual_seed(0)
+    model, opt = zero_py.initialize(models.MLP(), torch.optim.SGD, stage=2, lr=0.1,
+                                    **_hybrid_kwargs(rank, "node"))
+    models.mlp_loss(model, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+    errors = []
+    for call in calls:
+        try:
+            call(opt)
+            errors.append(None)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(str(exc))
+    opt.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    with zero_py.gathered(model):
+        return errors, [p.detach().clone() for p in model.parameters()]
 
 
 def _replica_out_of_step(rank, world_size):

@@ -10,6 +10,7 @@ missed mismatch fails fast instead of hanging; a final scenario trains on the sa
 show the group is still usable after the refusals.
 """
 
+import contextlib
 import datetime
 import os
 
@@ -45,7 +46,7 @@ def _attempt(build, group):
     return {"error": None}
 
 
-def _scenarios(rank, world_size):
+def _scenarios(rank, world_size, root):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10))
     torch.manual_seed(0)
     out = {}
@@ -196,6 +197,92 @@ def _scenarios(rank, world_size):
         return error, [p.detach().clone() for p in m.parameters()]
     (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
 
+    # stage 3's no_sync() entered on rank 0 only, around the forward and backward (a rank's
+    # own accumulation counter) or around the backward alone: rank 1's backward reduced and
+    # rank 0's did not, so each waited in a collective the other never made until the group's
+    # timeout, then raised a bare timeout. Both ranks raise at once, naming no_sync(), and the
+    # run then goes on (zero_grad, the same two micro-batches agreeing: the first under
+    # no_sync() on both) as one that never made the calls
+    def no_sync_then_trained(calls):
+        torch.manual_seed(0)
+        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
+                                    wrap_policy={nn.Linear}, lr=1e-2)
+        errors = []
+        for around in calls:
+            dist.barrier(group)
+            batch = models.mlp_batch(torch.Generator().manual_seed(10 + rank))
+            alone = opt.no_sync() if rank == 0 else contextlib.nullcontext()
+            try:
+                if around == "forward and backward":
+                    with alone:
+                        models.mlp_loss(m, batch).backward()
+                else:
+                    loss = models.mlp_loss(m, batch)
+                    with alone:
+                        loss.backward()
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+            opt.zero_grad()
+        for k in range(2):
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                models.mlp_loss(m, models.mlp_batch(
+                    torch.Generator().manual_seed(2 * rank + k))).backward()
+        opt.step()
+        with zero_py.gathered(m):
+            return errors, [p.detach().clone() for p in m.parameters()]
+    out["no_sync_errors"], out["no_sync_then"] = no_sync_then_trained(
+        ["forward and backward", "backward"])
+    out["no_sync_never"] = no_sync_then_trained([])[1]
+
+    # zero_grad(set_to_none=False) on rank 1 only, then a step without backward: rank 1 kept
+    # zeroed gradients that torch.optim applies (momentum, weight decay) and rank 0 none, so
+    # rank 1 updated its shard and all-gathered it while rank 0 skipped the update and its
+    # all-gather (rank 1 waited until the group's timeout; the ranks' models 7% apart). Every
+    # rank refuses the step; after a zero_grad() alike training goes on as a run without it
+    def zeroed(diverge):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), torch.optim.SGD, stage=2,
+                                    process_group=group, lr=0.1, momentum=0.9,
+                                    weight_decay=0.1)
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(rank))).backward()
+        opt.step()
+        error = None
+        if diverge:
+            opt.zero_grad(set_to_none=rank == 0)
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                error = str(exc)
+        opt.zero_grad()
+        models.mlp_loss(m, models.mlp_batch(torch.Generator().manual_seed(5 + rank))).backward()
+        opt.step()
+        return error, [p.detach().clone() for p in m.parameters()]
+    (out["zeroed_error"], out["zeroed_then"]), out["zeroed_never"] = zeroed(True), zeroed(False)[1]
+
+    # save_checkpoint with async_save on rank 1 only: rank 1 went on to make the save
+    # thread's groups while rank 0 waited in the write's collectives (a hang until the
+    # group's timeout; under hybrid sharding past it); another path per rank, or keep_last,
+    # failed on a missing temporary directory or went unseen. Refused on every rank, nothing
+    # written; the same call then saves
+    m, opt = zero_py.initialize(models.MLP(), torch.optim.SGD, stage=2, process_group=group,
+                                lr=1e-2)
+    saves = {}
+    for name, kwargs in (("async_save", {"async_save": rank == 1}),
+                         ("path", {"path": os.path.join(root, f"ck{rank}")}),
+                         ("agreeing", {})):
+        dist.barrier(group)
+        path = kwargs.pop("path", os.path.join(root, "ck"))
+        try:
+            zero_py.save_checkpoint(path, m, opt, **kwargs)
+            saves[name] = None
+        except zero_py.CheckpointError as exc:
+            saves[name] = str(exc)
+        dist.barrier(group)
+        saves[name + " files"] = sorted(os.listdir(root))
+    out["saves"] = saves
+
     # the group still works: agreeing ranks train
     m = models.MLP()
     opt = zero_py.ZeroOptimizer(m.parameters(), stage=2, process_group=group, lr=1e-2)
@@ -205,8 +292,8 @@ def _scenarios(rank, world_size):
     return out
 
 
-def test_disagreeing_ranks_raise_on_every_rank():
-    results = distributed.run(_scenarios, 2, timeout=120)
+def test_disagreeing_ranks_raise_on_every_rank(tmp_path):
+    results = distributed.run(_scenarios, 2, str(tmp_path), timeout=120)
     expected = {
         "extra_layer": ["parameter 4", "head.weight (8, 32)", "extra.weight (32, 32)",
                         "parameters per rank: rank 0: 6, rank 1: 8"],
@@ -270,5 +357,30 @@ def test_disagreeing_ranks_raise_on_every_rank():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(r["clip_then"], r["clip_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for r in results:
+        for error, where in zip(r["no_sync_errors"], ("forward", "backward")):
+            assert error is not None and "no_sync() was entered on some ranks only" in error, (
+                error)
+            assert f"rank 0: {where} inside no_sync() number 1" in error, error
+            assert "inside no_sync(): rank 0; outside: rank 1" in error, error
+        for a, b in zip(r["no_sync_then"], r["no_sync_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for rank, r in enumerate(results):
+        assert r["zeroed_error"] is not None, f"rank {rank} stepped with other kept gradients"
+        assert "hyperparameters differ between ranks" in r["zeroed_error"], r["zeroed_error"]
+        assert ("zero_grad(set_to_none=False) kept the zeroed gradients of 6 parameters"
+                if rank else "no zeroed gradient kept") in r["zeroed_error"], r["zeroed_error"]
+        for a, b in zip(r["zeroed_then"], r["zeroed_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for r in results:
+        saves = r["saves"]
+        for name, words in (("async_save", ["rank 0: save_checkpoint(", "async_save=False); "
+                                            "rank 1: save_checkpoint(", "async_save=True)"]),
+                            ("path", ["/ck0'", "/ck1'"])):
+            assert saves[name] is not None and all(w in saves[name] for w in words), saves
+            assert "the ranks passed different arguments" in saves[name], saves[name]
+            assert "nothing was written" in saves[name], saves[name]
+            assert saves[name + " files"] == [], saves
+        assert saves["agreeing"] is None and saves["agreeing files"] == ["ck"], saves
     for a, b in zip(*(r["trained"] for r in results)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

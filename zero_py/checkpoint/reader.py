@@ -62,18 +62,29 @@ def optimizer_of(model, optimizer):
     return optimizer
 
 
-def agree(executor, error: Optional[str], what: str, save_id: Optional[str] = None) -> None:
+def agree(executor, error: Optional[str], what: str, save_id: Optional[str] = None,
+          call: Optional[str] = None) -> None:
     """Raises CheckpointError on every rank when any rank has an error (each rank's message,
     by rank), or when the ranks read different saves (`save_id`: the manifest's, where a rank
-    read one; a save published to the path while they opened it). Collective."""
+    read one; a save published to the path while they opened it), or made the call with other
+    arguments (`call`: the arguments in words). Collective."""
     executor = getattr(executor, "world", executor)  # hybrid sharding: every replica
-    got = gather_json(executor, [error, save_id], None)
-    errors = [e for e, _ in got]
-    ids = {i for _, i in got if i is not None}
+    got = gather_json(executor, [error, save_id, call], None)
+    errors = [e for e, _, _ in got]
+    if len({c for _, _, c in got}) > 1 and not any(errors):
+        # e.g. async_save on some ranks only: those went on to make the save thread's groups
+        # while the others waited in the write's collectives (a hang, past the group's
+        # timeout under hybrid sharding); another path: the files went to rank 0's path
+        raise CheckpointError(
+            f"{what}: the ranks passed different arguments ("
+            f"{'; '.join(f'rank {r}: {c}' for r, (_, _, c) in enumerate(got))}): every rank "
+            "must make the same call, with the same path, keep_last and async_save; nothing "
+            "was written")
+    ids = {i for _, i, _ in got if i is not None}
     if len(ids) > 1 and not any(errors):
         raise CheckpointError(
             f"{what}: the ranks read different saves of the checkpoint (save ids "
-            f"{', '.join(f'rank {r}: {i}' for r, (_, i) in enumerate(got))}): it was "
+            f"{', '.join(f'rank {r}: {i}' for r, (_, i, _) in enumerate(got))}): it was "
             "replaced while they opened it (or they were given different paths); load again")
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:

@@ -478,6 +478,10 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
     world = getattr(ex, "world", ex)  # hybrid sharding: every replica (else the group)
     writes = getattr(ex, "replica_rank", 0) == 0  # one replica writes the files
     wait_pending(opt)  # one save in flight per optimizer
+    # compared across ranks in the first agreement, before the paths part (as given: ranks on
+    # different hosts may resolve one relative path differently)
+    call = (f"save_checkpoint({os.fspath(path)!r}, keep_last={keep_last!r}, "
+            f"async_save={bool(async_save)})")
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
     error = None
@@ -514,7 +518,7 @@ def _save_checkpoint(path, model, optimizer, extra: Any = None, *,
         finally:
             if async_save:
                 _close(reader, pieces)
-    agree(ex, error, "save_checkpoint")
+    agree(ex, error, "save_checkpoint", call=call)
 
     wait_for_removals()  # what the last save replaced is gone before this one writes
     save_id = broadcast_json(world, uuid.uuid4().hex if world.rank == 0 else None)

@@ -23,7 +23,9 @@ inside the shard group. What differs from a plain executor:
                      over the whole world. Replicas then hold bit-identical reduced shards
                      (one all-reduce gives every member the same sum), so their updates agree.
     all_reduce       the shard group only: sums over shards (gradient norms, overflow) count
-                     each element of the model once, whichever replica computes them
+                     each element of the model once, whichever replica computes them (the
+                     clipping statistics run on `world` instead: their arguments must agree
+                     across replicas too, optim/grad_stats.py)
     all_reduce_max   the whole world (which parameters got a gradient on any rank)
     broadcast        the whole world, from rank `src` of the shard group of global rank 0:
                      at construction every rank starts from global rank 0's values

@@ -86,8 +86,8 @@ def _plain(value: Any) -> str:
     return json.dumps(describe(value), sort_keys=True)
 
 
-def hyperparameters(param_groups: Sequence[dict],
-                    loss_scaler: Optional[dict] = None) -> Tuple[int, Any]:
+def hyperparameters(param_groups: Sequence[dict], loss_scaler: Optional[dict] = None,
+                    kept_grads: Sequence[int] = ()) -> Tuple[int, Any]:
     """The param groups' settings (every key but "params"), and the loss scaler's state when
     there is one, as a 62-bit fingerprint that is equal on two ranks exactly when the settings
     agree, and a callable giving them in words (for the error). Each step compares the
@@ -95,11 +95,21 @@ def hyperparameters(param_groups: Sequence[dict],
     the used mask besides): a scheduler stepped on a per-rank metric would otherwise train
     each rank's shard at its own learning rate, and a loss scale loaded on one rank only
     would reduce gradients scaled differently per rank, each shard unscaled by its own rank's
-    scale. A few microseconds per group and step."""
+    scale. A few microseconds per group and step.
+
+    kept_grads: the parameters (storage indices) whose zeroed gradient a
+    zero_grad(set_to_none=False) kept for this step, which stages 2-3 update as torch.optim
+    updates a zero param.grad. Ranks that zeroed alike keep the same ones; where one passed
+    another set_to_none (or skipped zero_grad), its shard would take a step the others'
+    shards do not (a hybrid replica drifted 10% in one SGD step with momentum; in a shard
+    group the ranks that skipped the update skipped its all-gather too, and the others waited
+    until the group's timeout)."""
     settings = _settings(param_groups)
     if loss_scaler is not None:
         settings.append([("loss scaler " + str(k), v) for k, v in sorted(loss_scaler.items())])
     text = ";".join(",".join(f"{k}={_plain(v)}" for k, v in g) for g in settings)
+    if kept_grads:
+        text += ";kept " + ",".join(map(str, kept_grads))
     fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
                                  "little") >> 2
 
@@ -107,7 +117,12 @@ def hyperparameters(param_groups: Sequence[dict],
         out = "; ".join(("" if g and g[0][0].startswith("loss scaler ") else f"group {i}: ")
                         + ", ".join(f"{k}={json.dumps(describe(v))}" for k, v in g)
                         for i, g in enumerate(settings))
-        return out if len(out) <= 600 else out[:600] + " ..."
+        out = out if len(out) <= 600 else out[:600] + " ..."
+        return out + (f"; zero_grad(set_to_none=False) kept the zeroed gradients of "
+                      f"{len(kept_grads)} parameter{'s' if len(kept_grads) != 1 else ''} for "
+                      "this step (call zero_grad() alike, with the same set_to_none, on every "
+                      "rank)" if kept_grads else "; no zeroed gradient kept by "
+                      "zero_grad(set_to_none=False)")
     return fingerprint, words
 
 

@@ -66,16 +66,22 @@ class GradStatistics:
                              dtype=torch.float64).to(both.device, non_blocking=True)
         nan = both[:1].isnan().to(both.dtype)
         by_max = math.isinf(norm_type) and refused is None
-        world = getattr(self.executor, "shard", self.executor)
+        # hybrid sharding: the call is compared over every rank (a replica clipping with its
+        # own max_norm drifted from the others, 8% in one SGD step, unseen by its shard
+        # group's comparison), so the all-reduce spans the world; the norm counts each
+        # element once, from the first replica's ranks (the replicas hold the same bits;
+        # adding the others' zeros is exact, so the sum is the shard group's to the bit)
+        world = getattr(self.executor, "world", self.executor)
         slots = torch.zeros(world.world_size, dtype=both.dtype, device=both.device)
         if by_max:  # summed with the rest (0 here), the max taken from the slots
             slots[world.rank] = both[0]
+        if by_max or (world is not self.executor and self.executor.replica_rank != 0):
             both[0] = 0.0
         both = torch.cat([both, nan, slots, check])
-        if self.executor.device != both.device:
-            both = both.to(self.executor.device)
+        if world.device != both.device:
+            both = both.to(world.device)
         with comm_stats.control():
-            work = self.executor.all_reduce(both, dist.ReduceOp.SUM)
+            work = world.all_reduce(both, dist.ReduceOp.SUM)
         work.wait()
         sums = both.cpu().tolist()
         ws = world.world_size
@@ -123,7 +129,7 @@ class GradStatistics:
                 reducer.mirror.writing(b)  # a copy of the piece to the host finishes first
             reducer.grads.piece(b).mul_(coef)
 
-    def _finish_reduction(self) -> Optional[torch.Tensor]:
+    def _finish_reduction(self, clip: bool = False) -> Optional[torch.Tensor]:
         """The reducer's finish(). Stage 1 reduces param.grad when asked (it has no hooks in
         backward): where a backward ran between a clip_grad_norm_ and now, param.grad is
         reduced again, and the shard made what torch's would hold, the clipped gradients of
@@ -131,13 +137,13 @@ class GradStatistics:
         reducer = self._reducer
         reducer.check_complete()
         if not reducer.grads_changed():
-            return reducer.finish()
+            return reducer.finish(clip=clip)
         coef, self._clip_coef, self._nonfinite = self._clip_coef, None, None
         n = self._flat.n_buckets
         held = ([reducer.grads.piece(b).clone() for b in range(n)]
                 if coef is not None and coef != 1.0 else None)
         reducer.reduce_again()
-        mask = reducer.finish()
+        mask = reducer.finish(clip=clip)
         if held is not None:
             for b in range(n):
                 piece = reducer.grads.piece(b)
@@ -174,7 +180,7 @@ class GradStatistics:
         if refused is not None:
             norm_type = 2.0
         with torch.no_grad():
-            used = self._finish_reduction()  # the same on every rank: so is a refusal
+            used = self._finish_reduction(clip=True)  # the same on every rank: so is a refusal
             held = [i for i in _left_out if used is not None and used[i]]
             if held:
                 raise RuntimeError(

@@ -324,7 +324,8 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         self._reducer.name_of = lambda i: me()._name(fp.params[i])
         self._reducer.before_accumulate(lambda: me()._settle_clip())
         self._reducer.hyperparameters = lambda: agreement.hyperparameters(
-            me().param_groups, me()._scaler_state())
+            me().param_groups, me()._scaler_state(),
+            [i for i, kept in enumerate(me()._had_grad) if kept])
         self._hook_handles.extend(handles)
         self._step_count = step_count  # per managed parameter, as torch's state["step"]
         # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor

@@ -14,6 +14,9 @@ mismatched collective is waited for.
 Stage 1 counts no passes; its step still compares the param groups' settings in a Count.
 Other small control data rides in further columns of the same all-reduce (sharding/riders.py):
 a Count is the one control collective of each point where the ranks must agree.
+What a count announces also says what the ranks must agree on beyond the numbers: a stage-3
+training forward (or a backward entered into it after the forward) whether it runs inside
+no_sync(), and the finish of the reductions whether clip_grad_norm_ or step() started it.
 """
 
 from __future__ import annotations
@@ -29,11 +32,22 @@ from zero_py.sharding.riders import Riders
 # what a rank announces at the start of a pass or a step (Count)
 PASS, STEP, PASS_WITHOUT_BACKWARD, FORWARD, EVAL_FORWARD, STEP_STRAY, GATHERED = (
     1, 2, 3, 4, 5, 6, 7)
+# stage 3: a training forward inside no_sync(), and a backward inside no_sync() of a forward
+# run outside it (the only one that announces itself: see GradReducer.begin_pass)
+FORWARD_NO_SYNC, PASS_NO_SYNC = 8, 9
+# the finish of the reductions that clip_grad_norm_ starts (step() after it finishes nothing):
+# a rank that clips where another goes on to step() meets that step's count, not a collective
+# of another size or group (a hang until the group's timeout)
+CLIP = 10
+_NO_SYNC = {FORWARD_NO_SYNC: FORWARD, PASS_NO_SYNC: PASS}
 _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
                STEP_STRAY: "step() with a param.grad set after the last reduced backward",
                FORWARD: "forward", EVAL_FORWARD: "no_grad forward",
-               GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()"}
+               GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()",
+               FORWARD_NO_SYNC: "forward inside no_sync()",
+               PASS_NO_SYNC: "backward inside no_sync()",
+               CLIP: "clip_grad_norm_()"}
 
 # a Count's own columns: what, step, pass, refused, hyperparameters' fingerprint
 _OWN = 5
@@ -140,7 +154,7 @@ class Count:
             return
         said = "; ".join(
             f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
-            if k in (FORWARD, EVAL_FORWARD, PASS) else
+            if k in (FORWARD, EVAL_FORWARD, PASS, FORWARD_NO_SYNC, PASS_NO_SYNC) else
             f"rank {q}: {self.what if q == self.rank and self.what else _KIND_NAMES[k]} in "
             f"step {st}" if k == GATHERED else
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
@@ -153,6 +167,30 @@ class Count:
             raise RuntimeError(
                 "zero_py: the ranks did not all start the same gathered access (this is rank "
                 f"{self.rank}){other}: {said}. {_CALL_ON_EVERY_RANK}")
+        clipped = [q for q, r in enumerate(rows) if r[0] == CLIP]
+        if clipped and all(r[0] in (CLIP, STEP, STEP_STRAY) and r[1:3] == rows[0][1:3]
+                           for r in rows):
+            raise RuntimeError(
+                f"zero_py: clip_grad_norm_() was called on some ranks only (this is rank "
+                f"{self.rank}): {said}. The clipping norm is a collective over every rank's "
+                "gradient shard (and every replica's ranks under hybrid sharding): call it on "
+                "every rank, with the same arguments, before step(). Nothing was changed")
+        inside = [q for q, r in enumerate(rows) if r[0] in _NO_SYNC]
+        if inside and all(_NO_SYNC.get(r[0], r[0]) == _NO_SYNC.get(rows[0][0], rows[0][0])
+                          and r[1:3] == rows[0][1:3] for r in rows):
+            # the same pass on every rank, inside no_sync() on some only: their backwards
+            # would differ in collectives (a reduction on some ranks only), a hang
+            outside = [q for q in range(len(rows)) if q not in inside]
+            raise RuntimeError(
+                f"zero_py: no_sync() was entered on some ranks only (this is rank {self.rank}; "
+                f"inside no_sync(): rank{'s' if len(inside) > 1 else ''} "
+                f"{', '.join(map(str, inside))}; outside: rank{'s' if len(outside) > 1 else ''}"
+                f" {', '.join(map(str, outside))}): {said}. Under stage 3 every backward "
+                "gathers the parameters collectively and a backward outside no_sync() also "
+                "reduces the gradients, so every rank must enter no_sync() together, around "
+                "the same forwards and backwards (e.g. a gradient-accumulation counter that "
+                "counts the same on every rank, not `if rank == 0: with model.no_sync(): ...`). "
+                "Nothing was changed by this pass")
         raise RuntimeError(
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "

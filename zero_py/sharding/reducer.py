@@ -53,8 +53,9 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.work import Work, issue
-from zero_py.sharding.counts import (EVAL_FORWARD, FORWARD, GATHERED, PASS,
-                                     PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY, Count)
+from zero_py.sharding.counts import (CLIP, EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED,
+                                     PASS, PASS_NO_SYNC, PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
+                                     Count)
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
 from zero_py.sharding.storage import PieceStore
@@ -178,6 +179,9 @@ class GradReducer:
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
+        # stage 3: whether the last training forward was announced outside no_sync() (None:
+        # none since the last step); see begin_pass
+        self._forward_synced: Optional[bool] = None
         # the pass and step counts are compared across ranks (Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
@@ -308,6 +312,15 @@ class GradReducer:
         self._queue_end()
         if self.sync_enabled:
             self._begin_pass()
+        elif self.check_at_once and self._forward_synced:
+            # stage 3: no_sync() entered after a forward announced outside it (on every
+            # rank, see announce_forward): this backward announces itself, so that a peer
+            # starting a reduced pass here (its PASS count) meets this and both raise, rather
+            # than wait in gathers and reductions that do not pair. A backward inside
+            # no_sync() of a forward inside it announces nothing: the forward compared that
+            self._count = Count(self.executor, PASS_NO_SYNC, self.steps,
+                                self.passes_since_step + 1, riders=self.riders)
+            self._check_count()
         return self._pass_open
 
     def _queue_end(self) -> None:
@@ -604,9 +617,10 @@ class GradReducer:
 
     # -- what the optimizer asks -------------------------------------------------------------
 
-    def finish(self, check_stray: bool = True) -> torch.Tensor:
+    def finish(self, check_stray: bool = True, clip: bool = False) -> torch.Tensor:
         """Waits for every reduction; returns the per-parameter 'some rank had a gradient'
         mask (uint8). Calling it again before the next pass or step returns the same.
+        `clip`: for clip_grad_norm_, which its step's count names (counts.CLIP).
 
         Stages 2-3, with check_stray: a param.grad set after the last reduced backward (`p.grad
         = g` after backward, or a backward under no_sync() after the reduced one) would be
@@ -626,7 +640,7 @@ class GradReducer:
                 # next step() reduces param.grad again
                 # it carries the used mask: which param.grad the reduction reads (below)
                 self._local_used = bytearray(p.grad is not None for p in self.flat.params)
-                settings = self._counted(STEP, 0)
+                settings = self._counted(CLIP if clip else STEP, 0)
             self.reduce_now()
             if settings is not None:
                 try:
@@ -642,7 +656,8 @@ class GradReducer:
                     stray = [i for i, p in enumerate(self.flat.params) if p.grad is not None]
         if self.check_counts:
             self._check_count()
-            self._count = self._counted(STEP_STRAY if stray else STEP, self.passes_since_step)
+            self._count = self._counted(STEP_STRAY if stray else CLIP if clip else STEP,
+                                        self.passes_since_step)
             self._check_count()  # gives _global_used (_take_used)
         if stray:
             more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
@@ -693,10 +708,16 @@ class GradReducer:
             return
         self._check_count()
         n = self.forwards_since_step + (not eval_forward)
-        self._count = Count(self.executor, EVAL_FORWARD if eval_forward else FORWARD,
-                             self.steps, n, problem, riders=self.riders)
+        # a training forward says whether it runs inside no_sync(): the ranks' backwards of it
+        # differ in collectives otherwise (its own comparison, counts.py), and no collective is
+        # added for it
+        kind = (EVAL_FORWARD if eval_forward else FORWARD if self.sync_enabled else
+                FORWARD_NO_SYNC)
+        self._count = Count(self.executor, kind, self.steps, n, problem, riders=self.riders)
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
+        if not eval_forward:
+            self._forward_synced = self.sync_enabled
 
     def announce_gathered(self, what: str, key: int = 0) -> None:
         """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
@@ -729,6 +750,7 @@ class GradReducer:
     def after_step(self) -> None:
         self.passes_since_step = 0
         self.forwards_since_step = 0
+        self._forward_synced = None
         self.steps += 1
         self._end_update()
         self._finished = False
