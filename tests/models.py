@@ -57,6 +57,31 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def _fused_adamw_on_cpu() -> bool:
+    try:
+        p = nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+FUSED_ADAMW = _fused_adamw_on_cpu()
+
+
+def reference_adamw(params, **kw) -> torch.optim.AdamW:
+    """torch.optim.AdamW as the reference beside zero_py's fused kernel: torch's fused
+    implementation where this torch has it on the CPU. Both round alike on every CPU; torch's
+    foreach implementation, as built for AVX2 (AMD Zen 3, say), rounds an ulp away from them in
+    about 2% of the elements, which scenarios that amplify rounding (bf16 autocast's casts of
+    the weights, a gradient at the level of rounding noise through Adam's normalisation, a
+    GAN's game) turn into differences far above an ulp within a few steps."""
+    if FUSED_ADAMW:
+        kw.setdefault("fused", True)
+    return torch.optim.AdamW(params, **kw)
+
+
 def average_grads(module: nn.Module) -> None:
     """The reference's gradients averaged over the ranks by hand (summed, then divided), for a
     plain model beside zero_py's where DDP does not fit the idiom."""

@@ -66,7 +66,7 @@ def _pair(rank, stage, **kw):
     ref = models.MLP()
     zmodel, zopt = _zero(copy.deepcopy(ref), stage, **kw)
     ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = models.reference_adamw(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     return ref, zmodel, zopt, ddp, ref_opt, torch.Generator().manual_seed(rank)
 
 
@@ -119,7 +119,7 @@ def add_param_group(rank, stage, amsgrad=False):
     zmodel.head.requires_grad_(False)
     base = [p for n, p in ref.named_parameters() if not n.startswith("head")]
     ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(base, lr=1e-2, weight_decay=0.1)
+    ref_opt = models.reference_adamw(base, lr=1e-2, weight_decay=0.1)
     zopt = zero_py.ZeroOptimizer([p for p in zmodel.parameters() if p.requires_grad],
                                  stage=stage, lr=1e-2, weight_decay=0.1, bucket_bytes=1024)
     gen = torch.Generator().manual_seed(rank)
@@ -160,7 +160,7 @@ def state_view_and_hooks(rank, stage):
     ref = models.MLP()
     zmodel = copy.deepcopy(ref)
     ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ref_opt = models.reference_adamw(ddp.parameters(), lr=1e-2)
     if stage == 3:
         zmodel, zopt = zero_py.initialize(zmodel, stage=3, lr=1e-2)
     else:
@@ -390,7 +390,7 @@ def buffers(rank, stage, every_forward):
             for a, b in zip(ref.buffers(), synced):
                 a.copy_(b)
     ddp = DDP(ref, broadcast_buffers=every_forward)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = models.reference_adamw(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(rank)
     worst = 0.0
     for _ in range(4):
@@ -546,7 +546,7 @@ def averaged_batchnorm(rank, stage):
     ref = make()
     zmodel, zopt = _zero(make(), stage, broadcast_buffers=True)
     ddp = DDP(ref, broadcast_buffers=True)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = models.reference_adamw(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     inside = zero_py.gathered if stage == 3 else (lambda m: contextlib.nullcontext())
     gen = torch.Generator().manual_seed(rank)
     ref_avg = AveragedModel(ref)
@@ -623,7 +623,7 @@ def unit_forward_hooks(rank, stage):
     DDP's do (the model cannot be deep-copied: torch refuses weight_norm's)."""
     ref = _hooked_mlp()
     ddp = DDP(ref)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = models.reference_adamw(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     zmodel, zopt = _zero(_hooked_mlp(), stage,
                          **({"wrap_policy": {nn.Linear}} if stage == 3 else {}))
     norms = {}

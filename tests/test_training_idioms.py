@@ -52,6 +52,7 @@ from zero_py.examples.demo import Block
 from zero_py.sharding.units import assign_units
 
 RTOL = 1e-5
+AUTOCAST_ACCUMULATION_RTOL = 2e-3  # see test_idiom_matches_ddp
 LR = dict(lr=1e-2, weight_decay=0.1)
 STEPS = 4
 
@@ -69,7 +70,7 @@ def _mlp_pair(rank, stage):
     ref = models.MLP()
     zm = copy.deepcopy(ref)
     ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    ropt = models.reference_adamw(ref.parameters(), **LR)
     zm, zopt = _zero(zm, stage)
     return ref, ddp, ropt, zm, zopt, torch.Generator().manual_seed(rank)
 
@@ -90,7 +91,13 @@ class _AveragedAdamW(torch.optim.AdamW):
     """AdamW over gradients averaged over the ranks by hand at step(): DDP's arithmetic (each
     rank's gradient divided by the world size, then summed) for idioms DDP does not follow.
     Summing first would round differently where the ranks' gradients cancel, which AdamW's
-    first step turns into differences of up to lr."""
+    first step turns into differences of up to lr. Fused where torch has it
+    (models.reference_adamw)."""
+
+    def __init__(self, params, **kw):
+        if models.FUSED_ADAMW:
+            kw.setdefault("fused", True)
+        super().__init__(params, **kw)
 
     def step(self, closure=None):
         for g in self.param_groups:
@@ -115,7 +122,7 @@ def _gpt_run(rank, stage, body, averaged=False, **gpt):
         rmodel, ropt = ref, _AveragedAdamW(ref.parameters(), **LR)
     else:
         rmodel = DDP(ref)
-        ropt = torch.optim.AdamW(ref.parameters(), **LR)
+        ropt = models.reference_adamw(ref.parameters(), **LR)
     zm, zopt = _zero(zm, stage, wrap={Block})
     gen = torch.Generator().manual_seed(100 + rank)
     worst = 0.0
@@ -278,7 +285,7 @@ def gan(rank, stage, penalty, freeze=False):
         rgo, rdo = _AveragedAdamW(rg.parameters(), **LR), _AveragedAdamW(rd.parameters(), **LR)
     else:
         rgm, rdm = DDP(rg), DDP(rd)
-        rgo, rdo = (torch.optim.AdamW(m.parameters(), **LR) for m in (rg, rd))
+        rgo, rdo = (models.reference_adamw(m.parameters(), **LR) for m in (rg, rd))
     zg, zgo = _zero(zg, stage)
     zd, zdo = _zero(zd, stage)
     gen = torch.Generator().manual_seed(rank)
@@ -349,7 +356,7 @@ def split_and_ema(rank, stage):
     ref = _TwoParts()
     zm = copy.deepcopy(ref)
     ddp = DDP(ref)
-    ropts = [torch.optim.AdamW(ref.body.parameters(), **LR),
+    ropts = [models.reference_adamw(ref.body.parameters(), **LR),
              torch.optim.SGD(ref.head.parameters(), lr=0.05, momentum=0.9)]
     if stage < 3:
         zopts = [zero_py.ZeroOptimizer(zm.body.parameters(), stage=stage, bucket_bytes=1024,
@@ -357,7 +364,7 @@ def split_and_ema(rank, stage):
                  zero_py.ZeroOptimizer(zm.head.parameters(), torch.optim.SGD, stage=stage,
                                        bucket_bytes=1024, lr=0.05, momentum=0.9)]
     else:  # stage 3: one optimizer per model
-        ropts = [torch.optim.AdamW(ref.parameters(), **LR)]
+        ropts = [models.reference_adamw(ref.parameters(), **LR)]
         zm, zopt = _zero(zm, 3)
         zopts = [zopt]
     rt = copy.deepcopy(ref)
@@ -411,7 +418,7 @@ def layers(rank, stage):
     ref = _Layers()
     zm = copy.deepcopy(ref)
     ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    ropt = models.reference_adamw(ref.parameters(), **LR)
     zm, zopt = _zero(zm, stage, wrap=200)
     gen = torch.Generator().manual_seed(rank)
     worst = 0.0
@@ -453,7 +460,7 @@ def failed_batches(rank, stage):
     ref = models.TiedGPT()
     zm = copy.deepcopy(ref)
     ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    ropt = models.reference_adamw(ref.parameters(), **LR)
     zm, zopt = _zero(zm, stage, wrap={Block})
     armed = []  # where the next pass raises
 
@@ -618,7 +625,7 @@ def max_norm_embedding(rank, stage):
     except ValueError as exc:
         return {"refused": str(exc)}
     ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), **LR)
+    ropt = models.reference_adamw(ref.parameters(), **LR)
     gen = torch.Generator().manual_seed(7)  # the same batches on every rank
     worst = 0.0
     for _ in range(STEPS):
@@ -716,8 +723,13 @@ def test_idiom_matches_ddp(results, name):
                     "(no gradient reaches the weights): the DDP reference fails")
     cases = list(_cases(results, name))
     assert cases
+    # Two micro-batches reduced one by one: DDP's second all-reduce sums both ranks' copies of
+    # the first average with the new gradients, (2 avg1 + g2) / 2, where zero_py adds the two
+    # averages, avg1 + avg2: an ulp apart, which bf16 autocast's casts of the weights can flip
+    # by a bf16 ulp (2.7e-4 after 3 steps on an AMD Zen 3; below 1e-5 on an Intel Xeon).
+    rtol = AUTOCAST_ACCUMULATION_RTOL if name.startswith("autocast_region") else RTOL
     for where, _, r in cases:
-        assert r["rel"] <= RTOL, f"{where}: differs by {r['rel']:.2e}"
+        assert r["rel"] <= rtol, f"{where}: differs by {r['rel']:.2e}"
 
 
 def test_module_zero_grad_zeroes_the_sharded_gradients(results):
