@@ -1,4 +1,5 @@
-"""`python -m zero_py ...`, run as users run it: in a subprocess.
+"""`python -m zero_py ...`, run as users run it: in a subprocess (checks of an error message
+alone call its main() in this process).
 
 --help lists every registered command; `estimate` prints the table (and JSON equal to
 zero_py.tools.estimate.estimate_memory's answer), counts a Hugging Face config's parameters
@@ -6,7 +7,9 @@ like the model built from it, and says what to change for bad input; `env` repor
 versions, the kernels' instruction set and the CUDA/NCCL answer of the library itself.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -17,6 +20,7 @@ import torch
 
 import zero_py
 from zero_py.__main__ import COMMANDS, build_parser
+from zero_py.__main__ import main as zp_main
 from zero_py.tools.estimate import estimate_memory, model_from_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,15 +89,27 @@ def test_estimate_from_a_hugging_face_config(tmp_path):
     assert sum(p.numel() for p in built.parameters()) == data["param_count"]
 
 
+def run_main(*args):
+    """`python -m zero_py ARGS` in this process (its main(), exit status and output), for
+    checks of messages alone: a subprocess costs seconds of imports each."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = zp_main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_estimate_errors_say_what_to_change(tmp_path):
     proc = run_cli("estimate", "--params", "1e9", "--world", "2", "--stage", "4", check=False)
     assert proc.returncode == 2 and "--stage takes 1, 2, 3" in proc.stderr
-    proc = run_cli("estimate", "--params", "1e9", "--world", "0", check=False)
+    proc = run_main("estimate", "--params", "1e9", "--world", "0")
     assert proc.returncode == 2 and "--world must be >= 1" in proc.stderr
-    proc = run_cli("estimate", "--world", "2", check=False)
+    proc = run_main("estimate", "--world", "2")
     assert proc.returncode == 2 and "--params" in proc.stderr and "--config" in proc.stderr
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    proc = run_cli("estimate", "--config", str(tmp_path), "--world", "2", check=False)
+    proc = run_main("estimate", "--config", str(tmp_path), "--world", "2")
     assert proc.returncode == 2 and "model_type" in proc.stderr
 
 
@@ -138,6 +154,7 @@ def test_help_lists_plot_and_bench():
     assert "--nproc" in run_cli("bench", "--help").stdout
 
 
+@pytest.mark.slow  # a torchrun of the step-time benchmark: ~20 s (make test-long)
 def test_bench_prints_the_table(tmp_path):
     path = tmp_path / "bench.json"
     out = run_cli("bench", "--nproc", "2", "--stages", "2,ddp", "--steps", "1",

@@ -39,6 +39,7 @@ def demo_and_plot(tmp_path_factory):
     return out, demo, plot
 
 
+@pytest.mark.slow  # a 2-rank demo run and the plots: ~45 s (make test-long)
 def test_demo_writes_records_and_plot_writes_pngs(demo_and_plot):
     out, demo, plot = demo_and_plot
     assert "4/4" in demo.stdout  # tqdm's bar reached the end
@@ -49,6 +50,7 @@ def test_demo_writes_records_and_plot_writes_pngs(demo_and_plot):
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
 
 
+@pytest.mark.slow  # a 2-rank demo run and the plots: ~45 s (make test-long)
 def test_records_agree_with_the_estimate(demo_and_plot):
     import torch
 
