@@ -148,10 +148,13 @@ def _scenarios(rank, world_size, root):
     # stage 3's gathered() with another modifier_rank per rank: each rank broadcast its own
     # edits on exit (a hang); one not in the group was found by that broadcast only, after
     # the block ran, as "broadcast: src 5 ...". Both raise on every rank, before the block
-    def gathered_then_trained(calls):
+    def stage3_mlp():
         torch.manual_seed(0)
-        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
-                                    wrap_policy={nn.Linear}, lr=1e-2)
+        return zero_py.initialize(models.MLP(), stage=3, process_group=group,
+                                  wrap_policy={nn.Linear}, lr=1e-2)
+
+    def gathered_then_trained(calls):
+        m, opt = stage3_mlp()
         errors = []
         for modifier_rank in calls:
             dist.barrier(group)
@@ -204,9 +207,7 @@ def _scenarios(rank, world_size, root):
     # run then goes on (zero_grad, the same two micro-batches agreeing: the first under
     # no_sync() on both) as one that never made the calls
     def no_sync_then_trained(calls):
-        torch.manual_seed(0)
-        m, opt = zero_py.initialize(models.MLP(), stage=3, process_group=group,
-                                    wrap_policy={nn.Linear}, lr=1e-2)
+        m, opt = stage3_mlp()
         errors = []
         for around in calls:
             dist.barrier(group)
