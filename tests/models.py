@@ -57,29 +57,40 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _fused_adamw_on_cpu() -> bool:
+def _adamw_rounds_as_zero_py(**mode) -> bool:
+    """Whether torch.optim.AdamW(**mode) gives zero_py's fused kernel's bits on this CPU: three
+    steps on random values (not the tests' data)."""
+    from zero_py import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    p0, g = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen) * 1e-3
+    p = nn.Parameter(p0.clone())
     try:
-        p = nn.Parameter(torch.ones(2))
-        p.grad = torch.ones(2)
-        torch.optim.AdamW([p], fused=True).step()
-        return True
-    except (RuntimeError, TypeError, ValueError):
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, **mode)
+        master, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        for step in (1, 2, 3):
+            p.grad = g * step
+            opt.step()
+            kernels.optim_step_flat("adamw", master, g * step, m, v, step=step, lr=1e-2,
+                                    weight_decay=0.1)
+    except (RuntimeError, TypeError, ValueError):  # no fused AdamW on this torch's CPU build
         return False
+    return torch.equal(p.detach(), master)
 
 
-FUSED_ADAMW = _fused_adamw_on_cpu()
+# torch's default (foreach) AdamW where it rounds as zero_py's kernel, else its fused one where
+# that does (torch's AVX2 build: foreach is an ulp away in ~2% of the elements, fused equal)
+REFERENCE_ADAMW_MODE = ({} if _adamw_rounds_as_zero_py(foreach=True) else
+                        {"fused": True} if _adamw_rounds_as_zero_py(fused=True) else {})
 
 
 def reference_adamw(params, **kw) -> torch.optim.AdamW:
-    """torch.optim.AdamW as the reference beside zero_py's fused kernel: torch's fused
-    implementation where this torch has it on the CPU. Both round alike on every CPU; torch's
-    foreach implementation, as built for AVX2 (AMD Zen 3, say), rounds an ulp away from them in
-    about 2% of the elements, which scenarios that amplify rounding (bf16 autocast's casts of
-    the weights, a gradient at the level of rounding noise through Adam's normalisation, a
-    GAN's game) turn into differences far above an ulp within a few steps."""
-    if FUSED_ADAMW:
-        kw.setdefault("fused", True)
-    return torch.optim.AdamW(params, **kw)
+    """torch.optim.AdamW as the reference beside zero_py's fused kernel, in the implementation
+    of torch's that rounds as the kernel on this CPU (REFERENCE_ADAMW_MODE). Scenarios that
+    amplify rounding (bf16 autocast's casts of the weights, a gradient at the level of rounding
+    noise through Adam's normalisation, a GAN's game) turn an ulp into differences far above
+    it within a few steps."""
+    return torch.optim.AdamW(params, **{**REFERENCE_ADAMW_MODE, **kw})
 
 
 def average_grads(module: nn.Module) -> None:

@@ -95,9 +95,7 @@ class _AveragedAdamW(torch.optim.AdamW):
     (models.reference_adamw)."""
 
     def __init__(self, params, **kw):
-        if models.FUSED_ADAMW:
-            kw.setdefault("fused", True)
-        super().__init__(params, **kw)
+        super().__init__(params, **{**models.REFERENCE_ADAMW_MODE, **kw})
 
     def step(self, closure=None):
         for g in self.param_groups:
