@@ -1,5 +1,6 @@
-"""`python -m zero_py ...`, run as users run it: in a subprocess (checks of an error message
-alone call its main() in this process).
+"""`python -m zero_py ...`: `--help` runs as users run it, in a subprocess (the
+module entry point itself); the other checks call its main() in this process (a subprocess
+costs seconds of imports each, ten of them a minute of the suite on a loaded 2-vCPU host).
 
 --help lists every registered command; `estimate` prints the table (and JSON equal to
 zero_py.tools.estimate.estimate_memory's answer), counts a Hugging Face config's parameters
@@ -35,6 +36,18 @@ def run_cli(*args, check=True):
     return proc
 
 
+def run_main(*args):
+    """`python -m zero_py ARGS` in this process (its main(), exit status and output), for
+    checks of messages alone: a subprocess costs seconds of imports each."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = zp_main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_help_lists_every_command():
     out = run_cli("--help").stdout
     sub = next(a for a in build_parser()._actions if a.dest == "command")
@@ -46,22 +59,22 @@ def test_help_lists_every_command():
 
 
 def test_estimate_table_for_a_parameter_count():
-    out = run_cli("estimate", "--params", "7e9", "--world", "8", "--stage", "3").stdout
+    out = run_main("estimate", "--params", "7e9", "--world", "8", "--stage", "3").stdout
     assert "stage 3" in out and "DDP" in out
     for row in ("params", "grads", "optimizer states", "stage-3 working set", "buffers",
                 "total"):
         assert row in out
     assert "--unit-params" in out  # the assumption is said
-    side = run_cli("estimate", "--params", "7B", "--world", "8").stdout
+    side = run_main("estimate", "--params", "7B", "--world", "8").stdout
     assert all(f"stage {s}" in side for s in (1, 2, 3))
     assert "7,000,000,000 parameters" in side
-    proc = run_cli("estimate", "--params", "seven", "--world", "8", check=False)
+    proc = run_main("estimate", "--params", "seven", "--world", "8")
     assert proc.returncode == 2 and "not a parameter count" in proc.stderr
 
 
 def test_estimate_json_is_estimate_memory():
-    out = run_cli("estimate", "--params", "1.3e9", "--world", "4", "--dtype", "bf16",
-                  "--unit-params", "5e7", "--json").stdout
+    out = run_main("estimate", "--params", "1.3e9", "--world", "4", "--dtype", "bf16",
+                   "--unit-params", "5e7", "--json").stdout
     data = json.loads(out)
     for s in (1, 2, 3):
         want = estimate_memory(1.3e9, 4, s, torch.bfloat16, largest_unit=50_000_000).as_dict()
@@ -77,10 +90,9 @@ def test_estimate_from_a_hugging_face_config(tmp_path):
            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
            "vocab_size": 200, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    # the folder holding config.json, through the CLI (one call: each imports transformers
-    # anew); the file itself, in this process
-    data = json.loads(run_cli("estimate", "--config", str(tmp_path), "--world", "2",
-                              "--json").stdout)
+    # the folder holding config.json, through the CLI's main(); the file itself, directly
+    data = json.loads(run_main("estimate", "--config", str(tmp_path), "--world", "2",
+                               "--json").stdout)
     real = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
         k: v for k, v in cfg.items() if k != "model_type"}))
     assert data["param_count"] == sum(p.numel() for p in real.parameters())
@@ -89,20 +101,8 @@ def test_estimate_from_a_hugging_face_config(tmp_path):
     assert sum(p.numel() for p in built.parameters()) == data["param_count"]
 
 
-def run_main(*args):
-    """`python -m zero_py ARGS` in this process (its main(), exit status and output), for
-    checks of messages alone: a subprocess costs seconds of imports each."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = zp_main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
 def test_estimate_errors_say_what_to_change(tmp_path):
-    proc = run_cli("estimate", "--params", "1e9", "--world", "2", "--stage", "4", check=False)
+    proc = run_main("estimate", "--params", "1e9", "--world", "2", "--stage", "4")
     assert proc.returncode == 2 and "--stage takes 1, 2, 3" in proc.stderr
     proc = run_main("estimate", "--params", "1e9", "--world", "0")
     assert proc.returncode == 2 and "--world must be >= 1" in proc.stderr
@@ -118,7 +118,7 @@ def test_an_unwritable_output_is_said_at_once(tmp_path):
     measuring (plot used to measure for minutes, then end in a traceback)."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    proc = run_cli("plot", "--out", str(blocker / "plots"), check=False)
+    proc = run_main("plot", "--out", str(blocker / "plots"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "python -m zero_py plot:" in proc.stderr and "Traceback" not in proc.stderr
     assert "measuring" not in proc.stdout
@@ -129,7 +129,7 @@ def test_env_reports_this_machine():
     from zero_py.collectives import nccl
     from zero_py.kernels import cuda
 
-    data = json.loads(run_cli("env", "--json").stdout)
+    data = json.loads(run_main("env", "--json").stdout)
     assert data["torch"] == torch.__version__
     assert data["zero_py"].startswith(zero_py.__version__)
     assert data["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
@@ -143,15 +143,15 @@ def test_env_reports_this_machine():
         assert data["NCCL executor"].startswith("usable")
     else:
         assert data["NCCL executor"] == f"no: {why}"
-    table = run_cli("env").stdout
+    table = run_main("env").stdout
     assert "CPU kernels" in table and "NCCL executor" in table
 
 
 def test_help_lists_plot_and_bench():
-    out = run_cli("--help").stdout
+    out = run_main("--help").stdout
     for name in ("estimate", "env", "consolidate", "inspect", "plot", "bench"):
         assert name in out, f"`python -m zero_py --help` does not list {name}"
-    assert "--nproc" in run_cli("bench", "--help").stdout
+    assert "--nproc" in run_main("bench", "--help").stdout
 
 
 @pytest.mark.slow  # a torchrun of the step-time benchmark: ~20 s (make test-long)
