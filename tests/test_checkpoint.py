@@ -769,9 +769,10 @@ def test_consolidate_bf16_and_optimizer_state(runs, tmp_path):
 
     out = str(tmp_path / "model.safetensors")
     optim_out = str(tmp_path / "optim.safetensors")
-    subprocess.run([sys.executable, "-m", "zero_py", "consolidate", "--dtype", "bfloat16",
-                    "--optimizer", optim_out, os.path.join(runs["tmp"], "C_more"), out],
-                   check=True)
+    from zero_py.__main__ import main  # in this process (the test above runs the module)
+
+    assert main(["consolidate", "--dtype", "bfloat16", "--optimizer", optim_out,
+                 os.path.join(runs["tmp"], "C_more"), out]) == 0
     full = load_file(out)
     assert all(v.dtype == torch.bfloat16 for k, v in full.items() if k != "marker")
     optim = torch_optimizer_state(optim_out)
@@ -790,20 +791,19 @@ def test_consolidate_bf16_and_optimizer_state(runs, tmp_path):
     torch.optim.AdamW(model.parameters(), lr=1.0).load_state_dict(optim)
 
 
-def test_inspect_prints_the_manifest(runs):
-    res = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
-                          os.path.join(runs["tmp"], "C")], check=True, capture_output=True,
-                         text=True)
-    assert "step" in res.stdout and "world size" in res.stdout and "OK" in res.stdout
-    bad = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
-                          os.path.join(runs["tmp"], "bad_flipped_byte")], capture_output=True,
-                         text=True)
-    assert bad.returncode != 0 and "CRC-32C" in (bad.stdout + bad.stderr)
-    edited = subprocess.run([sys.executable, "-m", "zero_py", "inspect",
-                             os.path.join(runs["tmp"], "bad_edited")], capture_output=True,
-                            text=True)  # a clear error, not a traceback
-    assert edited.returncode != 0 and "lacks 'files'" in edited.stderr, edited.stderr
-    assert "Traceback" not in edited.stderr, edited.stderr
+def test_inspect_prints_the_manifest(runs, capsys):
+    from zero_py.__main__ import main  # `python -m zero_py inspect`, in this process
+
+    assert main(["inspect", os.path.join(runs["tmp"], "C")]) == 0
+    out = capsys.readouterr().out
+    assert "step" in out and "world size" in out and "OK" in out
+    assert main(["inspect", os.path.join(runs["tmp"], "bad_flipped_byte")]) != 0
+    bad = capsys.readouterr()
+    assert "CRC-32C" in (bad.out + bad.err)
+    # a clear error, not a traceback
+    assert main(["inspect", os.path.join(runs["tmp"], "bad_edited")]) != 0
+    edited = capsys.readouterr().err
+    assert "lacks 'files'" in edited and "Traceback" not in edited, edited
 
 
 def test_inspect_and_consolidate_refuse_a_manifest_that_does_not_describe_its_files(
