@@ -72,13 +72,30 @@ install:
 	@$(PYTHON) -c "import zero_py.kernels.cuda as c; m = c.native_module(); \
 	print('zero_py._cuda', 'built' if m else 'not built', '(GPU: ' + (c.unavailable_reason() or 'usable') + ')')"
 
-build/ctest: csrc/sources.mk $(CORE_SRC) $(CTEST_SRC) $(wildcard $(ZP_HEADERS) tests/c/*.h)
-	@mkdir -p build
-	$(CC) $(CFLAGS_TEST) $(CORE_SRC) $(CTEST_SRC) -lpthread -lm -o $@
+# The C tests and the bodies' benchmark are compiled one object per source file, the objects
+# side by side (a sub-make with -j: `make test` itself runs one target at a time), each object
+# rebuilt when its file, csrc/sources.mk or any header changes.
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+C_HEADERS := $(wildcard $(ZP_HEADERS) tests/c/*.h)
+CFLAGS_BENCH := -std=c11 -O3 -fno-math-errno -Wall -Wextra -Werror -Icsrc
+CTEST_OBJ := $(patsubst %.c,build/obj-test/%.o,$(CORE_SRC) $(CTEST_SRC))
+BODIES_OBJ := $(patsubst %.c,build/obj-bench/%.o,benchmarks/optim_bodies.c $(CORE_SRC))
+
+build/obj-test/%.o: %.c csrc/sources.mk $(C_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_TEST) -c $< -o $@
+
+build/obj-bench/%.o: %.c csrc/sources.mk $(C_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_BENCH) -c $< -o $@
+
+build/ctest: $(CTEST_OBJ)
+	$(CC) $(CFLAGS_TEST) $^ -lpthread -lm -o $@
 
 # ... and the optimizer bodies' benchmark at a size that times nothing: it builds (so it does
 # not rot) and checks every body against the scalar one, bit for bit, at 1001 elements.
-ctest: build/ctest build/optim_bodies
+ctest:
+	@$(MAKE) --no-print-directory -j$(NPROC) build/ctest build/optim_bodies
 	./build/ctest
 	./build/optim_bodies 1001 1 1 > /dev/null
 
@@ -196,9 +213,8 @@ bench: build
 # The optimizer bodies alone (benchmarks/optim_bodies.c): one thread, data in L2, each body
 # checked against the scalar one bit for bit, then timed in ns per element; which body to tune
 # when optim_kernels.py's step falls short of its bound on a CPU.
-build/optim_bodies: benchmarks/optim_bodies.c csrc/sources.mk $(CORE_SRC) $(wildcard $(ZP_HEADERS))
-	@mkdir -p build
-	$(CC) -std=c11 -O3 -fno-math-errno -Wall -Wextra -Werror -Icsrc $< $(CORE_SRC) -lpthread -lm -o $@
+build/optim_bodies: $(BODIES_OBJ)
+	$(CC) $(CFLAGS_BENCH) $^ -lpthread -lm -o $@
 
 bench-bodies: build/optim_bodies
 	./build/optim_bodies
