@@ -19,7 +19,7 @@ ZP_C_MODULE_SRC := $(ZP_CORE_SRC) csrc/python/module.c csrc/python/prefetch_py.c
 # zero_py._cuda, its C part (the C compiler): status and threads, the table contract, the NCCL
 # executor and the binding. Not the CPU kernel family: the kernels are the .cu files below.
 ZP_CUDA_MODULE_SRC := csrc/common/*.c csrc/kernels/contract.c csrc/comm/*.c \
-                      csrc/python/cuda_module.c
+                      csrc/python/cuda_module.c csrc/python/nccl_py.c
 
 # zero_py._cuda, its CUDA part (nvcc), and the headers those files include: a change to one of
 # these headers recompiles every .cu file.

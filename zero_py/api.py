@@ -8,52 +8,48 @@ Stage 3 shards the parameters too: initialize cuts the model into units
 engine (hooks and prefetch) and installs the state-dict hooks (stage3/state_dict.py). Every
 stage reaches its collectives through collectives.make_executor, so stage 3 runs on the native
 NCCL executor for CUDA models as stages 1-2 do.
+
+This module is initialize; the rest of the entry points' code lives beside it, one subject a
+module: model_checks.py (the models initialize refuses), stage3_agreement.py (what the ranks
+agree on before stage 3 shards anything), buffers.py (buffer broadcast and broadcast_buffers),
+stage3/hf_methods.py (a Hugging Face model's generate and num_parameters under stage 3) and
+full_values.py (gathered and full_state_dict, re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
+from typing import Callable, Optional, Set, Type
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+# _BufferSync, _SyncedGenerate and _FullNumParameters were defined here: a model saved whole
+# (torch.save) with them on it names them here, so they stay importable from this module
+from zero_py.buffers import _BufferSync as _BufferSync
+from zero_py.buffers import buffer_entries, start_buffers
 from zero_py.collectives import channel, make_executor, make_hybrid_executor, quantized
-from zero_py.offload import ParamStore, check_offload_dir
-from zero_py.optim import agreement, compat
+from zero_py.full_values import full_state_dict, gathered
+from zero_py.model_checks import (refuse_data_parallel_wrappers, refuse_in_place_forward_writes,
+                                  refuse_sparse_gradients)
+from zero_py.optim import compat
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES,
                                      check_kind_options, check_no_aliased_buffers,
-                                     check_no_shared_storage, fingerprint)
+                                     check_no_shared_storage)
 from zero_py.optim.optimizer import ZeroOptimizer
 from zero_py.optim.update import fused_kind
-from zero_py.sharding.between_uses import full_numel
 from zero_py.sharding.storage import GatherMeter, full_shape
 from zero_py.sharding.units import WrapPolicy, assign_units
 from zero_py.stage3 import state_dict as stage3_state_dict
 from zero_py.stage3.engine import Stage3Engine
-from zero_py.stage3.shard import shard_parameters
+from zero_py.stage3.hf_methods import _FullNumParameters, _SyncedGenerate, takes_synced_gpus
 from zero_py.stage3.meta_init import realize_meta, replay_init
-from zero_py.stage3.user_edits import check_modifier_rank
+from zero_py.stage3.shard import shard_parameters
+from zero_py.stage3_agreement import (agree_param_file, agree_stage3, check_params_on_nvme,
+                                      param_file, param_groups)
 
 __all__ = ["initialize", "gathered", "full_state_dict", "full_shape"]
-
-
-def _param_groups(params) -> List[dict]:
-    """Param groups as torch.optim normalizes them: a list of dicts with a list of params."""
-    groups = list(params)
-    if not groups:
-        return []
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    out = []
-    for g in groups:
-        ps = g["params"]
-        out.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
-    return out
 
 
 def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Optimizer]] = None,
@@ -138,8 +134,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     if compat.manager_of(model) is not None:
         raise ValueError("this model is already managed by zero_py: call zero_py.initialize "
                          "once per model and keep the (model, optimizer) it returned")
-    _refuse_data_parallel_wrappers(model)
-    _refuse_sparse_gradients(model)
+    refuse_data_parallel_wrappers(model)
+    refuse_sparse_gradients(model)
     names = {id(p): n for n, p in model.named_parameters()}
     compat.check_unowned(model.parameters(), lambda p: repr(names.get(id(p), "?")))
     if not isinstance(broadcast_buffers, bool):
@@ -171,8 +167,8 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                             stage=stage, process_group=process_group, executor=executor,
                             replicate_group=replicate_group, device_mesh=device_mesh,
                             hybrid=hybrid, _param_names=names,
-                            _agreement=_buffer_entries(model), **kwargs)
-        _start_buffers(model, opt, broadcast_buffers)
+                            _agreement=buffer_entries(model), **kwargs)
+        start_buffers(model, opt, broadcast_buffers)
         model._zero_py = compat.ModelManager(opt, weak=True)  # the model goes on without it
         opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
         return model, opt
@@ -225,9 +221,9 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     groups = None
     try:
         if params_on_nvme:
-            _check_params_on_nvme(kwargs)
+            check_params_on_nvme(kwargs)
         defaults = ZeroOptimizer.check_arguments(optimizer_class, **kwargs)
-        groups = None if meta else _param_groups(model.parameters() if params is None
+        groups = None if meta else param_groups(model.parameters() if params is None
                                                  else params)
         # the optimizer's own refusals, before anything is sharded: raised by ZeroOptimizer
         # after it, they left the parameters as this rank's shard slices (a model neither
@@ -252,7 +248,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
                 "params holds none of the model's trainable parameters: give param groups over "
                 "them (a model with no trainable parameter at all is sharded for inference "
                 "with params=None)")
-        _refuse_in_place_forward_writes(model)
+        refuse_in_place_forward_writes(model)
         check_no_shared_storage(list(model.parameters()), lambda p: repr(names[id(p)]))
         check_no_aliased_buffers(list(model.parameters()), model.named_buffers(),
                                  lambda p: repr(names[id(p)]))
@@ -288,7 +284,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         if problem is not None:
             raise problem from None
         raise
-    _agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
+    agree_stage3(model, dp, optimizer_class, groups, units, unit_of, kwargs, {
         "reshard_after_forward": bool(reshard_after_forward),
         "persistence_threshold": persistence_threshold, "prefetch_bytes": prefetch_bytes,
         "meta": meta, "init_fn": init_fn,
@@ -308,7 +304,7 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
         unit_of = {id(p): unit_of[id(before[n])]
                    for n, p in model.named_parameters(remove_duplicate=False)}
     if groups is None:  # a meta model's parameters were replaced: take them now
-        groups = _param_groups(model.parameters())
+        groups = param_groups(model.parameters())
     trainable, groups_of = [], []
     seen: Set[int] = set()
     for gi, g in enumerate(groups):
@@ -328,14 +324,14 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     frozen_storage = None
     files = {}
     if params_on_nvme:
-        files = {"param_file": _param_file(kwargs["offload_dir"], dp.rank, "parameters"),
-                 "on_made": lambda flat: _agree_param_file(dp, flat)}
+        files = {"param_file": param_file(kwargs["offload_dir"], dp.rank, "parameters"),
+                 "on_made": lambda flat: agree_param_file(dp, flat)}
     storage = shard_parameters(trainable, groups_of, unit_of, n_units, gather, align, meter,
                                persistence_threshold, uninitialized, host_shards, device=device,
                                **files)
     if frozen:
         if params_on_nvme:
-            files["param_file"] = _param_file(kwargs["offload_dir"], dp.rank,
+            files["param_file"] = param_file(kwargs["offload_dir"], dp.rank,
                                               "frozen parameters")
         frozen_storage = shard_parameters(frozen, [0] * len(frozen), unit_of, n_units, gather,
                                           align, meter, persistence_threshold, uninitialized,
@@ -364,11 +360,11 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
             replay_init(model, engine, uninitialized, init_fn)
             opt.sync_master_from_params()
     stage3_state_dict.install(model, engine, opt)
-    _start_buffers(model, opt, broadcast_buffers)
+    start_buffers(model, opt, broadcast_buffers)
     # generate()'s forwards are no_grad: collective ones need synced_gpus, but where they gather
     # alone (one host, shared memory) it would make a rank that generates alone (rank 0
     # sampling for its log) wait for ever in transformers' all-reduce of "finished"
-    if dp.world_size > 1 and not engine.eval_gathers_alone and _takes_synced_gpus(model):
+    if dp.world_size > 1 and not engine.eval_gathers_alone and takes_synced_gpus(model):
         model.generate = _SyncedGenerate(model)
     # Hugging Face's num_parameters() sums p.numel(), this rank's slices between uses: it
     # counts the full parameters instead (its own code, numel() being the full count inside)
@@ -377,332 +373,3 @@ def initialize(model: nn.Module, optimizer_class: Optional[Type[torch.optim.Opti
     model._zero_py = compat.ModelManager(opt)
     opt._comm.mark()  # the first step's counts start after the set-up's broadcasts
     return model, opt
-
-
-def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
-    """A model (or a submodule) wrapped in DDP, DataParallel or FSDP: its wrapper reduces or
-    shards the gradients too (under stages 2-3 DDP writes its averaged gradient back after
-    zero_py took it; under stage 1 every gradient crosses the wire twice)."""
-    kinds = [nn.DataParallel, nn.parallel.DistributedDataParallel]
-    for path, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
-                       ("torch.distributed.fsdp", "FSDPModule")):
-        try:
-            kinds.append(getattr(importlib.import_module(path), name))
-        except (ImportError, AttributeError):
-            pass  # an older torch without it
-    for name, m in model.named_modules():
-        if isinstance(m, tuple(kinds)):
-            raise ValueError(
-                f"{'the model' if not name else f'submodule {name!r}'} is wrapped in "
-                f"{type(m).__name__}: zero_py reduces (and shards) the gradients itself, so "
-                "the wrapper would reduce them a second time. Give zero_py.initialize the "
-                "bare model (drop the DDP(...) / FSDP wrapper; `model.module` is the one "
-                "inside)")
-
-
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """An nn.Embedding / nn.EmbeddingBag with sparse=True and a trainable weight gives sparse
-    gradients, which zero_py does not reduce: refused here rather than in the first backward
-    (after a forward, on every rank)."""
-    for name, m in model.named_modules():
-        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-                and m.weight.requires_grad):
-            raise ValueError(
-                f"{type(m).__name__} {name or '(root)'!r} has sparse=True: its weight gets "
-                "sparse gradients, which zero_py does not reduce or shard. Construct it with "
-                "sparse=False (the default; dense gradients train to the same values), or "
-                "freeze its weight")
-
-
-def _refuse_in_place_forward_writes(model: nn.Module) -> None:
-    """Stage 3: an nn.Embedding / nn.EmbeddingBag with max_norm renormalizes the rows it looks
-    up in place during its forward. Under stage 3 its weight there is the gathered full view,
-    freed after the forward, so the renormalization would be lost (the model then drifts from
-    DDP's, where it persists)."""
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
-            raise ValueError(
-                f"{type(m).__name__} {name or '(root)'!r} has max_norm={m.max_norm}: its "
-                "forward renormalizes the weight's rows in place, which under stage 3 writes "
-                "into the gathered copy freed after the forward (the renormalization would be "
-                "lost); use stage 1 or 2 for it, or max_norm=None")
-
-
-def _check_params_on_nvme(kwargs: dict) -> None:
-    """offload_params="nvme" needs the optimizer on NVMe too, with an offload_dir."""
-    if kwargs.get("offload_optimizer") != "nvme":
-        raise ValueError(
-            "offload_params='nvme' needs offload_optimizer='nvme' (with the same offload_dir): "
-            "the step updates each bucket's parameters and optimizer states together and flips "
-            "both files only when every write has landed, so a failed write keeps the last good "
-            f"step; got offload_optimizer={kwargs.get('offload_optimizer')!r}. Pass "
-            "offload_optimizer='nvme', or offload_params='cpu'")
-    if kwargs.get("offload_dir") is None:
-        raise ValueError("offload_params='nvme' needs offload_dir=PATH: a directory on the NVMe "
-                         "drive for the parameter and optimizer files")
-    check_offload_dir(kwargs["offload_dir"], "offload_params")
-
-
-def _param_file(offload_dir, rank: int, what: str):
-    """The factory of a ShardedParams' ParamStore (offload_params="nvme")."""
-    return lambda flat: ParamStore(flat, offload_dir, rank, what)
-
-
-def _agree_param_file(executor, flat) -> None:
-    """After each rank tried to make its parameter file: every rank goes on, or every rank
-    raises (the rank that failed its own OSError, the others an error naming it)."""
-    problem = getattr(flat, "param_file_error", None)
-    try:
-        agreement.check(executor, [("the NVMe parameter file", f"failed: {problem}"
-                                    if problem else "made")],
-                        "zero_py.initialize(offload_params='nvme')")
-    except ValueError:
-        if problem is not None:
-            raise problem from None
-        raise
-    if problem is not None:
-        raise problem
-
-
-def _takes_synced_gpus(model: nn.Module) -> bool:
-    """Whether the model's class has a generate() with transformers' synced_gpus keyword."""
-    generate = getattr(type(model), "generate", None)
-    if not callable(generate):
-        return False
-    try:
-        return "synced_gpus" in inspect.signature(generate).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-class _SyncedGenerate:
-    """model.generate under stage 3 with several ranks whose no_grad forwards gather
-    collectively (across hosts, CUDA, ZP_SHM=0): synced_gpus=True unless the caller passes it.
-    Every forward gathers parameters collectively, so a rank that has finished generating must
-    keep running forwards until all have: transformers turns this on by itself only for
-    DeepSpeed and FSDP. A class, not a closure, so that torch.save(model) pickles."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
-        return type(self.model).generate(self.model, *args, **kwargs)
-
-
-class _FullNumParameters:
-    """model.num_parameters under stage 3 (a Hugging Face model): the class's own method, run
-    where numel() of a parameter between uses is its full count (between_uses.full_numel),
-    so it counts the model, not this rank's shard slices. A class, so that torch.save(model)
-    pickles."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        with full_numel():
-            return type(self.model).num_parameters(self.model, *args, **kwargs)
-
-
-# ZeroOptimizer's own settings (the rest of initialize's keywords go to the optimizer class)
-_ZERO_OPTIONS = ("bucket_bytes", "align_bytes", "grad_reduce_dtype", "loss_scaler",
-                 "stochastic_rounding", "offload_optimizer")
-
-
-def _buffer_entries(model: nn.Module) -> List[Tuple[str, Any]]:
-    return [(f"buffer {name}", {"shape": list(b.shape), "dtype": str(b.dtype)})
-            for name, b in model.named_buffers()]
-
-
-def _agree_stage3(model: nn.Module, executor, optimizer_class, groups: Optional[List[dict]],
-                  units, unit_of, kwargs: dict, stage3_options: dict,
-                  problem: Optional[Exception]) -> None:
-    """Stage 3's agreement (optim/agreement.py), before the first gather or broadcast: whether
-    the arguments were accepted, the settings, every parameter with its unit (the wrap
-    policy's result), the buffers."""
-    if problem is not None:
-        agreement.check(executor, [("arguments", f"refused: {problem}")], "zero_py.initialize")
-        return
-    defaults = inspect.signature(ZeroOptimizer.__init__).parameters
-    options = {k: kwargs.get(k, defaults[k].default) for k in _ZERO_OPTIONS}
-    # offload_dir is a local path: each rank may use its own drive
-    options.update({k: v for k, v in kwargs.items() if k not in options and k != "offload_dir"})
-    options.update(stage3_options)
-    if groups is None:  # a meta model: one group of every parameter
-        groups = _param_groups(model.parameters())
-    group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
-    unit_name = [name or "(root)" for name, _ in units]
-    entries = [agreement.param_entry(i, name, p, unit=unit_name[unit_of[id(p)]],
-                                     group=group_of.get(id(p)))
-               for i, (name, p) in enumerate(model.named_parameters())]
-    entries += _buffer_entries(model)
-    entries.append(("units", [[n, type(m).__name__] for n, m in units]))
-    agreement.check(executor, [("arguments", "accepted")] + fingerprint(
-        3, executor, optimizer_class, options, groups, entries), "zero_py.initialize")
-
-
-def _broadcast_buffers(model: nn.Module, executor) -> None:
-    """Every rank's buffers become rank 0's: one broadcast per dtype (buffers flattened)."""
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for b in model.buffers():
-        if b.numel() > 0 and not b.is_meta:
-            by_dtype.setdefault(b.dtype, []).append(b)
-    with torch.no_grad():
-        for bufs in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1).to(executor.device) for b in bufs])
-            # as bytes: the backends do not all take every dtype (gloo: bool, float8)
-            executor.broadcast(flat.view(torch.uint8), 0).wait()
-            at = 0
-            for b in bufs:
-                b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.device, b.dtype))
-                at += b.numel()
-
-
-class _BufferSync:
-    """broadcast_buffers=True: rank 0's buffers before each forward, as DDP decides it (before
-    a forward that follows one run with gradients enabled and outside no_sync, and before the
-    first)."""
-
-    def __init__(self, model: nn.Module, opt: ZeroOptimizer):
-        # the optimizer weakly, and its hooks go with it: the model holds them, and must not
-        # keep a dropped stages 1-2 optimizer alive (compat.ModelManager)
-        self.model, self.opt = model, weakref.ref(opt)
-        self.pending = True
-        opt._buffer_hooks = compat.release_on_collect(opt, [
-            model.register_forward_pre_hook(self._pre_forward, prepend=True),
-            model.register_forward_hook(self._post_forward)])
-
-    def __deepcopy__(self, memo):
-        # a copy of the model keeps these hooks, bound to this object: they skip the copy
-        return self
-
-    def _pre_forward(self, module, args) -> None:
-        if self.pending and module is self.model:
-            _broadcast_buffers(self.model, self.opt().executor)
-
-    def _post_forward(self, module, args, output) -> None:
-        if module is self.model:
-            self.pending = torch.is_grad_enabled() and self.opt().reducer.sync_enabled
-
-
-def _start_buffers(model: nn.Module, opt: ZeroOptimizer, every_forward: bool) -> None:
-    ranks = getattr(opt.executor, "data_parallel_size", opt.executor.world_size)
-    if ranks == 1 or not any(True for _ in model.buffers()):
-        return
-    _broadcast_buffers(model, opt.executor)
-    if every_forward:
-        opt._buffer_sync = _BufferSync(model, opt)
-
-
-def _managed_by(model_or_params) -> Tuple[Optional[ZeroOptimizer], Optional[Set[int]]]:
-    if isinstance(model_or_params, nn.Module):
-        opt = compat.manager_of(model_or_params)
-        return opt, {id(p) for p in model_or_params.parameters()}
-    return None, {id(p) for p in model_or_params}
-
-
-def _engine(opt) -> Optional[Stage3Engine]:
-    return getattr(opt, "_engine", None)
-
-
-@contextlib.contextmanager
-def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
-             optimizer: Optional[ZeroOptimizer] = None):
-    """Full parameters inside the block. Every rank enters it with the same arguments, except
-    under stage 3 without a modifier rank where the ranks share one host's memory (CPU ranks
-    on gloo, the default): there each rank reads every rank's shards on its own, and one rank
-    may enter it alone (see zero_py/stage3/state_dict.py). Elsewhere a rank that enters it
-    alone raises (after the process group's timeout at the latest).
-
-    `module_or_params`: a model given to zero_py.initialize, one of its submodules, or some of
-    its parameters (then pass `optimizer=`, the one initialize returned, unless the model
-    itself is given). With `modifier_rank=r`, rank r's edits made in the block (under
-    torch.no_grad()) are broadcast and become every rank's parameters (shards and fp32 masters)
-    on exit; without it, edits are discarded. Under stages 1-2 the parameters are always full;
-    the block then only applies the modifier rank's edits."""
-    opt, ids = _managed_by(module_or_params)
-    opt = optimizer or opt
-    if opt is None:
-        raise ValueError("zero_py.gathered needs the model given to zero_py.initialize, or "
-                         "optimizer= (what initialize returned) with a submodule or parameters")
-    engine = _engine(opt)
-    if engine is not None:
-        with engine.gathered(ids, modifier_rank):
-            yield
-        if modifier_rank is not None:
-            opt.sync_master_from_params()
-        return
-    # before the block: found by the broadcast on exit, the ranks had kept their own edits
-    check_modifier_rank("zero_py.gathered()", modifier_rank, opt.executor.world_size)
-    fp = opt._flat
-    requantize = modifier_rank is not None and quantized.weights_quantized(opt._wire)
-    buckets = sorted({fp.param_bucket[i] for i, p in enumerate(fp.params) if id(p) in ids})
-    if requantize:
-        # quantized_weights: the peers' pieces here are quantized copies, which the broadcast
-        # below would make every rank's own pieces; the block starts from the exact values
-        with torch.no_grad():
-            fp.all_gather(opt.executor, buckets)
-    try:
-        yield
-        if modifier_rank is not None:
-            with torch.no_grad():
-                # a parameter given new values as a whole in the block (`p.data = t`, as
-                # vector_to_parameters does) is an edit too: into the flat buffer, where the
-                # broadcast and the step read it (step() would refuse it otherwise)
-                for i in fp.moved_params():
-                    p = fp.params[i]
-                    if id(p) in ids and p.numel() == fp.param_numel[i]:
-                        view = fp.param_view(i)
-                        view.copy_(p.data.reshape(-1))
-                        p.data = view.view_as(p)
-                for p in fp.params:
-                    if id(p) in ids:
-                        opt.executor.broadcast(p.data, modifier_rank).wait()
-            opt.sync_master_from_params()
-    finally:
-        if requantize:  # the copies as a publish of the (new) pieces leaves them
-            with torch.no_grad():
-                fp.all_gather(opt._wire, buckets)
-
-
-def full_state_dict(model: nn.Module, rank: int = 0) -> Optional[Dict[str, torch.Tensor]]:
-    """The model's state_dict with full tensors (cloned, on the CPU) on group rank `rank`, None
-    elsewhere. Under stage 3 the units are gathered one at a time. Collective: every rank
-    calls it, except under stage 3 where the ranks share one host's memory (then `rank` may
-    call it alone; see zero_py/stage3/state_dict.py). The values are the trained ones, exact,
-    with quantized_weights too (stages 1-2: where model.state_dict() holds the peers' pieces
-    as the wire's copies)."""
-    opt = compat.manager_of(model)
-    if opt is None:
-        raise ValueError("full_state_dict needs a model given to zero_py.initialize")
-    engine = _engine(opt)
-    if engine is not None:
-        with opt._comm.outside():  # its gathers are in no step's comm_stats
-            return stage3_state_dict.full_state_dict(model, engine, rank)
-    if quantized.weights_quantized(opt._wire):
-        with opt._comm.outside():
-            return _exact_flat_state_dict(model, opt, rank)
-    if opt.executor.rank != rank:
-        return None
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
-                           ) -> Optional[Dict[str, torch.Tensor]]:
-    """Stages 1-2 with quantized_weights: every rank holds its peers' pieces as int8 (or bf16)
-    copies, so the trained values are put together from every rank's own pieces, all-gathered
-    exactly (collective: announced first, so that a rank calling it alone raises instead of
-    waiting for ever)."""
-    fp = opt._flat
-    opt._reducer.announce_gathered("zero_py.full_state_dict()")
-    regions = {b: torch.empty_like(fp.bucket_region(b)) for b in range(fp.n_buckets)}
-    with torch.no_grad():
-        for work in [opt.executor.all_gather(regions[b], fp.bucket_piece(b)) for b in regions]:
-            work.wait()
-    if opt.executor.rank != rank:
-        return None
-    exact = {id(p): regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
-                                                 + fp.param_numel[i]].view_as(p)
-             for i, p in enumerate(fp.params)}
-    return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
-            for k, v in model.state_dict(keep_vars=True).items()}

@@ -1,7 +1,7 @@
 /* binding.h - what the C files of the CPython bindings (csrc/python/) share: those of
- * zero_py._C (module.c, prefetch_py.c) and zero_py._cuda (cuda_module.c), which are separate
- * extension modules, so the helpers both need are static inline here rather than in one of
- * them. */
+ * zero_py._C (module.c, prefetch_py.c, ...) and zero_py._cuda (cuda_module.c, nccl_py.c), which
+ * are separate extension modules, so the helpers both need are static inline here rather than
+ * in one of them. */
 #ifndef ZP_BINDING_H
 #define ZP_BINDING_H
 
@@ -140,5 +140,15 @@ int zp_io_py_register(PyObject *module);
 /* Adds zero_py._C.quantize and dequantize (quantize_py.c). Returns 0, or -1 with an exception
  * set. */
 int zp_quantize_py_register(PyObject *module);
+
+/* zero_py._cuda's per-module state (cuda_module.c's module; nccl_py.c sets work_type, the
+ * NcclWork type that NcclComm.collective allocates). */
+typedef struct {
+  PyTypeObject *work_type;
+} zp_cuda_module_state;
+
+/* Adds zero_py._cuda.nccl_load, nccl_unique_id, nccl_has_p2p, NcclComm and NcclWork
+ * (nccl_py.c). Returns 0, or -1 with an exception set. */
+int zp_nccl_py_register(PyObject *module);
 
 #endif /* ZP_BINDING_H */
