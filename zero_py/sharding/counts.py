@@ -203,7 +203,10 @@ class Count:
                 "same forwards and backwards (e.g. a gradient-accumulation counter that counts "
                 "the same on every rank, not `if rank == 0: with model.no_sync(): ...`). "
                 "Nothing was reduced or updated by this call: call optimizer.zero_grad() on "
-                "every rank to drop the gradients held since the last step, then go on")
+                "every rank to drop the gradients held since the last step, then go on"
+                + (" (a zero_grad() on some ranks only, after backwards inside no_sync() on "
+                   "every rank, also drops them there alone: call it alike on every rank)"
+                   if rows[inside[0]][0] == PASS_AFTER_NO_SYNC else ""))
         raise RuntimeError(
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "

@@ -180,8 +180,9 @@ class GradReducer:
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
-        # a backward inside no_sync() left gradients in param.grad since the last reduced pass,
-        # step or zero_grad(): the next pass reduces them and says so in its count (_begin_pass)
+        # stage 2: a backward inside no_sync() left gradients in param.grad since the last
+        # reduced pass, step or zero_grad(): the next pass reduces them and says so in its
+        # count (_begin_pass); stage 3 announces each backward inside no_sync() instead
         self._unsynced = False
         # the pass and step counts are compared across ranks (Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
@@ -303,8 +304,8 @@ class GradReducer:
             self._count = Count(self.executor, PASS_NO_SYNC, self.steps,
                                 self.passes_since_step + 1, riders=self.riders)
             self._check_count()
-        # stage 2 adds no collective here: the next reduced pass announces what this left
-        self._unsynced = True
+        else:  # stage 2 adds no collective here: the next reduced pass announces what it left
+            self._unsynced = True
         return False
 
     def _queue_end(self) -> None:
