@@ -13,6 +13,7 @@ show the group is still usable after the refusals.
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -201,11 +202,12 @@ def _scenarios(rank, world_size, root):
     (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
 
     # stage 3's no_sync() entered on rank 0 only, around the forward and backward (a rank's
-    # own accumulation counter) or around the backward alone: rank 1's backward reduced and
-    # rank 0's did not, so each waited in a collective the other never made until the group's
-    # timeout, then raised a bare timeout. Both ranks raise at once, naming no_sync(), and the
-    # run then goes on (zero_grad, the same two micro-batches agreeing: the first under
-    # no_sync() on both) as one that never made the calls
+    # own accumulation counter) or around the backward alone, after a forward outside it or
+    # inside it on both ranks: rank 1's backward reduced and rank 0's did not, so each waited
+    # in a collective the other never made until the group's timeout, then raised a bare
+    # timeout. Both ranks raise at once, naming no_sync(), and the run then goes on
+    # (zero_grad, the same two micro-batches agreeing: the first under no_sync() on both) as
+    # one that never made the calls
     def no_sync_then_trained(calls):
         m, opt = stage3_mlp()
         errors = []
@@ -213,17 +215,21 @@ def _scenarios(rank, world_size, root):
             dist.barrier(group)
             batch = models.mlp_batch(torch.Generator().manual_seed(10 + rank))
             alone = opt.no_sync() if rank == 0 else contextlib.nullcontext()
+            start = time.monotonic()
             try:
                 if around == "forward and backward":
                     with alone:
                         models.mlp_loss(m, batch).backward()
                 else:
-                    loss = models.mlp_loss(m, batch)
+                    with opt.no_sync() if around == "backward of a forward inside" else (
+                            contextlib.nullcontext()):
+                        loss = models.mlp_loss(m, batch)
                     with alone:
                         loss.backward()
                 errors.append(None)
             except RuntimeError as exc:
                 errors.append(str(exc))
+            errors.append(time.monotonic() - start)
             opt.zero_grad()
         for k in range(2):
             with opt.no_sync() if k == 0 else contextlib.nullcontext():
@@ -233,8 +239,57 @@ def _scenarios(rank, world_size, root):
         with zero_py.gathered(m):
             return errors, [p.detach().clone() for p in m.parameters()]
     out["no_sync_errors"], out["no_sync_then"] = no_sync_then_trained(
-        ["forward and backward", "backward"])
+        ["forward and backward", "backward", "backward of a forward inside"])
     out["no_sync_never"] = no_sync_then_trained([])[1]
+
+    # stage 2 with several buckets, no_sync() around rank 0's first backward only, then a
+    # backward (an accumulation counter off by one) or step(): rank 1 reduce-scattered its
+    # first buckets during backward before any check, rank 0 raised at its next count and
+    # never matched them, so the next collective of the group (gloo) aborted the process on a
+    # size mismatch; step() alone went through. Both ranks raise at once, naming no_sync(),
+    # before any reduction of the pass is launched: the parameters are untouched, and after
+    # zero_grad() the run goes on as one that never made the calls. Stage 1 reduces only in
+    # step(), where rank 0's accumulated gradient is reduced as any other: it trains as a run
+    # with no no_sync()
+    def stage2_no_sync(stage, calls):
+        torch.manual_seed(0)
+        m = models.MLP()
+        opt = zero_py.ZeroOptimizer(m.parameters(), stage=stage, process_group=group, lr=1e-2,
+                                    bucket_bytes=1024)
+        assert opt.reducer.flat.n_buckets >= 3, opt.reducer.flat.n_buckets
+        errors = []
+        for then in calls:
+            dist.barrier(group)
+            before = [p.detach().clone() for p in m.parameters()]
+            alone = opt.no_sync() if rank == 0 and then else contextlib.nullcontext()
+            start = time.monotonic()
+            try:
+                with alone:
+                    models.mlp_loss(m, models.mlp_batch(
+                        torch.Generator().manual_seed(20 + rank))).backward()
+                if then == "backward":
+                    models.mlp_loss(m, models.mlp_batch(
+                        torch.Generator().manual_seed(30 + rank))).backward()
+                opt.step()
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+            errors.append(time.monotonic() - start)
+            errors.append(all(torch.equal(a, p) for a, p in zip(before, m.parameters())))
+            opt.zero_grad()
+        for k in range(2):
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                models.mlp_loss(m, models.mlp_batch(
+                    torch.Generator().manual_seed(2 * rank + k))).backward()
+        opt.step()
+        return errors, [p.detach().clone() for p in m.parameters()]
+    out["stage2_no_sync_errors"], out["stage2_no_sync_then"] = stage2_no_sync(
+        2, ["backward", "step()"])
+    out["stage2_no_sync_never"] = stage2_no_sync(2, [])[1]
+    # stage 1: the attempt trains (it is the run's first step), so its reference makes it
+    # with no_sync() on neither rank
+    out["stage1_no_sync"] = stage2_no_sync(1, ["step()"])
+    out["stage1_no_sync_never"] = stage2_no_sync(1, [None])
 
     # zero_grad(set_to_none=False) on rank 1 only, then a step without backward: rank 1 kept
     # zeroed gradients that torch.optim applies (momentum, weight decay) and rank 0 none, so
@@ -359,12 +414,31 @@ def test_disagreeing_ranks_raise_on_every_rank(tmp_path):
         for a, b in zip(r["clip_then"], r["clip_never"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for r in results:
-        for error, where in zip(r["no_sync_errors"], ("forward", "backward")):
+        errors = r["no_sync_errors"]
+        for error, seconds, where in zip(errors[::2], errors[1::2],
+                                         ("forward", "backward", "backward")):
             assert error is not None and "no_sync() was entered on some ranks only" in error, (
                 error)
             assert f"rank 0: {where} inside no_sync() number 1" in error, error
             assert "inside no_sync(): rank 0; outside: rank 1" in error, error
+            assert "every rank must enter no_sync() together" in error, error
+            assert seconds < 5, f"refused after {seconds:.1f} s: the group's timeout?"
         for a, b in zip(r["no_sync_then"], r["no_sync_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        errors = r["stage2_no_sync_errors"]
+        for error, seconds, unchanged in zip(errors[::3], errors[1::3], errors[2::3]):
+            assert error is not None and "no_sync() was entered on some ranks only" in error, (
+                error)
+            assert ("rank 0: backward pass reducing gradients accumulated inside no_sync() "
+                    "number 1 in step 0; rank 1: backward pass number 1 in step 0") in error, error
+            assert "inside no_sync(): rank 0; outside: rank 1" in error, error
+            assert "every rank must enter no_sync() together" in error, error
+            assert seconds < 5, f"refused after {seconds:.1f} s: the group's timeout?"
+            assert unchanged, "a refused call changed the parameters"
+        for a, b in zip(r["stage2_no_sync_then"], r["stage2_no_sync_never"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert r["stage1_no_sync"][0][0] is None, r["stage1_no_sync"][0]
+        for a, b in zip(r["stage1_no_sync"][1], r["stage1_no_sync_never"][1]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for rank, r in enumerate(results):
         assert r["zeroed_error"] is not None, f"rank {rank} stepped with other kept gradients"

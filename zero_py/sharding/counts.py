@@ -15,8 +15,11 @@ Stage 1 counts no passes; its step still compares the param groups' settings in 
 Other small control data rides in further columns of the same all-reduce (sharding/riders.py):
 a Count is the one control collective of each point where the ranks must agree.
 What a count announces also says what the ranks must agree on beyond the numbers: a stage-3
-training forward (or a backward entered into it after the forward) whether it runs inside
-no_sync(), and the finish of the reductions whether clip_grad_norm_ or step() started it.
+training forward and a stage-3 backward whether it runs inside no_sync(), a reduced pass
+whether it reduces gradients accumulated inside no_sync() (stage 2's backwards inside it
+announce nothing), and the finish of the reductions whether clip_grad_norm_ or step() started
+it. A pass's count is checked before the pass launches its first reduction, so a refused pass
+leaves no collective unmatched and the group goes on.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ from zero_py.sharding.riders import Riders
 # what a rank announces at the start of a pass or a step (Count)
 PASS, STEP, PASS_WITHOUT_BACKWARD, FORWARD, EVAL_FORWARD, STEP_STRAY, GATHERED = (
     1, 2, 3, 4, 5, 6, 7)
-# stage 3: a training forward inside no_sync(), and a backward inside no_sync() of a forward
-# run outside it (the only one that announces itself: see GradReducer.begin_pass)
+# stage 3: a training forward inside no_sync(), and a backward inside no_sync()
 FORWARD_NO_SYNC, PASS_NO_SYNC = 8, 9
 # the finish of the reductions that clip_grad_norm_ starts (step() after it finishes nothing):
 # a rank that clips where another goes on to step() meets that step's count, not a collective
 # of another size or group (a hang until the group's timeout)
 CLIP = 10
-_NO_SYNC = {FORWARD_NO_SYNC: FORWARD, PASS_NO_SYNC: PASS}
+# a reduced pass that takes gradients accumulated inside no_sync() since the last one (or
+# step(), or zero_grad()): its peers must be reducing such gradients too, or be inside no_sync()
+PASS_AFTER_NO_SYNC = 11
+_NO_SYNC = {FORWARD_NO_SYNC: FORWARD, PASS_NO_SYNC: PASS, PASS_AFTER_NO_SYNC: PASS}
 _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                PASS_WITHOUT_BACKWARD: "step() without a backward since the last step",
                STEP_STRAY: "step() with a param.grad set after the last reduced backward",
@@ -47,6 +52,8 @@ _KIND_NAMES = {PASS: "backward pass", STEP: "step()",
                GATHERED: "model.state_dict(), zero_py.full_state_dict() or zero_py.gathered()",
                FORWARD_NO_SYNC: "forward inside no_sync()",
                PASS_NO_SYNC: "backward inside no_sync()",
+               PASS_AFTER_NO_SYNC: "backward pass reducing gradients accumulated inside "
+                                   "no_sync()",
                CLIP: "clip_grad_norm_()"}
 
 # a Count's own columns: what, step, pass, refused, hyperparameters' fingerprint
@@ -154,7 +161,8 @@ class Count:
             return
         said = "; ".join(
             f"rank {q}: {_KIND_NAMES.get(k, k)} number {p} in step {st}"
-            if k in (FORWARD, EVAL_FORWARD, PASS, FORWARD_NO_SYNC, PASS_NO_SYNC) else
+            if k in (FORWARD, EVAL_FORWARD, PASS, FORWARD_NO_SYNC, PASS_NO_SYNC,
+                     PASS_AFTER_NO_SYNC) else
             f"rank {q}: {self.what if q == self.rank and self.what else _KIND_NAMES[k]} in "
             f"step {st}" if k == GATHERED else
             f"rank {q}: {_KIND_NAMES.get(k, k)} after {p} backward pass{'es' if p != 1 else ''}"
@@ -175,7 +183,10 @@ class Count:
                 f"{self.rank}): {said}. The clipping norm is a collective over every rank's "
                 "gradient shard (and every replica's ranks under hybrid sharding): call it on "
                 "every rank, with the same arguments, before step(). Nothing was changed")
-        inside = [q for q, r in enumerate(rows) if r[0] in _NO_SYNC]
+        # inside no_sync() now, or else (stage 2, which announces no backward inside it)
+        # reducing what was accumulated inside it
+        inside = ([q for q, r in enumerate(rows) if r[0] in (FORWARD_NO_SYNC, PASS_NO_SYNC)]
+                  or [q for q, r in enumerate(rows) if r[0] == PASS_AFTER_NO_SYNC])
         if inside and all(_NO_SYNC.get(r[0], r[0]) == _NO_SYNC.get(rows[0][0], rows[0][0])
                           and r[1:3] == rows[0][1:3] for r in rows):
             # the same pass on every rank, inside no_sync() on some only: their backwards
@@ -185,12 +196,17 @@ class Count:
                 f"zero_py: no_sync() was entered on some ranks only (this is rank {self.rank}; "
                 f"inside no_sync(): rank{'s' if len(inside) > 1 else ''} "
                 f"{', '.join(map(str, inside))}; outside: rank{'s' if len(outside) > 1 else ''}"
-                f" {', '.join(map(str, outside))}): {said}. Under stage 3 every backward "
-                "gathers the parameters collectively and a backward outside no_sync() also "
-                "reduces the gradients, so every rank must enter no_sync() together, around "
-                "the same forwards and backwards (e.g. a gradient-accumulation counter that "
-                "counts the same on every rank, not `if rank == 0: with model.no_sync(): ...`). "
-                "Nothing was changed by this pass")
+                f" {', '.join(map(str, outside))}): {said}. A backward outside no_sync() "
+                "reduces the gradients collectively (under stage 2 bucket by bucket during "
+                "backward, under stage 3 after gathering the parameters collectively) and one "
+                "inside it does not, so every rank must enter no_sync() together, around the "
+                "same forwards and backwards (e.g. a gradient-accumulation counter that counts "
+                "the same on every rank, not `if rank == 0: with model.no_sync(): ...`). "
+                "Nothing was reduced or updated by this call: call optimizer.zero_grad() on "
+                "every rank to drop the gradients held since the last step, then go on"
+                + (" (a zero_grad() on some ranks only, after backwards inside no_sync() on "
+                   "every rank, also drops them there alone: call it alike on every rank)"
+                   if rows[inside[0]][0] == PASS_AFTER_NO_SYNC else ""))
         raise RuntimeError(
             "zero_py: the ranks ran different numbers of forward or backward passes per step "
             f"(this is rank {self.rank}): {said}. Every rank must run the same number of "

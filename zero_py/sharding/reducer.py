@@ -27,10 +27,15 @@ is a sequence of collectives, and an extra one on one rank would pair with other
 the others). Every pass and every step therefore begins with a small all-reduce of each rank's
 (what, step, pass) (Count, sharding/counts.py): the first collective of a pass or step, so it
 always meets its peers' own, and a mismatch raises on every rank naming each rank's count,
-before the mismatched collectives are waited for. Stage 3 waits for it at once (its backward
-gathers are collective: a rank must not start them alone); stage 2 at its first blocking wait.
-Stage 3 also announces each training forward (announce_forward), whose gathers are collective
-too.
+before any collective of the pass is launched: a reduction launched on one rank alone would
+pair with a later collective of the group (gloo aborts the process on the size mismatch).
+Stage 3 waits for it at once (its backward gathers are collective); stage 2 before its first
+reduction (the count's round trip overlaps the filling of the first bucket), or at once where
+the pass takes gradients accumulated under no_sync(), so that a refused pass leaves them in
+param.grad. Backwards under no_sync() differ in collectives from reduced ones, so the ranks
+must agree on them too: stage 3 announces each of them (it announces each training forward
+too, announce_forward, whose gathers are collective); stage 2's add no collective, and the
+next reduced pass says that it reduces gradients accumulated under no_sync().
 
 Stage 3 tells the reducer, as a backward starts, which parameters get no gradient on this rank
 (mark_unused: the units its forward did not run); their buckets are reduced from zeros at once
@@ -53,8 +58,10 @@ from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
 from zero_py.collectives.quantized import residual_numel
 from zero_py.collectives.work import Work, issue
+from zero_py.sharding import grad_checks
 from zero_py.sharding.counts import (CLIP, EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED,
-                                     PASS, PASS_NO_SYNC, PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
+                                     PASS, PASS_AFTER_NO_SYNC, PASS_NO_SYNC,
+                                     PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
                                      Count)
 from zero_py.sharding.layout import FlatLayout
 from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
@@ -73,12 +80,6 @@ def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
 # by bucket buffers to this many, plus the buckets being filled.
 MAX_BUCKETS_IN_FLIGHT = 2
-
-
-def _runs_after(p: torch.Tensor, mine: Callable) -> bool:
-    """Whether p has a post-accumulate-grad hook that runs after `mine` (registered later)."""
-    hooks = p._post_accumulate_grad_hooks
-    return bool(hooks) and next(reversed(hooks.values())) is not mine
 
 
 class _EndOfBackward:
@@ -179,9 +180,10 @@ class GradReducer:
         self.passes_since_step = 0
         self.steps = 0  # after_step() calls: the step the passes belong to
         self.forwards_since_step = 0  # stage 3's training forwards (announce_forward)
-        # stage 3: whether the last training forward was announced outside no_sync() (None:
-        # none since the last step); see begin_pass
-        self._forward_synced: Optional[bool] = None
+        # stage 2: a backward inside no_sync() left gradients in param.grad since the last
+        # reduced pass, step or zero_grad(): the next pass reduces them and says so in its
+        # count (_begin_pass); stage 3 announces each backward inside no_sync() instead
+        self._unsynced = False
         # the pass and step counts are compared across ranks (Count); stage 3 waits for the
         # comparison as a pass starts, since its backward gathers are collective
         self.check_counts = stage >= 2
@@ -216,34 +218,15 @@ class GradReducer:
     # -- events ---------------------------------------------------------------------------------
 
     def late_hook(self) -> Optional[str]:
-        """None, or why a post-accumulate-grad hook registered after the reducer's is refused:
-        torch runs them in order of registration, so it would find param.grad taken into the
-        shard and set to None, its change of the gradient lost (under DDP such a hook runs
-        before the reduction, whenever it was registered). Checked as a backward's first
-        gradient arrives (stage 2) and at each forward (stage 3, whose backward opens its
-        pass before the first gradient), before anything is reduced. The hooks are read
-        without __torch_function__: through it (a stage-3 parameter between uses is a
-        BetweenUses) each read cost about 8 us, 2 ms a check at 269 parameters."""
-        with torch._C.DisableTorchFunctionSubclass():
-            late = next((i for i, (p, mine) in enumerate(zip(self.flat.params, self._hooks))
-                         if _runs_after(p, mine)), None)
-        if late is None:
-            return None
-        return (
-            f"zero_py: parameter {self.name_of(late)} has a post-accumulate-grad hook "
-            "registered after the optimizer was built; zero_py's own takes the gradient "
-            "into its shard and sets param.grad to None, so that hook would run on "
-            "None and its change of the gradient would be lost. Register it before "
-            "zero_py.initialize / ZeroOptimizer (it then runs first, before the "
-            "reduction, as under DDP), or use param.register_hook, which runs before "
-            "the gradient is accumulated")
+        """None, or why a hook registered after the reducer's is refused (grad_checks.py)."""
+        return grad_checks.late_hook(self.flat.params, self._hooks, self.name_of)
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             # checked before any state changes, and on every rank alike: nothing to undo
             if self.grads_refused is not None:
                 raise RuntimeError(self.grads_refused)
-            self._check_grad(i, param.grad)
+            grad_checks.check_grad(self.flat, i, param.grad, self.name_of)
             # this backward's first gradient (none queued its end, or that of a backward that
             # raised, which the engine dropped): before anything is copied
             if not self._callback_queued or self._end_callback() is None:
@@ -312,16 +295,18 @@ class GradReducer:
         self._queue_end()
         if self.sync_enabled:
             self._begin_pass()
-        elif self.check_at_once and self._forward_synced:
-            # stage 3: no_sync() entered after a forward announced outside it (on every
-            # rank, see announce_forward): this backward announces itself, so that a peer
-            # starting a reduced pass here (its PASS count) meets this and both raise, rather
-            # than wait in gathers and reductions that do not pair. A backward inside
-            # no_sync() of a forward inside it announces nothing: the forward compared that
+            return self._pass_open
+        if self.check_at_once:
+            # stage 3: a backward inside no_sync() announces itself (its forward's count does
+            # not tell: a forward inside no_sync() on every rank may be backpropagated outside
+            # it on some), so that a peer starting a reduced pass here (its PASS count) meets
+            # this and both raise, rather than wait in gathers and reductions that do not pair
             self._count = Count(self.executor, PASS_NO_SYNC, self.steps,
                                 self.passes_since_step + 1, riders=self.riders)
             self._check_count()
-        return self._pass_open
+        else:  # stage 2 adds no collective here: the next reduced pass announces what it left
+            self._unsynced = True
+        return False
 
     def _queue_end(self) -> None:
         # no frame that may end in an exception (whose traceback keeps its locals) holds it
@@ -391,16 +376,22 @@ class GradReducer:
         self._finished = False
 
     def _begin_pass(self, kind: int = PASS) -> None:
+        if self.check_counts:
+            self._check_count()  # the previous pass's, if not checked yet
+            if kind == PASS and self._unsynced:
+                kind = PASS_AFTER_NO_SYNC
+            self._count = Count(self.executor, kind, self.steps, self.passes_since_step + 1,
+                                riders=self.riders)
+            # waited for before the pass takes or launches anything its peers may not match:
+            # at once under stage 3 (its backward gathers are collective) and where the pass
+            # takes gradients accumulated under no_sync() (a refused pass must leave them in
+            # param.grad); else before its first reduction (_launch)
+            if self.check_at_once or kind == PASS_AFTER_NO_SYNC:
+                self._check_count()
         if self.stage >= 2:
             for fn in self._on_accumulate:
                 fn()
         self._unused = bytearray(len(self.flat.params))
-        if self.check_counts:
-            self._check_count()  # the previous pass's, if not checked yet
-            self._count = Count(self.executor, kind, self.steps, self.passes_since_step + 1,
-                                riders=self.riders)
-            if self.check_at_once:
-                self._check_count()
         self._pass_open = True
         self._launched = False
         self._finished = False
@@ -420,6 +411,7 @@ class GradReducer:
                 self._launch(b)
             self.grad_shard_valid = True
         self._pass_open = False
+        self._unsynced = False
         self.passes_since_step += 1
 
     def reduce_now(self) -> None:
@@ -450,30 +442,11 @@ class GradReducer:
             entry = self._open[b] = view
         return entry
 
-    def _check_grad(self, i: int, g: torch.Tensor) -> None:
-        if g.is_sparse:
-            raise RuntimeError(f"zero_py: parameter {self.name_of(i)} has a sparse gradient; "
-                               "sparse gradients are not supported (use a dense nn.Embedding)")
-        n = self.flat.param_numel[i]
-        if g.numel() != n:
-            if not self.flat.params_sharded:  # stages 1-2: the parameter itself changed size
-                raise RuntimeError(
-                    f"zero_py: parameter {self.name_of(i)} got a gradient of shape "
-                    f"{tuple(g.shape)}, but it had shape {self.flat.param_shapes[i]} when the "
-                    "optimizer was built: it was resized since (e.g. "
-                    "model.resize_token_embeddings), and the layout of the flat buffers is "
-                    "fixed then; resize the model before zero_py.initialize / ZeroOptimizer")
-            raise RuntimeError(
-                f"zero_py: parameter {self.name_of(i)} got a gradient of {g.numel()} elements, "
-                f"expected {n}; under stage 3 a parameter outside the model's forward is its "
-                "shard slice, so compute with it inside the forward (or `with "
-                "zero_py.gathered(model):`)")
-
     def _copy_in(self, i: int, checked: bool = False) -> None:
         p = self.flat.params[i]
         g = p.grad
         if not checked:
-            self._check_grad(i, g)
+            grad_checks.check_grad(self.flat, i, g, self.name_of)
         b = self.flat.param_bucket[i]
         lo = self.flat.param_offset[i]
         n = self.flat.param_numel[i]
@@ -523,6 +496,10 @@ class GradReducer:
         return z[:numel]
 
     def _launch(self, b: int) -> None:
+        # the pass's count, before its first reduction: a peer that is not starting the same
+        # pass (a step, a pass reducing gradients accumulated under no_sync()) would leave the
+        # reductions this rank launched unmatched, to pair with later collectives of the group
+        self._check_count()
         ps = self.flat.bucket_params[b]
         if b not in self._open and all(self._unused[i] for i in ps):
             # nothing of this bucket on this rank (mark_unused): zeros in, and no wait; one
@@ -716,8 +693,6 @@ class GradReducer:
         self._count = Count(self.executor, kind, self.steps, n, problem, riders=self.riders)
         self._check_count()  # a refused forward is not counted: every rank raised alike
         self.forwards_since_step = n
-        if not eval_forward:
-            self._forward_synced = self.sync_enabled
 
     def announce_gathered(self, what: str, key: int = 0) -> None:
         """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
@@ -750,7 +725,7 @@ class GradReducer:
     def after_step(self) -> None:
         self.passes_since_step = 0
         self.forwards_since_step = 0
-        self._forward_synced = None
+        self._unsynced = False
         self.steps += 1
         self._end_update()
         self._finished = False
@@ -764,6 +739,7 @@ class GradReducer:
         self._reduced_from = []
         self._retire(block_over=0)
         self.grad_shard_valid = False
+        self._unsynced = False
         self._local_used = bytearray(len(self.flat.params))
         self._global_used = None
         if not set_to_none:
