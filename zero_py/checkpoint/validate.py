@@ -100,6 +100,11 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
         for key in ("requires_grad", "trainable"):
             if not isinstance(entry.get(key), bool):
                 bad(f"{field}.{key}", f"is {entry.get(key)!r}, not true or false")
+        order = entry.get("dim_order")
+        if order is not None and not (isinstance(order, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) for d in order)
+                and sorted(order) == list(range(len(shape)))):
+            bad(f"{field}.dim_order", f"is {order!r}, not an order of the dims 0..{len(shape) - 1}")
         numel = _numel(shape)
         tensors = [("param", _ST_NAME[plain.dtype_of(dtype)])]
         whole = True  # the fields that say which tensors the files hold are readable

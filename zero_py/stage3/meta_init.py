@@ -255,7 +255,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if i is not None:
                 s = storage.slice_of_param.get(i)
                 if s is not None:
-                    storage.write_slice(s, value.reshape(-1)[s.param_lo:s.param_hi])
+                    storage.write_slice(s, storage.flat_of(i, value)[s.param_lo:s.param_hi])
 
     def meta_buffers(m: nn.Module) -> None:
         for name, buf in list(m._buffers.items()):
