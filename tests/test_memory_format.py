@@ -104,6 +104,18 @@ def _parity(rank, world):
                           for k in ref_state}
             r["ref_state"] = {k: tuple(ref_state[k]["exp_avg"].stride()) for k in ref_state}
         out[stage] = r
+    # partitioned construction: a model built on the meta device, converted there
+    torch.manual_seed(0)
+    built = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3)).to(
+        memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3))
+    meta.to(memory_format=torch.channels_last)
+    meta, _ = zero_py.initialize(meta, torch.optim.AdamW, stage=3)
+    got = _full(meta)
+    out["meta"] = {n: (got[n][0] == p.stride() and torch.equal(got[n][1], p.detach()))
+                   for n, p in built.named_parameters()}
     return out
 
 
@@ -113,6 +125,7 @@ def test_parameters_keep_their_memory_format_and_train_as_ddp():
     strides)."""
     for rank, out in enumerate(distributed.run(_parity, 2)):
         want = out["want"]
+        assert all(out["meta"].values()), f"rank {rank}: built on the meta device {out['meta']}"
         for stage in (1, 2, 3):
             r = out[stage]
             where = f"stage {stage} rank {rank}"

@@ -80,9 +80,11 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
                         view = fp.param_view(i)
                         view.copy_(fp.flat_of(i, p.data))
                         p.data = fp.shaped(i, view)
-                for p in fp.params:
-                    if id(p) in ids:
-                        opt.executor.broadcast(p.data, modifier_rank).wait()
+                for i, p in enumerate(fp.params):
+                    if id(p) in ids:  # its flat range: 1-D and dense, whatever its strides
+                        whole = p.numel() == fp.param_numel[i]
+                        opt.executor.broadcast(fp.param_view(i) if whole else p.data,
+                                               modifier_rank).wait()
             opt.sync_master_from_params()
     finally:
         if requantize:  # the copies as a publish of the (new) pieces leaves them

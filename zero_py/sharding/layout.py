@@ -60,8 +60,10 @@ class FlatLayout:
         # sizes as planned: stage 3 later shows a parameter as its shard slice between uses
         self.param_numel: List[int] = [p.numel() for p in self.params]
         self.param_shapes: List[tuple] = [tuple(p.shape) for p in self.params]
-        # the order of each parameter's elements in its flat range (memory_order.py)
-        self.param_orders: List[MemoryOrder] = [MemoryOrder.of(p) for p in self.params]
+        # the order of each parameter's elements in its flat range (memory_order.py); a stand-in
+        # for a parameter built on the meta device (stage3/meta_init.py) carries the meta one's
+        self.param_orders: List[MemoryOrder] = [
+            getattr(p, "_zero_py_memory_order", None) or MemoryOrder.of(p) for p in self.params]
         dtypes: List[torch.dtype] = []
         for p in self.params:
             if p.dtype not in dtypes:
