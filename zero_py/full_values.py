@@ -128,8 +128,8 @@ def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
             work.wait()
     if opt.executor.rank != rank:
         return None
-    exact = {id(p): fp.shaped(i, regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
-                                                          + fp.param_numel[i]])
+    exact = {id(p): fp.shaped(i, regions[fp.param_bucket[i]][
+                 fp.param_offset[i]:fp.param_offset[i] + fp.param_numel[i]])
              for i, p in enumerate(fp.params)}
     return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
             for k, v in model.state_dict(keep_vars=True).items()}

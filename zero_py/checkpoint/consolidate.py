@@ -21,7 +21,7 @@ import torch
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import TensorFileWriter
 from zero_py.checkpoint.reader import Checkpoint
-from zero_py.sharding.memory_order import order_from_manifest
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 def _numel(shape) -> int:
@@ -89,7 +89,7 @@ def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
 def _logical(t: torch.Tensor, entry: dict) -> torch.Tensor:
     """A parameter's elements as its pieces hold them (its memory order, the manifest's
     dim_order) as the logical tensor, row-major: what the weights file holds."""
-    order = order_from_manifest(entry["shape"], entry.get("dim_order"))
+    order = MemoryOrder.from_dim_order(entry["shape"], entry.get("dim_order"))
     return t if order.row_major else order.shaped(t).contiguous().reshape(-1)
 
 

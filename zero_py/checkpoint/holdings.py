@@ -1,12 +1,10 @@
 """What one rank holds of a model and its ZeroOptimizer, by parameter name, for every stage.
 
 A checkpoint is written and read by parameter name and flat element range, so that the stage
-and world size that wrote it do not matter to the one that reads it. For every parameter of
-the model (tied parameters once, under their first name) Held says:
-
-Elements are counted over the parameter flattened in its memory order (sharding/
-memory_order.py: the identity for a row-major parameter, e.g. dims 0, 2, 3, 1 for a
-channels_last one), the order its flat range and its pieces hold them in.
+and world size that wrote it do not matter to the one that reads it. Elements are counted over
+the parameter flattened in its memory order (sharding/memory_order.py: row-major, or e.g. dims
+0, 2, 3, 1 for a channels_last one), the order its flat range and its pieces hold them in.
+For every parameter of the model (tied parameters once, under their first name) Held says:
 
 - which elements this rank saves, [lo, hi) of the flattened parameter: its slice of the flat
   layout (every stage), or for a parameter outside the optimizer's storage (frozen under stages

@@ -29,7 +29,7 @@ from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
 from zero_py.optim.update import without_buffer
-from zero_py.sharding.memory_order import MemoryOrder, order_from_manifest
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
@@ -60,7 +60,7 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
         if tuple(entry["shape"]) != h.shape:
             raise CheckpointError(f"{ck.path}: parameter {name} has shape "
                                   f"{tuple(entry['shape'])} there, {h.shape} in this model")
-        saved = order_from_manifest(h.shape, entry.get("dim_order"))
+        saved = MemoryOrder.from_dim_order(h.shape, entry.get("dim_order"))
         here = h.order if h.order is not None else MemoryOrder.row_major_of(h.shape)
         if saved.element_order != here.element_order:
             raise CheckpointError(

@@ -22,9 +22,9 @@ from zero_py.collectives import gather_object
 from zero_py.optim import agreement, dcp
 from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
-from zero_py.sharding.memory_order import MemoryOrder
 from zero_py.optim.update import (BUFFER, MAX_SQ, added_state, fused_kind,
                                   optional_state, refuse_unhonoured_options, state_keys)
+from zero_py.sharding.memory_order import MemoryOrder
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -258,7 +258,8 @@ class StateDicts:
             return None
         gathered[0]["param_groups"] = groups
         # each parameter's memory order: its state comes out shaped and strided like it
-        orders = {self._managed_index[i]: order for i, order in enumerate(self._flat.param_orders)}
+        orders = {self._managed_index[i]: order
+                  for i, order in enumerate(self._flat.param_orders)}
         orders.update({k: MemoryOrder.row_major_of(p.shape)
                        for k, p in enumerate(self._all_params) if k not in orders})
         full = sd_util.merge_shards(gathered, orders)

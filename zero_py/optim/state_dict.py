@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py.optim.update import optional_state
-from zero_py.sharding.memory_order import MemoryOrder, order_from_manifest
+from zero_py.sharding.memory_order import MemoryOrder
 
 FORMAT_VERSION = 1
 
@@ -90,11 +90,18 @@ def dim_orders(opt) -> Dict[int, List[int]]:
 def check_dim_orders(saved: dict, opt) -> None:
     """A shard dict's slices hold elements in the memory order its parameters had; refuses one
     saved with another order (a model converted with .to(memory_format=...) on one side)."""
-    saved = {int(k): v for k, v in saved.items()} if isinstance(saved, dict) else {}
+    if not isinstance(saved, dict):
+        raise ValueError(f"zero_py: the shard state dict's 'dim_orders' must be a dict "
+                         f"{{parameter index: dim order}}, got {type(saved).__name__}; load the "
+                         "dict that state_dict() returned, whole")
+    saved = {str(k): v for k, v in saved.items()}
     for k, mine in enumerate(opt._flat.param_orders):
         index = opt._managed_index[k]
-        theirs = (order_from_manifest(mine.shape, saved[index]) if index in saved
-                  else MemoryOrder.row_major_of(mine.shape))
+        try:
+            theirs = MemoryOrder.from_dim_order(mine.shape, saved.get(str(index)))
+        except ValueError as exc:
+            raise ValueError(f"zero_py: the shard state dict's parameter {index}: {exc}; load "
+                             "the dict that state_dict() returned, whole") from None
         if theirs.element_order != mine.element_order:
             raise ValueError(
                 f"zero_py: the shard state dict holds parameter {index} in memory order "

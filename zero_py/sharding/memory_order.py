@@ -33,24 +33,38 @@ class MemoryOrder:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "MemoryOrder":
-        """The memory order `t` has (row-major when it is contiguous or not dense)."""
+        """The memory order `t` has, with its own strides (those of its dims of size 1 too,
+        which a contiguous tensor may have of any value); row-major when it is not dense."""
         shape = tuple(t.shape)
-        if t.numel() <= 1 or t.is_contiguous():
-            return cls.row_major_of(shape)
         strides = tuple(t.stride())
         order = dim_order_of(strides)
-        if not _dense_in(shape, strides, order):
+        if t.numel() <= 1 or not _dense_in(shape, strides, order):
             return cls.row_major_of(shape)
         return cls(shape, order, strides)
 
     @classmethod
     def row_major_of(cls, shape: Sequence[int]) -> "MemoryOrder":
         shape = tuple(int(d) for d in shape)
-        strides, n = [], 1
-        for d in reversed(shape):
-            strides.append(n)
-            n *= max(d, 1)
-        return cls(shape, tuple(range(len(shape))), tuple(reversed(strides)))
+        return cls(shape, tuple(range(len(shape))), _row_major_strides(shape))
+
+    @classmethod
+    def from_dim_order(cls, shape: Sequence[int], dim_order) -> "MemoryOrder":
+        """The dense order of a tensor of `shape` whose dims nest as `dim_order` (outermost
+        first; None: row-major), as a checkpoint's manifest or a shard state dict records it.
+        Raises ValueError when `dim_order` is not an order of the dims."""
+        shape = tuple(int(d) for d in shape)
+        if dim_order is None:
+            return cls.row_major_of(shape)
+        if not (isinstance(dim_order, (list, tuple)) and all(
+                isinstance(d, int) and not isinstance(d, bool) for d in dim_order)
+                and sorted(dim_order) == list(range(len(shape)))):
+            raise ValueError(f"dim order {dim_order!r} is not an order of the dims of a tensor "
+                             f"of shape {list(shape)}")
+        strides, n = [0] * len(shape), 1
+        for d in reversed(dim_order):
+            strides[d] = n
+            n *= max(shape[d], 1)
+        return cls(shape, tuple(dim_order), tuple(strides))
 
     @property
     def row_major(self) -> bool:
@@ -71,7 +85,7 @@ class MemoryOrder:
 
     def shaped(self, flat: torch.Tensor) -> torch.Tensor:
         """A 1-D tensor in this memory order as a view of this shape (with these strides)."""
-        if self.row_major:
+        if self.strides == _row_major_strides(self.shape):
             return flat.view(self.shape)
         return flat.as_strided(self.shape, self.strides, flat.storage_offset())
 
@@ -81,6 +95,14 @@ class MemoryOrder:
             return "row-major (contiguous)"
         name = {(0, 2, 3, 1): " (channels_last)", (0, 2, 3, 4, 1): " (channels_last_3d)"}
         return f"dim order {list(self.dim_order)}{name.get(self.dim_order, '')}"
+
+
+def _row_major_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def dim_order_of(strides: Sequence[int]) -> Tuple[int, ...]:
@@ -98,16 +120,3 @@ def _dense_in(shape, strides, order) -> bool:
             return False
         n *= shape[d]
     return True
-
-
-def order_from_manifest(shape: Sequence[int], dim_order) -> MemoryOrder:
-    """The memory order a checkpoint's manifest records (absent: row-major)."""
-    if dim_order is None:
-        return MemoryOrder.row_major_of(shape)
-    shape = tuple(int(d) for d in shape)
-    strides = [0] * len(shape)
-    n = 1
-    for d in reversed(list(dim_order)):
-        strides[d] = n
-        n *= max(shape[d], 1)
-    return MemoryOrder(shape, tuple(int(d) for d in dim_order), tuple(strides))
