@@ -477,8 +477,9 @@ def _step_after_casting(stage, cast):
 
 
 def _step_after_channels_last(_):
-    """model.to(memory_format=torch.channels_last) after the optimizer: refused as a replaced
-    .data, with the advice to write the values in place, which a conversion cannot."""
+    """model.to(memory_format=torch.channels_last) after the optimizer: refused as a
+    conversion (not as a replaced .data, whose advice, to write the values in place, a
+    conversion cannot follow), with the advice to convert before building the optimizer."""
     # (2, 4) in and out, as the test's check of the optimizer afterwards feeds it
     model = nn.Sequential(nn.Unflatten(1, (2, 1, 2)), nn.Conv2d(2, 4, (1, 2)), nn.Flatten())
     model, first = zero_py.initialize(model, stage=2)
@@ -603,7 +604,8 @@ CALL_CASES = [
     ("step after model.double() stage 2", _step_after_casting(2, nn.Module.double),
      RuntimeError, r"is torch.float64 on cpu.*cast or moved since"),
     ("step after channels_last stage 2", _step_after_channels_last, RuntimeError,
-     r"'1.weight' was converted to another memory format.*leave the parameters contiguous"),
+     r"'1.weight' was converted to another memory format after.*\(it is dim order \[0, 2, 3, 1\] "
+     r"\(channels_last\), it was row-major.*Convert the model before"),
     ("step after resizing stage 1", _step_after_resizing(1), RuntimeError,
      r"'1.weight' has shape \(6, 4\), but it had shape \(4, 4\).*resize the model before"),
     ("step after resizing stage 2", _step_after_resizing(2), RuntimeError,

@@ -78,11 +78,13 @@ def gathered(module_or_params, modifier_rank: Optional[int] = None, *,
                     p = fp.params[i]
                     if id(p) in ids and p.numel() == fp.param_numel[i]:
                         view = fp.param_view(i)
-                        view.copy_(p.data.reshape(-1))
-                        p.data = view.view_as(p)
-                for p in fp.params:
-                    if id(p) in ids:
-                        opt.executor.broadcast(p.data, modifier_rank).wait()
+                        view.copy_(fp.flat_of(i, p.data))
+                        p.data = fp.shaped(i, view)
+                for i, p in enumerate(fp.params):
+                    if id(p) in ids:  # its flat range: 1-D and dense, whatever its strides
+                        whole = p.numel() == fp.param_numel[i]
+                        opt.executor.broadcast(fp.param_view(i) if whole else p.data,
+                                               modifier_rank).wait()
             opt.sync_master_from_params()
     finally:
         if requantize:  # the copies as a publish of the (new) pieces leaves them
@@ -126,8 +128,8 @@ def _exact_flat_state_dict(model: nn.Module, opt: ZeroOptimizer, rank: int
             work.wait()
     if opt.executor.rank != rank:
         return None
-    exact = {id(p): regions[fp.param_bucket[i]][fp.param_offset[i]:fp.param_offset[i]
-                                                 + fp.param_numel[i]].view_as(p)
+    exact = {id(p): fp.shaped(i, regions[fp.param_bucket[i]][
+                 fp.param_offset[i]:fp.param_offset[i] + fp.param_numel[i]])
              for i, p in enumerate(fp.params)}
     return {k: exact.get(id(v), v).detach().to("cpu", copy=True)
             for k, v in model.state_dict(keep_vars=True).items()}

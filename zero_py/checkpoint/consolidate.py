@@ -21,6 +21,7 @@ import torch
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import TensorFileWriter
 from zero_py.checkpoint.reader import Checkpoint
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 def _numel(shape) -> int:
@@ -71,7 +72,7 @@ def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
                 exact = dt == plain.dtype_of(entry["dtype"]) or not entry.get("master")
                 t = scratch.view(dt, _numel(shape))
                 ck.read_into("param" if exact else "master", name, 0, t.numel(), t)
-                writer.write(t)
+                writer.write(_logical(t, entry))
             for name, _, _ in buffers:
                 writer.write(ck.buffer(name))
         except BaseException:
@@ -83,6 +84,13 @@ def consolidate(path, out: str, dtype: Optional[torch.dtype] = None,
         return sizes
     finally:
         ck.close()
+
+
+def _logical(t: torch.Tensor, entry: dict) -> torch.Tensor:
+    """A parameter's elements as its pieces hold them (its memory order, the manifest's
+    dim_order) as the logical tensor, row-major: what the weights file holds."""
+    order = MemoryOrder.from_dim_order(entry["shape"], entry.get("dim_order"))
+    return t if order.row_major else order.shaped(t).contiguous().reshape(-1)
 
 
 def _optimizer_file(ck: Checkpoint, out: str) -> int:
@@ -103,7 +111,7 @@ def _optimizer_file(ck: Checkpoint, out: str) -> int:
         numel = _numel(entry["shape"])
         for key in st["keys"]:
             specs.append((f"state.{i}.{key}", torch.float32, entry["shape"]))
-            reads.append((f"state/{key}", name, numel, entry["shape"]))
+            reads.append((f"state/{key}", name, numel, entry))
         sc = dict(st["scalars"])
         sc["step"] = ({"__scalar__": float(entry["step"]), "dtype": st["step_tensor"]}
                       if st.get("step_tensor") else entry["step"])
@@ -113,10 +121,10 @@ def _optimizer_file(ck: Checkpoint, out: str) -> int:
     writer = TensorFileWriter(out, specs, meta, **_SMALL_STAGING)
     scratch = _Scratch(max((numel * 4 for _, _, numel, _ in reads), default=0))
     try:
-        for kind, name, numel, _ in reads:
+        for kind, name, numel, entry in reads:
             t = scratch.view(torch.float32, numel)
             ck.read_into(kind, name, 0, numel, t)
-            writer.write(t)
+            writer.write(_logical(t, entry))
     except BaseException:
         writer.abort()
         raise

@@ -1,8 +1,10 @@
 """What one rank holds of a model and its ZeroOptimizer, by parameter name, for every stage.
 
 A checkpoint is written and read by parameter name and flat element range, so that the stage
-and world size that wrote it do not matter to the one that reads it. For every parameter of
-the model (tied parameters once, under their first name) Held says:
+and world size that wrote it do not matter to the one that reads it. Elements are counted over
+the parameter flattened in its memory order (sharding/memory_order.py: row-major, or e.g. dims
+0, 2, 3, 1 for a channels_last one), the order its flat range and its pieces hold them in.
+For every parameter of the model (tied parameters once, under their first name) Held says:
 
 - which elements this rank saves, [lo, hi) of the flattened parameter: its slice of the flat
   layout (every stage), or for a parameter outside the optimizer's storage (frozen under stages
@@ -28,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from zero_py.sharding.layout import ShardSlice
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Held:
     index: Optional[int]    # index in the optimizer's storage (trainable parameters), or None
     # (ShardedParams, its ShardSlice or None) when the values are only in its NVMe file
     on_file: Optional[Tuple[Any, Optional[ShardSlice]]] = None
+    order: Optional[MemoryOrder] = None  # the order [lo, hi) count in (None: row-major)
 
     @property
     def numel(self) -> int:
@@ -78,16 +82,19 @@ def holdings(model: nn.Module, optimizer) -> Dict[str, Held]:
             load = (lo, hi, values)  # stages 1-2: the storage's all-gather fills the rest
             trainable = storage is flat
             out[name] = Held(name, shape, p.dtype, p.requires_grad, lo, hi, values, *load,
-                             s if trainable else None, i if trainable else None, on_file)
+                             s if trainable else None, i if trainable else None, on_file,
+                             storage.param_orders[i])
             continue
-        if not p.is_contiguous():
-            raise ValueError(f"parameter {name} is not contiguous; checkpoints need contiguous "
-                             "parameters (call .data = p.data.contiguous() on it)")
-        full = p.data.view(-1)
+        order = MemoryOrder.of(p)
+        if order.row_major and not p.is_contiguous():
+            raise ValueError(f"parameter {name} is not dense (it views part of a larger tensor); "
+                             "checkpoints need dense parameters (call .data = "
+                             "p.data.contiguous() on it)")
+        full = order.flat(p.data)  # a view: a load writes the parameter through it
         numel = full.numel()
         lo, hi = numel * rank // world, numel * (rank + 1) // world
         out[name] = Held(name, tuple(p.shape), p.dtype, p.requires_grad, lo, hi, full[lo:hi],
-                         0, numel, full, None, None)
+                         0, numel, full, None, None, None, order)
     stray = [i for i, p in enumerate(flat.params) if id(p) not in seen]
     if stray:
         raise ValueError(f"the optimizer trains {len(stray)} parameter(s) that are not in the "

@@ -29,6 +29,7 @@ from zero_py.checkpoint.offloaded import streamed, write_pieces, write_records
 from zero_py.checkpoint.reader import MANIFEST, Checkpoint, CheckpointError, agree, optimizer_of
 from zero_py.checkpoint.save import wait_pending
 from zero_py.optim.update import without_buffer
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 def _differences(kind: str, saved: List[str], here: List[str]) -> Optional[str]:
@@ -59,6 +60,15 @@ def _check(ck: Checkpoint, model, opt, held: Dict[str, Held],
         if tuple(entry["shape"]) != h.shape:
             raise CheckpointError(f"{ck.path}: parameter {name} has shape "
                                   f"{tuple(entry['shape'])} there, {h.shape} in this model")
+        saved = MemoryOrder.from_dim_order(h.shape, entry.get("dim_order"))
+        here = h.order if h.order is not None else MemoryOrder.row_major_of(h.shape)
+        if saved.element_order != here.element_order:
+            raise CheckpointError(
+                f"{ck.path}: parameter {name} was saved in memory order {saved.describe()}, "
+                f"it is {here.describe()} in this model; give the model the memory format it "
+                "was saved with (e.g. model.to(memory_format=torch.channels_last)) before "
+                "zero_py.initialize / ZeroOptimizer, or consolidate the checkpoint "
+                "(python -m zero_py consolidate) and load the full weights")
         if strict and entry["trainable"] != (h.index is not None):
             was = "trained" if entry["trainable"] else "frozen"
             now = "trained" if h.index is not None else "frozen"

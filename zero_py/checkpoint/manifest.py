@@ -25,6 +25,8 @@ def manifest_base(model, opt, held: Dict[str, Held], save_id: str) -> dict:
         entry = {"shape": list(h.shape), "dtype": plain.dtype_name(h.dtype),
                  "requires_grad": h.requires_grad, "trainable": h.index is not None,
                  "pieces": []}
+        if h.order is not None and not h.order.row_major:
+            entry["dim_order"] = list(h.order.dim_order)  # pieces count in this order
         if h.index is not None:
             entry["step"] = opt._step_count[h.index]
             entry["master"] = opt._masters.dtype_of[fp.param_bucket[h.index]] is not None

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from zero_py.checkpoint import plain
 from zero_py.checkpoint.files import ST_DTYPES
+from zero_py.sharding.memory_order import MemoryOrder
 
 # (shape it must have (a piece: [element count]; -1: any), safetensors dtype it must have or
 # None for any, the manifest field that places it)
@@ -100,6 +101,11 @@ def layout_problems(manifest: dict, headers: Dict[str, Tuple[dict, int]],
         for key in ("requires_grad", "trainable"):
             if not isinstance(entry.get(key), bool):
                 bad(f"{field}.{key}", f"is {entry.get(key)!r}, not true or false")
+        try:
+            MemoryOrder.from_dim_order(shape, entry.get("dim_order"))
+        except ValueError:
+            bad(f"{field}.dim_order", f"is {entry.get('dim_order')!r}, not an order of the "
+                f"dims 0..{len(shape) - 1}")
         numel = _numel(shape)
         tensors = [("param", _ST_NAME[plain.dtype_of(dtype)])]
         whole = True  # the fields that say which tensors the files hold are readable

@@ -26,6 +26,7 @@ import torch
 
 from zero_py.collectives.objects import gather_json
 from zero_py.collectives.stats import control
+from zero_py.sharding.memory_order import MemoryOrder
 
 DIGEST_BYTES = 32  # sha256
 _SMALL_TENSOR = 16  # tensors of at most this many elements are described by their values
@@ -69,6 +70,9 @@ def param_entry(index: int, name: Optional[str], p: torch.Tensor, **extra: Any) 
     shape = getattr(p, "_zero_py_shape", None)  # a stage-3 parameter between uses is 1-D
     value = {"name": name, "shape": list(p.shape if shape is None else shape),
              "dtype": str(p.dtype), "requires_grad": bool(p.requires_grad)}
+    order = getattr(p, "_zero_py_memory_order", None) or MemoryOrder.of(p)
+    if not order.row_major:  # its flat range holds it in this order: the same on every rank
+        value["dim_order"] = list(order.dim_order)
     value.update(extra)
     return f"parameter {index}", value
 

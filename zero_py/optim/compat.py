@@ -49,6 +49,8 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.utils.hooks import RemovableHandle
 
+from zero_py.sharding.memory_order import MemoryOrder
+
 # id(parameter) -> (weakref to it, weakref to its ZeroOptimizer). A registry, not an attribute
 # on the parameter: an attribute would travel with torch.save(model) (a weakref cannot be
 # pickled) and with copy.deepcopy(model) (the copy would look owned). An entry leaves when its
@@ -408,15 +410,16 @@ def refuse_detached_params(opt) -> None:
                     "storage outside the flat buffers that stages 1-2 update, so it would "
                     "never train again. Cast and move the model before zero_py.initialize / "
                     "ZeroOptimizer (or save a checkpoint and load it into a cast model)")
-            if not p.is_contiguous():  # same values, other strides: the copy a conversion made
+            now, built = MemoryOrder.of(p), opt._flat.param_orders[i]
+            if now.element_order != built.element_order:  # the copy a conversion made
                 raise RuntimeError(
                     f"zero_py: parameter {opt._name(p)}{more} was converted to another memory "
-                    "format after the optimizer was built (model.to(memory_format="
-                    "torch.channels_last)), which gives each parameter new storage outside "
-                    "the flat buffers that stages 1-2 update, so it would never train again. "
-                    "Stages 1-2 keep every parameter a contiguous view of its flat buffer: "
-                    "leave the parameters contiguous (convolutions take channels_last inputs "
-                    "with contiguous weights)")
+                    f"format after the optimizer was built (it is {now.describe()}, it was "
+                    f"{built.describe()}: model.to(memory_format=...)), which gives each "
+                    "parameter new storage outside the flat buffers that stages 1-2 update, "
+                    "so it would never train again. Convert the model before "
+                    "zero_py.initialize / ZeroOptimizer: every parameter keeps the memory "
+                    "format it has then")
             raise RuntimeError(
                 f"zero_py: the .data of parameter {opt._name(p)}{more} was replaced after "
                 "the optimizer was built (`p.data = t`, or "

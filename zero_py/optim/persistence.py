@@ -24,6 +24,7 @@ from zero_py.optim import state_dict as sd_util
 from zero_py.optim.streamed import StreamedUpdate
 from zero_py.optim.update import (BUFFER, MAX_SQ, added_state, fused_kind,
                                   optional_state, refuse_unhonoured_options, state_keys)
+from zero_py.sharding.memory_order import MemoryOrder
 
 _STEP_IN_STATE = (kernels.OPT_ADAMW, kernels.OPT_ADAM, kernels.OPT_ADAGRAD)
 
@@ -198,7 +199,7 @@ class StateDicts:
         meta = {"format": sd_util.FORMAT_VERSION, "stage": self.stage,
                 "world_size": self.executor.world_size, "rank": self.executor.rank,
                 "optimizer": self.optimizer_class.__name__, "slices": slices,
-                "rounding_seed": self._sr_seed}
+                "rounding_seed": self._sr_seed, "dim_orders": sd_util.dim_orders(self)}
         return {"state": state, "param_groups": self._groups_for_dict(), "zero_py": meta,
                 "loss_scaler": self._scaler_state()}
 
@@ -256,10 +257,12 @@ class StateDicts:
         if gathered is None:
             return None
         gathered[0]["param_groups"] = groups
-        shapes = {self._managed_index[i]: torch.Size(shape)
-                  for i, shape in enumerate(self._flat.param_shapes)}
-        shapes.update({k: p.shape for k, p in enumerate(self._all_params) if k not in shapes})
-        full = sd_util.merge_shards(gathered, shapes)
+        # each parameter's memory order: its state comes out shaped and strided like it
+        orders = {self._managed_index[i]: order
+                  for i, order in enumerate(self._flat.param_orders)}
+        orders.update({k: MemoryOrder.row_major_of(p.shape)
+                       for k, p in enumerate(self._all_params) if k not in orders})
+        full = sd_util.merge_shards(gathered, orders)
         # parameters without elements hold no state here; torch.optim's dict has theirs (empty
         # moments and a step count), and DCP refuses to load a dict without it into a
         # torch.optim optimizer: give them the state of a parameter stepped as often as the
@@ -366,7 +369,7 @@ class StateDicts:
                 continue
             if not shard:
                 st = sd_util.slice_full_state(st, s.param_lo, s.param_hi,
-                                              self._flat.param_numel[s.param])
+                                              self._flat.param_orders[s.param])
             self._install_slice(s, st)
         self._share_step_counts()
 

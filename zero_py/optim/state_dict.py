@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_py.optim.update import optional_state
+from zero_py.sharding.memory_order import MemoryOrder
 
 FORMAT_VERSION = 1
 
@@ -31,15 +32,17 @@ def is_sliced(value, lo: int, hi: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == hi - lo
 
 
-def merge_shards(shards: Sequence[dict], shapes: Dict[int, torch.Size]) -> dict:
-    """One full torch-format state dict from every rank's shard dict."""
+def merge_shards(shards: Sequence[dict], orders: Dict[int, MemoryOrder]) -> dict:
+    """One full torch-format state dict from every rank's shard dict; `orders` holds each
+    parameter's shape and memory order (the slices are ranges of it in that order), and each
+    state tensor comes out with the parameter's shape and strides, as torch.optim's."""
     full: Dict[int, dict] = {}
     covered: Dict[int, int] = {}
     for shard in shards:
         slices = shard["zero_py"]["slices"]
         for index, state in shard["state"].items():
             lo, hi = slices[index]
-            numel = shapes[index].numel()
+            numel = math.prod(orders[index].shape)
             dst = full.setdefault(index, {})
             covered[index] = covered.get(index, 0) + (hi - lo)
             for key, value in state.items():
@@ -51,27 +54,61 @@ def merge_shards(shards: Sequence[dict], shapes: Dict[int, torch.Size]) -> dict:
                 elif key not in dst:
                     dst[key] = value.clone() if isinstance(value, torch.Tensor) else value
     for index, n in covered.items():
-        if n != shapes[index].numel():
+        if n != math.prod(orders[index].shape):
             raise RuntimeError(f"zero_py: shards cover {n} of parameter {index}'s "
-                               f"{shapes[index].numel()} elements; a rank's state is missing")
+                               f"{math.prod(orders[index].shape)} elements; a rank's state is "
+                               "missing")
         for key, value in full[index].items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == n:
-                full[index][key] = value.view(shapes[index])
+                full[index][key] = orders[index].shaped(value)
     return {"state": full, "param_groups": [dict(g) for g in shards[0]["param_groups"]]}
 
 
-def slice_full_state(state: dict, lo: int, hi: int, numel: int) -> dict:
-    """This rank's slice of one parameter's torch-format state."""
+def slice_full_state(state: dict, lo: int, hi: int, order: MemoryOrder) -> dict:
+    """This rank's slice of one parameter's torch-format state: elements [lo, hi) in the
+    parameter's memory order, whatever the strides of the loaded tensors."""
     out = {}
+    numel = math.prod(order.shape)
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel:
-            out[key] = value.reshape(-1)[lo:hi]
+            out[key] = order.flat(value)[lo:hi]
         else:
             out[key] = value
     return out
 
 
 _SHARD_META_KEYS = ("format", "world_size", "rank", "optimizer", "slices")
+
+
+def dim_orders(opt) -> Dict[int, List[int]]:
+    """{parameter index: its dim order} for the optimizer's parameters that are not row-major:
+    a shard dict's slices are ranges in that order."""
+    return {opt._managed_index[i]: list(order.dim_order)
+            for i, order in enumerate(opt._flat.param_orders) if not order.row_major}
+
+
+def check_dim_orders(saved: dict, opt) -> None:
+    """A shard dict's slices hold elements in the memory order its parameters had; refuses one
+    saved with another order (a model converted with .to(memory_format=...) on one side)."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"zero_py: the shard state dict's 'dim_orders' must be a dict "
+                         f"{{parameter index: dim order}}, got {type(saved).__name__}; load the "
+                         "dict that state_dict() returned, whole")
+    saved = {str(k): v for k, v in saved.items()}
+    for k, mine in enumerate(opt._flat.param_orders):
+        index = opt._managed_index[k]
+        try:
+            theirs = MemoryOrder.from_dim_order(mine.shape, saved.get(str(index)))
+        except ValueError as exc:
+            raise ValueError(f"zero_py: the shard state dict's parameter {index}: {exc}; load "
+                             "the dict that state_dict() returned, whole") from None
+        if theirs.element_order != mine.element_order:
+            raise ValueError(
+                f"zero_py: the shard state dict holds parameter {index} in memory order "
+                f"{theirs.describe()}, this optimizer's parameter {index} is "
+                f"{mine.describe()}: convert the model to the memory format it was saved with "
+                "(model.to(memory_format=...)) before building the optimizer, or save with "
+                "consolidate_state_dict() and load the full dict")
 
 
 def check_structure(state_dict: dict) -> None:
@@ -261,6 +298,8 @@ def check_loadable(opt, state_dict: dict):
                 "was saved with other bucket settings or parameter dtypes (a bf16 model and an "
                 "fp32 one have other layouts: save with consolidate_state_dict() and load the "
                 "full dict to change them)")
+        if (meta["world_size"], meta["rank"]) == here and theirs == mine:
+            check_dim_orders(meta.get("dim_orders", {}), opt)
         if (meta["world_size"], meta["rank"]) != here or theirs != mine:
             raise ValueError(
                 f"this shard state dict is rank {meta['rank']} of {meta['world_size']} with "

@@ -29,8 +29,8 @@ class FlatParams(FlatLayout):
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 view = self.param_view(i)
-                view.copy_(p.data.reshape(-1))
-                p.data = view.view_as(p)
+                view.copy_(self.flat_of(i, p.data))
+                p.data = self.shaped(i, view)  # the parameter keeps its strides
 
     # -- where things live --------------------------------------------------------------------
 

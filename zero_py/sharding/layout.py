@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from zero_py._native import _C
+from zero_py.sharding.memory_order import MemoryOrder
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class FlatLayout:
         # sizes as planned: stage 3 later shows a parameter as its shard slice between uses
         self.param_numel: List[int] = [p.numel() for p in self.params]
         self.param_shapes: List[tuple] = [tuple(p.shape) for p in self.params]
+        # the order of each parameter's elements in its flat range (memory_order.py); a stand-in
+        # for a parameter built on the meta device (stage3/meta_init.py) carries the meta one's
+        self.param_orders: List[MemoryOrder] = [
+            getattr(p, "_zero_py_memory_order", None) or MemoryOrder.of(p) for p in self.params]
         dtypes: List[torch.dtype] = []
         for p in self.params:
             if p.dtype not in dtypes:
@@ -95,6 +100,15 @@ class FlatLayout:
     def bucket_piece(self, b: int) -> torch.Tensor:
         """This rank's piece of bucket b's parameter values."""
         raise NotImplementedError
+
+    def shaped(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Parameter i's flat range (1-D, memory order) as a view of its shape and strides."""
+        return self.param_orders[i].shaped(flat)
+
+    def flat_of(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of parameter i's shape (a gradient, a value, a state) as its flat range:
+        1-D in the parameter's memory order."""
+        return self.param_orders[i].flat(t)
 
     def shard_range(self, b: int) -> range:
         """Where bucket b's piece sits in the rank's shard space."""

@@ -167,7 +167,7 @@ class ShardedParams(PiecesOnFile, FlatLayout):
         self.meter.add(buf.numel() * buf.element_size())
         for i in self.bucket_params[b]:
             lo = self.param_offset[i]
-            self._full[i] = buf[lo:lo + self.param_numel[i]].view(self.param_shapes[i])
+            self._full[i] = self.shaped(i, buf[lo:lo + self.param_numel[i]])
         if values:
             with torch.no_grad():
                 for lo, hi in self.bucket_gaps[b]:

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from zero_py.sharding.memory_order import MemoryOrder
 from zero_py.sharding.storage import full_shape
 from zero_py.stage3.stand_in import StandIns, active, fill_unset
 
@@ -97,6 +98,8 @@ def realize_meta(model: nn.Module, device: torch.device) -> Set[int]:
                 # per dimension: a 0-dim parameter (CLIP's logit_scale) takes no expand of [1]
                 t = torch.empty([1] * p.dim(), dtype=p.dtype, device=device).expand(p.shape)
                 new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                # the meta parameter's memory order, which the stand-in's strides cannot carry
+                new[id(p)]._zero_py_memory_order = MemoryOrder.of(p)
             m._parameters[name] = new[id(p)]
     return {id(p) for p in new.values()}
 
@@ -255,7 +258,7 @@ def replay_init(model: nn.Module, engine: Stage3Engine, todo: Set[int],
             if i is not None:
                 s = storage.slice_of_param.get(i)
                 if s is not None:
-                    storage.write_slice(s, value.reshape(-1)[s.param_lo:s.param_hi])
+                    storage.write_slice(s, storage.flat_of(i, value)[s.param_lo:s.param_hi])
 
     def meta_buffers(m: nn.Module) -> None:
         for name, buf in list(m._buffers.items()):

@@ -205,7 +205,7 @@ def install(model: nn.Module, engine: Stage3Engine, optimizer) -> None:
             if not isinstance(value, torch.Tensor) or s.is_gathered(s.param_bucket[i]):
                 continue  # a gathered parameter is its full view: torch copies the full value
             sl = s.slice_of_param.get(i)
-            flat = value.detach().reshape(-1)
+            flat = s.flat_of(i, value.detach())  # the slice is a range in memory order
             sd[prefix + name] = flat[sl.param_lo:sl.param_hi] if sl is not None else flat[:0]
 
     def _start_load(problem: Optional[str]) -> None:
