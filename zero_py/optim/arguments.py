@@ -1,6 +1,7 @@
 """ZeroOptimizer's constructor arguments: their defaults, their checks (check_arguments, which
-zero_py.initialize also runs before it shards a stage-3 model), and the fingerprint the ranks
-agree on before anything is laid out or sent (optim/agreement.py)."""
+zero_py.initialize also runs before it shards a stage-3 model; check_param, each parameter's),
+and the fingerprint the ranks agree on before anything is laid out or sent
+(optim/agreement.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from zero_py.collectives import quantized
 from zero_py.config import environment
 from zero_py.offload import check_offload_optimizer
 from zero_py.offload.early import check_overlap_step
+from zero_py.optim import compat
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.update import refuse_unhonoured_options
 
@@ -83,10 +85,6 @@ def check_arguments(optimizer_class, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
             and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass such as "
                         f"torch.optim.AdamW, got {optimizer_class!r}")
-    from zero_py.optim.optimizer import ZeroOptimizer  # it imports this module
-
-    if issubclass(optimizer_class, ZeroOptimizer):
-        raise TypeError("optimizer_class must be a plain torch.optim class, not ZeroOptimizer")
     for name, why in _WHOLE_PARAMETER_OPTIMIZERS.items():
         whole = getattr(torch.optim, name, None)
         if whole is not None and issubclass(optimizer_class, whole):
@@ -230,3 +228,37 @@ def _overlaps_itself(p: torch.Tensor) -> bool:
     for n, stride in zip(p.shape, p.stride()):
         offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
     return offsets.unique().numel() < p.numel()
+
+
+def check_param(p: torch.Tensor, i: int, name: Optional[str] = None,
+                slices_ok: bool = False) -> None:
+    """Refuses a parameter zero_py cannot train (meta, a left stage-3 slice, another device or
+    dtype). `name`: the parameter's name, where known, for the message (else its index i).
+    `slices_ok`: p may be a stage-3 shard slice (stage 3's own construction)."""
+    what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
+    if p.is_meta:  # it has no values, and cannot be moved: .to() of a meta tensor raises
+        raise ValueError(f"{what} is on the meta device (no values yet): build the model "
+                         "with zero_py.initialize(model, stage=3), which materializes it "
+                         "module by module, or give it values first (model.to_empty("
+                         "device=...) and initialize them) for stages 1-2")
+    if not slices_ok and compat.left_sharded(p):
+        # its ranks' slices differ in size: laid out again, the first broadcast aborted
+        # the process inside gloo
+        raise ValueError(
+            f"{what} is a stage-3 shard slice (shape {tuple(p.shape)}, full shape "
+            f"{tuple(p._zero_py_shape)}) that no optimizer manages: a zero_py.initialize"
+            "(stage=3) of this model failed after sharding its parameters. Build the model "
+            "again (or load its weights into a new one) before zero_py.initialize")
+    if p.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
+                         "parameters; move the model to one of them")
+    if p.dtype not in PARAM_DTYPES:
+        # (a frozen one under stage 3 is refused before, by initialize, with its remedy)
+        if p.is_complex():  # a cast to a real dtype would drop the imaginary part
+            raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
+                             "bfloat16 and float16 parameters, not complex ones; keep it "
+                             "as a real parameter of shape (..., 2) and take "
+                             "torch.view_as_complex of it in the forward")
+        raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
+                         "bfloat16 and float16 parameters; cast the model to one of "
+                         "them")

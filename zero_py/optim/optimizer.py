@@ -6,43 +6,47 @@ ShardedParams for stage 3, handed in by zero_py.initialize) lays the parameters 
 GradReducer (sharding/reducer.py) brings each rank the averaged gradient of its shard; this
 class checks it (overflow, global norm), has the update (update.py: the fused kernels, or any
 torch.optim class) run on the fp32 master shard, and has the storage publish the new values.
+
+This file holds the class, its construction and its torch.optim surface; its mixins hold the
+rest: the update path it builds over the storage (update_path.py), the training step
+(training.py), state dicts (persistence.py), gradient statistics (grad_stats.py) and memory
+accounting (accounting.py). The constructor's argument and parameter checks: arguments.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import weakref
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from zero_py.collectives import HybridExecutor, make_executor, make_hybrid_executor
+from zero_py.collectives import make_executor, make_hybrid_executor
 from zero_py.collectives import stats as comm_stats
 from zero_py.offload import HostShard, check_offload_optimizer
 from zero_py.offload.early import EarlyStep
-from zero_py.offload.written import WrittenParams
 from zero_py.collectives import quantized
-from zero_py.optim import agreement, compat, dcp, regroup
+from zero_py.optim import agreement, compat, regroup
 from zero_py.optim.accounting import MemoryAccounting
 from zero_py.optim.arguments import (DEFAULT_ALIGN_BYTES, DEFAULT_BUCKET_BYTES,
-                                     DEFAULT_QUANTIZE_BLOCK, PARAM_DTYPES, check_arguments,
-                                     check_kind_options, check_no_shared_storage, fingerprint,
-                                     first_tensor)
+                                     DEFAULT_QUANTIZE_BLOCK, check_arguments,
+                                     check_kind_options, check_no_shared_storage, check_param,
+                                     fingerprint, first_tensor)
 from zero_py.optim.grad_stats import GradStatistics
 from zero_py.optim.loss_scaler import LossScaler
 from zero_py.optim.persistence import StateDicts
-from zero_py.optim.streamed import ResidentMasters, StreamedUpdate
-from zero_py.optim.update import (FusedUpdate, TorchUpdate, added_state, fused_kind,
-                                  refuse_unhonoured_options, warn_ignored_group_options)
-from zero_py.sharding.reducer import MAX_BUCKETS_IN_FLIGHT, GradReducer
-from zero_py.sharding.storage import FlatParams, PieceStore, full_shape
+from zero_py.optim.streamed import StreamedUpdate
+from zero_py.optim.training import TrainingStep
+from zero_py.optim.update import fused_kind, refuse_unhonoured_options, warn_ignored_group_options
+from zero_py.optim.update_path import UpdatePath
+from zero_py.sharding.reducer import GradReducer
+from zero_py.sharding.storage import FlatParams
 
 __all__ = ["ZeroOptimizer"]
 
 
-class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Optimizer):
+class ZeroOptimizer(TrainingStep, UpdatePath, StateDicts, GradStatistics, MemoryAccounting,
+                    torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer under data parallelism (ZeRO 1-2).
 
     Use it instead of DDP + torch.optim: build the model on every rank, then
@@ -301,106 +305,31 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
         compat.install_module_zero_grad()
         self._comm = comm_stats.StepWindow(self._comm_executors)  # comm_stats()
 
-    # the constructor's checks, without building anything (zero_py.initialize runs them before
-    # it shards a stage-3 model): optim/arguments.py
-    check_arguments = staticmethod(check_arguments)
+    @staticmethod
+    @functools.wraps(check_arguments)
+    def check_arguments(optimizer_class, **kwargs) -> dict:
+        # the constructor's checks, without building anything (zero_py.initialize runs them
+        # before it shards a stage-3 model): optim/arguments.py, which cannot name this class
+        if isinstance(optimizer_class, type) and issubclass(optimizer_class, ZeroOptimizer):
+            raise TypeError("optimizer_class must be a plain torch.optim class, not "
+                            "ZeroOptimizer")
+        return check_arguments(optimizer_class, **kwargs)
 
-    def _build(self, storage, step_count: List[int]) -> None:
-        """The gradient path, the fp32 masters and the update over `storage` (construction, and
-        add_param_group's new layout). The reducer's gradient hooks are recorded so that a
-        rebuild or the optimizer's collection removes them."""
-        fp = self._flat = storage
-        stage = self.stage
-        # stage 3 reduces as stage 2 does: from hooks, during backward. A stage-3 bucket is a
-        # whole unit: one reduction in flight (it overlaps the backward of the next unit) keeps
-        # the gradient working set at two unit-sized buffers.
-        self._reducer, handles = compat.capture_hooks(fp.params, lambda: GradReducer(
-            fp, self._wire, min(stage, 2), self._grad_reduce_dtype,
-            MAX_BUCKETS_IN_FLIGHT if stage < 3 else 1, accum_dtype=self._grad_accum_dtype))
-        # a quantized wire's stochastic rounding; weakly, so that the parameters' hooks (they
-        # hold the reducer) do not keep the optimizer alive
-        me = weakref.ref(self)
-        self._reducer.noise_seed = lambda: me()._sr_seed
-        self._reducer.name_of = lambda i: me()._name(fp.params[i])
-        self._reducer.before_accumulate(lambda: me()._settle_clip())
-        self._reducer.hyperparameters = lambda: agreement.hyperparameters(
-            me().param_groups, me()._scaler_state(),
-            [i for i, kept in enumerate(me()._had_grad) if kept])
-        self._hook_handles.extend(handles)
-        self._step_count = step_count  # per managed parameter, as torch's state["step"]
-        # stages 2-3 drop param.grad: which parameters DDP would still hold a gradient tensor
-        # for (one since the last zero_grad(set_to_none=True)), so that they are updated as
-        # torch.optim updates a zeroed gradient
-        self._had_grad = [0] * len(fp.params)
-        if self._early is not None:
-            self._early.close()
-            self._early = None
-        if self._host is not None:
-            self._host.close()
-        if isinstance(getattr(self, "_update", None), StreamedUpdate):
-            self._update.close()
-        if self.offload_optimizer == "nvme":
-            self._masters = ResidentMasters(fp)
-        elif self.offload_optimizer == "cpu":
-            # the masters (and states, kept by the updater) in host memory; the reducer tells
-            # the host side when each gradient piece is reduced, so it is copied out at once
-            self._host = self._reducer.mirror = HostShard(fp, self._reducer.grads.dtype_of)
-            self._masters = self._host.masters
-        else:
-            self._masters = PieceStore(
-                fp, lambda b: None if fp.bucket_dtype(b) == torch.float32 else torch.float32,
-                fp.device)
-        self._managed_of = {i: k for k, i in enumerate(self._managed_index)}
-        # given frozen: outside the layout, never updated; step() refuses one since unfrozen
-        # (on every rank: under stage 3 by its full size, as a rank's slice may be empty)
-        self._left_out = [p for i, p in enumerate(self._all_params)
-                          if i not in self._managed_of and full_shape(p).numel() > 0]
-        self._param_index = {id(p): i for i, p in enumerate(self._all_params)}
-        if self.offload_optimizer == "nvme":
-            self._update = self._streamed_update(fp)
-        elif self._kind is not None:
-            self._update = FusedUpdate(self._kind, fp, self._reducer.grads, self._masters,
-                                       self.param_groups, self._host, self.defaults)
-            if self._host is not None and self._overlap_step:
-                # ahead of the host side as the reducer's mirror: it starts the early updates.
-                # Its guess holds the optimizer weakly, as the reducer's other callbacks do
-                # (a bound method here kept every dropped overlap_step optimizer alive)
-                me = weakref.ref(self)
-                self._early = self._reducer.mirror = EarlyStep(
-                    self._host, self._update, self._overlap_step,
-                    lambda b: me()._early_guess(b))
-        else:
-            self._update = TorchUpdate(self.optimizer_class, fp, self._reducer.grads,
-                                       self._masters, self.param_groups, self._host,
-                                       self._class_kwargs)
-        # stages 1-2: a master that is a copy (bf16/fp16 parameters; fp32 ones offloaded) must
-        # follow writes into its parameter (offload/written.py)
-        self._written = (WrittenParams(fp, bool(self.offload_optimizer))
-                         if not fp.params_sharded else None)
+    # a parameter's checks (zero_py.initialize and add_param_group run them too)
+    _check_param = staticmethod(check_param)
 
-    def _streamed_update(self, fp) -> StreamedUpdate:
-        """The NVMe update, its offload file made on every rank or on none: a rank whose file
-        cannot be made (a full disk, a refused directory) raises its error and the others an
-        error naming it, instead of waiting for it in the first step."""
-        update, problem = None, None
-        try:
-            update = StreamedUpdate(self._kind, fp, self._reducer.grads, self._masters,
-                                    self.param_groups, self._offload_dir, self.defaults)
-        except OSError as exc:
-            problem = exc
-        try:
-            agreement.check(self.executor, [("the NVMe offload file", f"failed: {problem}"
-                                             if problem else "made")],
-                            "zero_py.ZeroOptimizer(offload_optimizer='nvme')")
-        except ValueError:
-            if update is not None:
-                update.close()
-            if problem is not None:
-                raise problem from None
-            raise
-        if problem is not None:
-            raise problem
-        return update
+    def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
+        """Frozen parameters stay outside the flat buffers but start equal on every rank."""
+        ids = {id(p) for p in managed}
+        with torch.no_grad():
+            for p in self._all_params:
+                if id(p) not in ids and p.numel() > 0:
+                    buf = p.detach().contiguous().clone()
+                    # as bytes: frozen parameters may be of any dtype (int8 or float8 weights
+                    # of a quantized base model), which gloo does not all take (float8: an
+                    # "Invalid scalar type" that read as a peer's failure)
+                    self.executor.broadcast(buf.view(-1).view(torch.uint8), 0).wait()
+                    p.copy_(buf)
 
     def _name(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))
@@ -499,285 +428,3 @@ class ZeroOptimizer(StateDicts, GradStatistics, MemoryAccounting, torch.optim.Op
                 self._names.setdefault(id(q), name)
             return
         regroup.add_param_group(self, param_group)
-
-    @staticmethod
-    def _check_param(p: torch.Tensor, i: int, name: Optional[str] = None,
-                     slices_ok: bool = False) -> None:
-        """`name`: the parameter's name, where known, for the message (else its index i).
-        `slices_ok`: p may be a stage-3 shard slice (stage 3's own construction)."""
-        what = f"parameter {name!r} (index {i})" if name else f"parameter {i}"
-        if p.is_meta:  # it has no values, and cannot be moved: .to() of a meta tensor raises
-            raise ValueError(f"{what} is on the meta device (no values yet): build the model "
-                             "with zero_py.initialize(model, stage=3), which materializes it "
-                             "module by module, or give it values first (model.to_empty("
-                             "device=...) and initialize them) for stages 1-2")
-        if not slices_ok and compat.left_sharded(p):
-            # its ranks' slices differ in size: laid out again, the first broadcast aborted
-            # the process inside gloo
-            raise ValueError(
-                f"{what} is a stage-3 shard slice (shape {tuple(p.shape)}, full shape "
-                f"{tuple(p._zero_py_shape)}) that no optimizer manages: a zero_py.initialize"
-                "(stage=3) of this model failed after sharding its parameters. Build the model "
-                "again (or load its weights into a new one) before zero_py.initialize")
-        if p.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what} is on {p.device}: zero_py trains CPU and CUDA "
-                             "parameters; move the model to one of them")
-        if p.dtype not in PARAM_DTYPES:
-            # (a frozen one under stage 3 is refused before, by initialize, with its remedy)
-            if p.is_complex():  # a cast to a real dtype would drop the imaginary part
-                raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
-                                 "bfloat16 and float16 parameters, not complex ones; keep it "
-                                 "as a real parameter of shape (..., 2) and take "
-                                 "torch.view_as_complex of it in the forward")
-            raise ValueError(f"{what} has dtype {p.dtype}: zero_py trains float32, "
-                             "bfloat16 and float16 parameters; cast the model to one of "
-                             "them")
-
-    def _broadcast_frozen(self, managed: List[torch.Tensor]) -> None:
-        """Frozen parameters stay outside the flat buffers but start equal on every rank."""
-        ids = {id(p) for p in managed}
-        with torch.no_grad():
-            for p in self._all_params:
-                if id(p) not in ids and p.numel() > 0:
-                    buf = p.detach().contiguous().clone()
-                    # as bytes: frozen parameters may be of any dtype (int8 or float8 weights
-                    # of a quantized base model), which gloo does not all take (float8: an
-                    # "Invalid scalar type" that read as a peer's failure)
-                    self.executor.broadcast(buf.view(-1).view(torch.uint8), 0).wait()
-                    p.copy_(buf)
-
-    def sync_master_from_params(self) -> None:
-        """Copies the parameters into their fp32 masters. Construction does it; call it again
-        after loading weights into a bf16/fp16 model whose optimizer already exists (loading
-        the optimizer's state dict does it too, unless that dict carries the masters). Early
-        updates of overlap_step (made from the masters before) are put back first."""
-        self.discard_early_updates()
-        with torch.no_grad():
-            if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
-                self._update.pull_masters()
-            else:
-                for b in range(self._flat.n_buckets):
-                    master = self._masters.piece(b)
-                    if master is not None:
-                        master.copy_(self._flat.bucket_piece(b))
-                if self._host is not None:
-                    self._host.pull_params()
-        if self._written is not None:
-            self._written.mark()
-
-    def _follow_written_params(self, buckets: Optional[Sequence[int]] = None) -> None:
-        """Stages 1-2: the masters of the parameters written in place since they last
-        followed them (model.load_state_dict, DCP's set_state_dict, p.copy_(t)) follow the
-        parameters, of `buckets` only if given (offload/written.py): elementwise, where the
-        master's rounding is not the parameter's value (follow_masters). Early updates
-        (overlap_step) made before such a write are put back first."""
-        written = self._written.written(buckets) if self._written is not None else []
-        if not written:
-            return
-        if self._early is not None and buckets is None:
-            self._early.discard()
-        if isinstance(self._update, StreamedUpdate) and not self._update.is_resident:
-            self._update.pull_masters(written)  # a failed write marks nothing: pulled again
-        else:
-            if self._host is not None:
-                self._host.pull_params(written)
-            self.follow_masters(written)
-        self._written.mark(written)
-
-    # -- training -------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (in param.grad) without reducing them, like DDP's
-        no_sync(); the first backward after the block reduces everything accumulated."""
-        previous = self._reducer.sync_enabled
-        self._reducer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self._reducer.sync_enabled = previous
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch.optim's, at any point between steps: reductions still in flight are
-        finished first. With set_to_none=False the parameters that had a gradient keep a zero
-        one, which the next step() applies, as torch.optim does with a zeroed param.grad.
-        After a backward that raised it ends what that backward left open, and drops the
-        gradients it had reduced (GradReducer.settle_failed_backward)."""
-        self._reducer.settle_failed_backward()
-        if self.stage >= 2:
-            if set_to_none:
-                self._had_grad = [0] * len(self._had_grad)
-            elif self._reducer.passes_since_step and not self._reducer.pass_open:
-                mask = self._reducer.finish(check_stray=False)  # zeroed below
-                if mask is not None:
-                    self._had_grad = [a | b for a, b in zip(self._had_grad, mask.tolist())]
-        if self.stage == 3:  # a parameter between uses is a BetweenUses: no torch function
-            with torch._C.DisableTorchFunctionSubclass():
-                super().zero_grad(set_to_none=set_to_none)
-        else:
-            super().zero_grad(set_to_none=set_to_none)
-        if self._early is not None:
-            self._early.discard()  # the gradients they used are gone: no step will use them
-        self._clip_coef, self._nonfinite = None, None
-        self._reducer.zero_grad(set_to_none)
-
-    def _holds_gradients(self) -> bool:
-        """Whether a gradient is held since the last zero_grad(): reduced into the shard (or
-        being reduced), or remembered as a zeroed one (zero_grad(set_to_none=False))."""
-        return (self._reducer.grad_shard_valid or self._reducer.pass_open
-                or any(self._had_grad))
-
-    # -- the step -----------------------------------------------------------------------------
-
-    def step(self, closure=None):
-        """Updates this rank's shard and all-gathers the parameters. With a loss scaler, a step
-        whose gradients overflow on any rank is skipped on every rank (last_step_skipped).
-        As torch.optim does, a parameter without a gradient (none since zero_grad(), or step()
-        before any backward) is left alone, and step() twice applies the gradients twice.
-
-        Called by torch.distributed.checkpoint to "initialize" a stateless optimizer (zero
-        gradients assigned to every parameter, lr 0), it drops those gradients and does
-        nothing (zero_py/optim/dcp.py)."""
-        if dcp.caller(("_init_optim_state",)) is not None:
-            for p in self._all_params:
-                p.grad = None
-            return None
-        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise RuntimeError(compat.GRAD_SCALER_MESSAGE)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        compat.refuse_detached_params(self)
-        with torch.no_grad():
-            mask = self._finish_reduction()  # None: zero_grad() came after the last backward
-            used = [0] * len(self._step_count) if mask is None else mask.tolist()
-            if self.stage >= 2:
-                used = [a | b for a, b in zip(used, self._had_grad)]
-                self._had_grad = list(used)
-            if self.loss_scaler is not None and self._nonfinite is None:
-                self._nonfinite = self._grad_stats(2.0)[1]
-            skip = bool(self._nonfinite) and self.loss_scaler is not None
-            self._follow_written_params()
-            try:
-                if not skip:
-                    self._apply_update(used)
-            finally:
-                if self._early is not None:
-                    self._early.end_step()  # what the step did not take (all when skipped)
-            self.last_step_skipped = skip
-            self.skipped_steps += int(skip)
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(skip)
-            self._clip_coef, self._nonfinite = None, None
-            self._reducer.after_step()
-        self._comm.close()
-        return loss
-
-    def comm_stats(self) -> Dict[str, Dict[str, Dict[str, int]]]:
-        """What the last step moved, by executor label and collective kind: {"shard":
-        {"reduce_scatter": {"calls", "bytes_sent", "bytes_received"}, "all_gather": ...,
-        "control": ...}, "shard.gather": ...} (stage 3's gathers), this rank's bytes under the
-        ring model of zero_py/collectives/stats.py. The last step runs from the end of the
-        step() before it (or of construction) to the end of the last step(): its backwards'
-        reductions, stage 3's gathers, the step's all-gather; "control" holds the small
-        bookkeeping all-reduces. {} before the first step. docs/scale-out.md."""
-        return {label: {kind: dict(c) for kind, c in kinds.items()}
-                for label, kinds in self._comm.last.items()}
-
-    def _comm_executors(self) -> list:
-        """The executors comm_stats() counts: the optimizer's, and its storage's (stage 3's
-        gather channel); a hybrid executor's shard, replicate and world groups each."""
-        out = []
-        for ex in (self.executor, getattr(self._flat, "executor", None)):
-            out += [ex.shard, ex.replicate, ex.world] if isinstance(ex, HybridExecutor) else [ex]
-        return out
-
-    def _apply_update(self, used: List[int]) -> None:
-        if self.uses_fused_kernel:
-            extra = self._state_to_add(self.param_groups)
-            self._update.check_groups(used)  # before anything moves (counts, buckets)
-            if extra:
-                self._update.add_keys(extra)
-        counts, seed = list(self._step_count), self._sr_seed
-        for i, u in enumerate(used):
-            if u:
-                self._step_count[i] += 1
-        if not any(used):
-            return
-        coef = self._clip_coef  # 0.0 is a coefficient (an inf total norm), not "none"
-        if coef is not None and math.isnan(coef):
-            self._poison_gradients()
-            coef = None
-        grad_scale = (1.0 if coef is None else coef) / self.loss_scale
-        self._sr_seed += 1
-        touched = [b for b in range(self._flat.n_buckets)
-                   if any(used[i] for i in self._flat.bucket_params[b])]
-        try:
-            if getattr(self._flat, "nvme", None) is not None:
-                # offload_params="nvme": bucket by bucket, each bucket's parameter record open
-                # while its optimizer chunks stream; both files flip only when every write of
-                # the step has landed (a failed write leaves both at the last good step)
-                with self._update.store.transaction():
-                    self._flat.update_pieces(touched, lambda b: self._update.step(
-                        used, self._step_count, grad_scale, self._sr_seed,
-                        self.stochastic_rounding, buckets=[b]))
-            elif self._host is not None and self.uses_fused_kernel:
-                args = (used, self._step_count, grad_scale, self._sr_seed,
-                        self.stochastic_rounding)
-                done = (self._early.settle(args, self._early_hyper)
-                        if self._early is not None else ())
-                self._host.step(self._update, touched, *args, done=done)
-            else:
-                self._update.step(used, self._step_count, grad_scale, self._sr_seed,
-                                  self.stochastic_rounding)
-        except OSError:
-            # an NVMe write failed: the state on disk and the parameters are the last good
-            # step's (StreamedUpdate put them back, or their file did not flip); so are the
-            # counts
-            self._step_count, self._sr_seed = counts, seed
-            raise
-        if self.uses_fused_kernel:
-            self._update.note_step(used, self._step_count)
-        self._flat.publish(self._wire, touched)
-
-    def _state_to_add(self, groups: List[dict], fresh: Sequence[dict] = ()) -> List[str]:
-        """The state keys of the fused update that `groups` need and it does not keep yet
-        (update.added_state: SGD's momentum buffer, once a momentum is switched on after
-        construction; Adam's max where a group `fresh` from add_param_group has amsgrad),
-        checked to be addable; changes nothing."""
-        extra = added_state(self._kind, self._update.keys, groups, fresh)
-        if extra is None:
-            raise ValueError("the param groups need optimizer state this optimizer does not "
-                             f"keep (it keeps {self._update.keys}): amsgrad was switched on "
-                             "after construction, which torch.optim.Adam cannot take after its "
-                             "first step either; construct the optimizer with amsgrad=True")
-        if extra and (isinstance(self._update, StreamedUpdate) or self._early is not None):
-            raise ValueError(
-                "a momentum was switched on after construction (e.g. by OneCycleLR's "
-                "cycle_momentum), but with offload_optimizer='nvme' or overlap_step the "
-                "optimizer state is laid out at construction: construct it with momentum != 0 "
-                "(a scheduler sets the value from then on)")
-        return extra
-
-    def _early_guess(self, b: int):
-        """overlap_step: the inputs of the coming step for bucket b as they stand while its
-        gradient reaches the host (offload/early.py), guessing no clipping and no overflow;
-        None before the first step (the step makes the states)."""
-        if self._update.states is None:
-            return None
-        self._follow_written_params([b])  # a write since the last step: the master follows
-        params = self._flat.bucket_params[b]
-        used = {i: 1 for i in params}
-        counts = {i: self._step_count[i] + 1 for i in params}
-        args = (used, counts, 1.0 / self.loss_scale, self._sr_seed + 1,
-                self.stochastic_rounding)
-        return args, self._early_hyper(b)
-
-    def _early_hyper(self, b: int) -> tuple:
-        """Bucket b's group's hyperparameters, comparable with == (tensors as numbers)."""
-        g = self.param_groups[self._flat.bucket_group[b]]
-        return tuple(sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v)
-                            for k, v in g.items() if k != "params"))

@@ -45,6 +45,11 @@ A backward that raises never runs its end-of-backward callback: the next backwar
 (stage 3), zero_grad() or step() finds it (settle_failed_backward), waits for the reductions it
 started and ends its pass; where it had reduced some buckets, the next backward or step()
 refuses until zero_grad() drops those partial gradients.
+
+This file holds GradReducer's construction and its passes (the gradient hooks, begin_pass, the
+end of backward, a backward that raised); its mixins hold the rest: the buckets (buckets.py:
+copy in, launch, retire), a quantized wire's residuals and noise (residuals.py), the Counts it
+announces (announcements.py) and what the optimizer asks of it after backward (finish.py).
 """
 
 from __future__ import annotations
@@ -56,25 +61,17 @@ import torch
 
 from zero_py._native import _C
 from zero_py.collectives.pool import BufferPool
-from zero_py.collectives.quantized import residual_numel
-from zero_py.collectives.work import Work, issue
+from zero_py.collectives.work import Work
 from zero_py.sharding import grad_checks
-from zero_py.sharding.counts import (CLIP, EVAL_FORWARD, FORWARD, FORWARD_NO_SYNC, GATHERED,
-                                     PASS, PASS_AFTER_NO_SYNC, PASS_NO_SYNC,
-                                     PASS_WITHOUT_BACKWARD, STEP, STEP_STRAY,
-                                     Count)
+from zero_py.sharding.announcements import Announcements
+from zero_py.sharding.buckets import Buckets
+from zero_py.sharding.counts import (PASS, PASS_AFTER_NO_SYNC, PASS_NO_SYNC,
+                                     PASS_WITHOUT_BACKWARD, Count)
+from zero_py.sharding.finish import Finish
 from zero_py.sharding.layout import FlatLayout
-from zero_py.sharding.riders import Riders, pack_bytes, unpack_any, words_for
+from zero_py.sharding.residuals import Residuals
+from zero_py.sharding.riders import Riders, pack_bytes, words_for
 from zero_py.sharding.storage import PieceStore
-
-def _cuda_usable() -> bool:
-    from zero_py.kernels import cuda  # CUDA runs only
-    return cuda.is_available()
-
-
-def _cuda_cast(src: torch.Tensor, dst: torch.Tensor, scale: float) -> None:
-    from zero_py.kernels import cuda
-    cuda.cast(src.reshape(-1), dst, scale)
 
 
 # Reductions in flight before the backward thread waits for the oldest: bounds the memory held
@@ -115,7 +112,7 @@ class _NoBuckets:
         pass
 
 
-class GradReducer:
+class GradReducer(Buckets, Residuals, Announcements, Finish):
     def __init__(self, flat: FlatLayout, executor, stage: int,
                  reduce_dtype: Optional[torch.dtype] = None,
                  max_in_flight: int = MAX_BUCKETS_IN_FLIGHT,
@@ -363,17 +360,6 @@ class GradReducer:
         (a clip_grad_norm_ since the last step scales what the shard holds first)."""
         self._on_accumulate.append(fn)
 
-    def grads_changed(self) -> bool:
-        """Stage 1, after finish(): whether a param.grad changed since its reduction read it
-        (a backward between clip_grad_norm_ and step)."""
-        return self._finished and self.stage == 1 and any(
-            (p.grad is not g) or (g is not None and g._version != v)
-            for p, (g, v) in zip(self.flat.params, self._reduced_from))
-
-    def reduce_again(self) -> None:
-        """Stage 1: the next finish() reduces param.grad again (see grads_changed)."""
-        self._end_update()
-        self._finished = False
 
     def _begin_pass(self, kind: int = PASS) -> None:
         if self.check_counts:
@@ -425,327 +411,3 @@ class GradReducer:
         # stage 3: its peers' backward gathered units with it; no backward here cannot match
         self._begin_pass(PASS_WITHOUT_BACKWARD if self.check_at_once else PASS)
         self._end_pass()
-
-    @property
-    def peak_bucket_bytes(self) -> int:
-        """The most bucket buffer bytes alive at once (idle, open or in flight)."""
-        return self._pool.peak_bytes
-
-    # -- buckets --------------------------------------------------------------------------------
-
-    def _bucket_buffer(self, b: int) -> torch.Tensor:
-        entry = self._open.get(b)
-        if entry is None:
-            view = self._pool.take(self.flat.bucket_numel[b], self.wire_dtype[b])
-            for lo, hi in self.flat.bucket_gaps[b]:
-                view[lo:hi].zero_()
-            entry = self._open[b] = view
-        return entry
-
-    def _copy_in(self, i: int, checked: bool = False) -> None:
-        p = self.flat.params[i]
-        g = p.grad
-        if not checked:
-            grad_checks.check_grad(self.flat, i, g, self.name_of)
-        b = self.flat.param_bucket[i]
-        lo = self.flat.param_offset[i]
-        n = self.flat.param_numel[i]
-        # the planned size: a stage-3 parameter may already be its shard slice again here
-        slot = self._bucket_buffer(b)[lo:lo + n]
-        ws = self._averaged_over
-        if ws > 1 and g.dtype == slot.dtype:
-            torch.div(self.flat.flat_of(i, g), ws, out=slot)  # DDP's averaging, before the sum
-        elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
-            # widening and averaging in one pass (the CUDA cast kernel); * (1 / ws) equals
-            # / ws exactly when ws is a power of two
-            _cuda_cast(self.flat.flat_of(i, g), slot, 1.0 / ws)
-        else:
-            slot.copy_(self.flat.flat_of(i, g))  # widened first when reducing in a wider dtype
-            if ws > 1:
-                slot.div_(ws)
-        self._local_used[i] = 1
-        self._copied[i] = 1
-        if self.stage == 2:
-            p.grad = None
-
-    def mark_unused(self, params) -> None:
-        """Parameters (indices) that get no gradient in this pass on this rank, known when it
-        starts (stage 3: those of units this rank did not run in its forward), made ready at
-        once, as DDP's find_unused_parameters does: their buckets are released in order
-        without waiting for the end of backward, which a peer that used them would wait for.
-        A bucket they fill entirely is reduced from zeros without a buffer of its own and
-        without waiting, so this never blocks."""
-        if not self._pass_open:
-            return
-        with torch.no_grad():
-            for i in params:
-                if self._copied[i]:
-                    continue
-                if self.flat.params[i].grad is not None:
-                    self._copy_in(i)  # accumulated under no_sync(): it goes with this pass
-                else:
-                    self._unused[i] = 1
-                for b in self.schedule.grad_ready(i):
-                    self._launch(b)
-
-    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """numel zeros of dtype, read-only, shared by every all-zero bucket."""
-        z = self._zero_input.get(dtype)
-        if z is None or z.numel() < numel:
-            z = self._zero_input[dtype] = torch.zeros(numel, dtype=dtype, device=self.flat.device)
-        return z[:numel]
-
-    def _launch(self, b: int) -> None:
-        # the pass's count, before its first reduction: a peer that is not starting the same
-        # pass (a step, a pass reducing gradients accumulated under no_sync()) would leave the
-        # reductions this rank launched unmatched, to pair with later collectives of the group
-        self._check_count()
-        ps = self.flat.bucket_params[b]
-        if b not in self._open and all(self._unused[i] for i in ps):
-            # nothing of this bucket on this rank (mark_unused): zeros in, and no wait; one
-            # shared zero tensor where the executor's reduce-scatter leaves its input alone
-            numel, dtype = self.flat.bucket_numel[b], self.wire_dtype[b]
-            if getattr(self.executor, "reduce_scatter_keeps_input", False):
-                self._launch_from(b, self._zeros(numel, dtype), pooled=False)
-            else:
-                self._launch_from(b, self._pool.take(numel, dtype).zero_(), pooled=True)
-            return
-        buf = self._bucket_buffer(b)
-        self._open.pop(b)
-        for i in self.flat.bucket_params[b]:
-            if not self._copied[i]:  # no gradient on this rank: reduce zeros
-                lo = self.flat.param_offset[i]
-                buf[lo:lo + self.flat.param_numel[i]].zero_()
-        self._launch_from(b, buf, pooled=True)
-        self._retire(block_over=self.max_in_flight)
-
-    def _launch_from(self, b: int, buf: torch.Tensor, pooled: bool) -> None:
-        self._launched = True
-        piece = self.grads.piece(b)
-        describe = getattr(self.flat, "describe_bucket", None)
-        what = (f"reduce-scatter of the gradients of "
-                f"{describe(b) if describe is not None else f'bucket {b}'}")
-        mirror = self.mirror
-        extra = ((self._residual_of(b) if self.error_feedback else None,
-                  self._noise(b)) if self.stochastic
-                 else (self._residual_of(b),) if self.error_feedback else ())  # its extras
-        if not self.grad_shard_valid:
-            if mirror is not None:
-                mirror.writing(b)
-            work = issue(what, self.executor.reduce_scatter, piece, buf, *extra)
-        else:
-            tmp = torch.empty_like(piece)
-            work = issue(what, self.executor.reduce_scatter, tmp, buf, *extra)
-
-            def accumulate(piece=piece, tmp=tmp) -> None:
-                if mirror is not None:
-                    mirror.writing(b)
-                piece.add_(tmp)
-            work = Work(work, accumulate, what=what)
-        self._in_flight.append((work, buf if pooled else None, b))
-
-    def _noise(self, b: int) -> Tuple[int, int]:
-        """The noise of bucket b's reduction in this pass: (seed, stream)."""
-        seed = (self.noise_seed() * 0x9E3779B97F4A7C15 + 0x6A09E667) & 0xFFFFFFFFFFFFFFFF
-        return seed, (b << 16) + min(self.passes_since_step, 0xFFFF)
-
-    def _residual_of(self, b: int) -> torch.Tensor:
-        r = self._residual.get(b)
-        if r is None:
-            n = residual_numel(self.executor.world_size, self.grads.piece(b).numel())
-            r = self._residual[b] = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
-        return r
-
-    def residuals(self) -> Dict[int, torch.Tensor]:
-        """The error-feedback residuals made so far, by bucket (checkpoint/feedback.py)."""
-        return dict(self._residual)
-
-    def set_residuals(self, residuals: Dict[int, torch.Tensor]) -> None:
-        """The residuals from now on (a load's; the buckets not given start at zero)."""
-        for b, r in residuals.items():
-            want = residual_numel(self.executor.world_size, self.grads.piece(b).numel())
-            if r.dtype != torch.float32 or r.numel() != want:
-                raise ValueError(f"the error-feedback residual of bucket {b} must be {want} "
-                                 f"float32, got {r.dtype} x {r.numel()}")
-        self._residual = dict(residuals)
-
-    @property
-    def residual_bytes(self) -> int:
-        """Bytes of the error-feedback residuals once every bucket has been reduced."""
-        if not self.error_feedback:
-            return 0
-        ws = self.executor.world_size
-        return 4 * sum(residual_numel(ws, self.grads.piece(b).numel())
-                       for b in range(self.flat.n_buckets))
-
-    def _retire(self, block_over: int) -> None:
-        """Finishes completed reductions in order, and waits while more than `block_over` are
-        in flight."""
-        if len(self._in_flight) > block_over:
-            self._check_count()  # a count mismatch is the clearer error than a lost reduction
-        while self._in_flight and (len(self._in_flight) > block_over
-                                   or self._in_flight[0][0].is_completed()):
-            work, buf, b = self._in_flight.pop(0)
-            work.wait()
-            if buf is not None:
-                self._pool.give(buf)
-            if self.mirror is not None:
-                self.mirror.reduced(b, self.grads.piece(b))
-
-    # -- what the optimizer asks -------------------------------------------------------------
-
-    def finish(self, check_stray: bool = True, clip: bool = False) -> torch.Tensor:
-        """Waits for every reduction; returns the per-parameter 'some rank had a gradient'
-        mask (uint8). Calling it again before the next pass or step returns the same.
-        `clip`: for clip_grad_norm_, which its step's count names (counts.CLIP).
-
-        Stages 2-3, with check_stray: a param.grad set after the last reduced backward (`p.grad
-        = g` after backward, or a backward under no_sync() after the reduced one) would be
-        left out of this step, so it is refused, on every rank (the step's count carries it),
-        before anything is waited for; nothing changes. Without a backward since the last
-        step such gradients are this step's (reduce_now)."""
-        if self._finished:
-            return self._global_used
-        if self.stage == 1 or self.passes_since_step == 0:
-            settings = None
-            if self.stage == 1:
-                # stage 1 counts no passes, but each rank updates its own shard: the ranks'
-                # param groups' settings are compared in a small all-reduce issued before the
-                # reduction and checked once that is under way (checked first, it would make
-                # the ranks wait for each other before copying their gradients in: ~8 ms a
-                # step here). A refused step changes nothing: its sums are dropped, and the
-                # next step() reduces param.grad again
-                # it carries the used mask: which param.grad the reduction reads (below)
-                self._local_used = bytearray(p.grad is not None for p in self.flat.params)
-                settings = self._counted(CLIP if clip else STEP, 0)
-            self.reduce_now()
-            if settings is not None:
-                try:
-                    settings.check()  # gives _global_used (_take_used)
-                except RuntimeError:
-                    self._retire(block_over=0)
-                    raise
-            stray = []
-        else:
-            stray = []
-            if check_stray:  # read without __torch_function__ (see late_hook)
-                with torch._C.DisableTorchFunctionSubclass():
-                    stray = [i for i, p in enumerate(self.flat.params) if p.grad is not None]
-        if self.check_counts:
-            self._check_count()
-            self._count = self._counted(STEP_STRAY if stray else CLIP if clip else STEP,
-                                        self.passes_since_step)
-            self._check_count()  # gives _global_used (_take_used)
-        if stray:
-            more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
-            # every parameter at once: the usual cause is a DDP wrapper, whose reducer writes
-            # its averaged gradient back into param.grad after zero_py's hook took it
-            ddp = (" Every parameter has one: is the model wrapped in DistributedDataParallel? "
-                   "zero_py reduces the gradients itself; give it the bare model (drop the "
-                   "DDP(...) wrapper)." if len(stray) == len(self.flat.params) > 1 else "")
-            raise RuntimeError(
-                f"zero_py: parameter {self.name_of(stray[0])}{more} has a param.grad set "
-                "after the last backward was reduced (e.g. `p.grad = g` after backward, or a "
-                "backward under no_sync() after the reduced one). Stages 2-3 take each "
-                "gradient from backward as it is reduced and leave param.grad None, so this "
-                "step would ignore it. Put such terms into the loss before backward, assign "
-                "gradients only in a step without backward (they are then reduced: the "
-                "torch.autograd.grad idiom), or use stage 1; optimizer.zero_grad() drops them"
-                + ddp)
-        self._retire(block_over=0)
-        # the update of the parameter shards follows: one-sided readers wait for its end (once:
-        # a clip_grad_norm_ and a backward after it finish() twice before the step)
-        if not self._updating:
-            self._updating = True
-            getattr(self.flat, "begin_update", lambda steps: None)(self.steps)
-        self._finished = True
-        return self._global_used
-
-    def _counted(self, kind: int, passes: int) -> Count:
-        """The step's Count, with the param groups' settings and the used mask riding on it."""
-        self._carry_used = True
-        try:
-            return Count(self.executor, kind, self.steps, passes, hyper=self.hyperparameters(),
-                         riders=self.riders)
-        finally:
-            self._carry_used = False
-
-    def _take_used(self, rows: torch.Tensor) -> None:
-        """The step's count delivers every rank's used mask: 'some rank had a gradient', on
-        the host (its readers index it per parameter)."""
-        self._global_used = unpack_any(rows, len(self.flat.params))
-
-    def announce_forward(self, eval_forward: bool, problem: Optional[str] = None) -> None:
-        """Stage 3, at the start of a forward whose gathers are collective: every rank must be
-        starting the same forward (compared now, before any gather). `problem`: why this
-        rank refuses it, raised on every rank (the others say which rank refused)."""
-        if not self.check_counts:
-            if problem is not None:
-                raise RuntimeError(problem)
-            return
-        self._check_count()
-        n = self.forwards_since_step + (not eval_forward)
-        # a training forward says whether it runs inside no_sync(): the ranks' backwards of it
-        # differ in collectives otherwise (its own comparison, counts.py), and no collective is
-        # added for it
-        kind = (EVAL_FORWARD if eval_forward else FORWARD if self.sync_enabled else
-                FORWARD_NO_SYNC)
-        self._count = Count(self.executor, kind, self.steps, n, problem, riders=self.riders)
-        self._check_count()  # a refused forward is not counted: every rank raised alike
-        self.forwards_since_step = n
-
-    def announce_gathered(self, what: str, key: int = 0) -> None:
-        """Stage 3, before the collective gathers of a state dict or zero_py.gathered(): every
-        rank must be starting one (compared now, before any gather), with the same `key` (what
-        it gathers, e.g. a number for its units). A rank whose peers go on to a forward,
-        backward or step, or start one with another key, raises with them, naming each rank's
-        call; a rank whose peers run no collective of the group raises after its timeout."""
-        self._check_count()
-        self._count = Count(self.executor, GATHERED, self.steps, key, what=what,
-                             riders=self.riders)
-        self._check_count()
-
-    @property
-    def updating(self) -> bool:
-        """finish() ran and the step has not ended: the optimizer may be writing the parameter
-        shards (stage 3's one-sided readers cannot tell from the peers' versions)."""
-        return self._updating
-
-    def _check_count(self) -> None:
-        """Raises on every rank if the ranks' last pass or step announcements differ."""
-        count, self._count = self._count, None
-        if count is not None:
-            count.check()
-
-    def _end_update(self) -> None:
-        if self._updating:
-            self._updating = False
-            getattr(self.flat, "end_update", lambda steps: None)(self.steps)
-
-    def after_step(self) -> None:
-        self.passes_since_step = 0
-        self.forwards_since_step = 0
-        self._unsynced = False
-        self.steps += 1
-        self._end_update()
-        self._finished = False
-        self._reduced_from = []
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        self.settle_failed_backward()
-        self.incomplete = False
-        self._end_update()  # finish() without a step (clip_grad_norm_ alone): nothing changed
-        self._finished = False
-        self._reduced_from = []
-        self._retire(block_over=0)
-        self.grad_shard_valid = False
-        self._unsynced = False
-        self._local_used = bytearray(len(self.flat.params))
-        self._global_used = None
-        if not set_to_none:
-            if self.mirror is not None:
-                for b in range(self.flat.n_buckets):
-                    self.mirror.writing(b)
-            self.grads.zero_()
-            if self.mirror is not None:  # its copy of the shard is what an offloaded step reads
-                self.mirror.zeroed()

@@ -34,6 +34,11 @@ every rank's shard out of shared memory, with no collective, where the ranks sha
 (ShardedParams.gather_one_sided); elsewhere such gathers are collective, and a no_grad forward
 is announced first (GradReducer.announce_forward) so that one rank's alone is refused on every
 rank. docs/stage3.md, "Control flow that differs between ranks".
+
+This file holds the class, its construction, the schedule's commands (gather, wait, free) and
+gathered access; its mixins hold the rest: the module hooks (hooks.py), the phases
+(phases.py: _skip_ahead, _drain_backward) and the ranks' agreement on the order (order.py:
+merge_orders).
 """
 
 from __future__ import annotations
@@ -45,22 +50,19 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_py._native import _C
 from zero_py.sharding.reducer import GradReducer
 from zero_py.sharding.storage import ShardedParams
 from zero_py.stage3.drain import DrainGathers
 from zero_py.stage3.entries import entry_points
+from zero_py.stage3.hold import hold_units
+from zero_py.stage3.hooks import ModuleHooks, not_traced
 from zero_py.stage3.model_changes import ModelChanges
-from zero_py.stage3.hold import TRAINING_FORWARD_HELD, hold_units
-from zero_py.stage3.user_edits import keep_post_hook_last, keep_pre_hooks_first
+from zero_py.stage3.order import OrderAgreement, merge_orders
+from zero_py.stage3.phases import Phases
 
-
-def _not_traced(fn):
-    """fn, run eagerly under torch.compile (torch._dynamo.disable) where torch has dynamo."""
-    dynamo = getattr(torch, "_dynamo", None)
-    return dynamo.disable(fn) if dynamo is not None and hasattr(dynamo, "disable") else fn
+__all__ = ["Stage3Engine", "merge_orders"]  # merge_orders: order.py (tests import it here)
 
 
 def _weakly(method):
@@ -89,74 +91,11 @@ def _guard_module_hooks() -> None:
         torch._dynamo.reset()
 
 
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread (e.g. the forward
-    that activation checkpointing recomputes)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 # the frame of a module's call (nn.Module._call_impl): _forward_running looks for the model's
 _MODULE_CALL = nn.Module._call_impl.__code__
 
-# the engine's phase between the backward's last gathers and the end of its pass (the C
-# schedule's phase is closed already)
-_BACKWARD_ENDING = -2
 
-
-def _forget_autocast_casts() -> None:
-    """As a forward or a backward starts, drops the casts of parameters that torch.autocast
-    caches for its region (keyed by the parameter: the lower-precision copy and its autograd
-    edge, made at the first use). A pass after another in the same region (a second
-    micro-batch, a training forward after a no_grad one, a backward run inside the region
-    whose checkpointed blocks are recomputed) was given the copies the earlier pass made from
-    units freed since, and its backward failed in AccumulateGrad ("The size of tensor a (144)
-    must match the size of tensor b (32)"). Within a pass the copies stay shared, as under
-    DDP (a unit called twice uses one cast). Outside autocast the cache is empty."""
-    torch.clear_autocast_cache()
-
-
-def merge_orders(rows: List[List[int]], n_units: int) -> List[int]:
-    """One order of the units consistent with every rank's sequence of first uses (`rows`: per
-    rank, its length then the unit ids), the same on every rank: a topological order of "u came
-    right before v on some rank", the lowest unit id first among the units free to go (units no
-    rank used take their module order). Where ranks disagree (a cycle), the lowest id of what
-    is left goes next; the ranks that used the units otherwise then gather them on their own."""
-    after: List[Set[int]] = [set() for _ in range(n_units)]
-    before = [0] * n_units
-    for row in rows:
-        seq = row[1:1 + row[0]]
-        for a, b in zip(seq, seq[1:]):
-            if b not in after[a] and a != b:
-                after[a].add(b)
-                before[b] += 1
-    order: List[int] = []
-    done = [False] * n_units
-    while len(order) < n_units:
-        free = [u for u in range(n_units) if not done[u] and before[u] == 0]
-        u = free[0] if free else next(v for v in range(n_units) if not done[v])
-        done[u] = True
-        order.append(u)
-        for v in after[u]:
-            before[v] -= 1
-    return order
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the gradients of those inputs are
-    computed, i.e. when the unit's backward is over."""
-
-    @staticmethod
-    def forward(ctx, engine, unit, *tensors):
-        ctx.engine, ctx.unit = engine, unit
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._post_backward(ctx.unit)
-        return (None, None) + grads
-
-
-class Stage3Engine:
+class Stage3Engine(ModuleHooks, Phases, OrderAgreement):
     """Hooks and prefetch for one stage-3 model (see the module docstring).
 
     storages: the model's ShardedParams (the trainable ones, then the frozen ones if any), laid
@@ -245,7 +184,7 @@ class Stage3Engine:
         # that raised (on every rank alike: a bad batch, out of memory) ends its phase at once,
         # freeing the units it gathered, instead of holding them until the next forward
         self._hooks.append(units[0][1].register_forward_hook(
-            _not_traced(lambda module, args, output: self._forward_ended()
+            not_traced(lambda module, args, output: self._forward_ended()
                         if module is units[0][1] else None), always_call=True))
         self._entries: List[nn.Module] = []  # entry points whose call opened the phase
         for entry in entry_points(model, units):
@@ -253,7 +192,7 @@ class Stage3Engine:
                 self._make_entry_pre(entry), with_kwargs=True, prepend=True))
             self._hooks.append(entry.register_forward_hook(self._make_entry_post(entry)))
             self._hooks.append(entry.register_forward_hook(
-                _not_traced(lambda module, args, output, entry=entry: self._entry_ended(entry)
+                not_traced(lambda module, args, output, entry=entry: self._entry_ended(entry)
                             if module is entry else None), always_call=True))
 
     @property
@@ -280,342 +219,6 @@ class Stage3Engine:
         silently undo (model_changes.py), or a gradient hook it would run too late. Run at
         each forward and step."""
         return self._changes.submodules() or self.reducer.late_hook() or self._changes.params()
-
-    # -- hooks --------------------------------------------------------------------------------
-
-    # The hooks swap each parameter between its 1-D shard slice and its full view: dynamo must
-    # not trace them (its graphs do not guard against the swap, and torch.compile(model) then
-    # fails in inductor's size asserts), so they run eagerly between the compiled parts.
-    # A deep copy of the model (made inside gathered(): AveragedModel, an EMA teacher) keeps
-    # these hooks, the same functions: on the copy, whose parameters are plain, they do nothing
-    # (they would gather this model's unit, collectively where a rank may run the copy alone).
-    def _make_pre_forward(self, u: int):
-        unit = self.units[u][1]
-
-        def hook(module, args, kwargs):
-            if module is not unit:
-                return None
-            if u:  # the root's post-hooks end the forward: they stay in their order
-                keep_post_hook_last(unit, self._hook_ids[u][1])
-            else:
-                keep_pre_hooks_first(self.units, [pre for pre, _ in self._hook_ids])
-            return self._pre_forward(u, args, kwargs)
-        return _not_traced(hook)
-
-    def _make_post_forward(self, u: int):
-        unit = self.units[u][1]
-
-        def hook(module, args, output):
-            return self._post_forward(u, output) if module is unit else None
-        return _not_traced(hook)
-
-    # An entry point (entries.py) called on its own, outside the model's forward, runs as a
-    # forward of the model: its call opens the phase as the root's does (the root unit, which
-    # holds the entry's own parameters, gathered until its end), and its units run in it.
-    def _make_entry_pre(self, entry: nn.Module):
-        def hook(module, args, kwargs):
-            if module is not entry or self._phase is not None or self._held or _in_backward():
-                return None  # inside the model's forward (its usual use), gathered(), a recompute
-            self._entries.append(entry)
-            return self._pre_forward(0, args, kwargs)
-        return _not_traced(hook)
-
-    def _make_entry_post(self, entry: nn.Module):
-        def hook(module, args, output):
-            if self._entries and self._entries[-1] is entry and module is entry:
-                self._entries.pop()
-                return self._post_forward(0, output)
-            return None
-        return _not_traced(hook)
-
-    def _entry_ended(self, entry: nn.Module) -> None:
-        """After an entry point's forward, returned or raised: one that raised ends its phase
-        (as _forward_ended does for the root's)."""
-        if self._entries and self._entries[-1] is entry:
-            self._entries.pop()
-            self._forward_ended()
-
-    def _pre_forward(self, u: int, args, kwargs):
-        if _in_backward():
-            # recomputation under activation checkpointing: the unit is needed again now
-            if self._phase != _C.PF_BACKWARD:
-                self._begin_backward()
-            self._run(self.prefetch.need(u))
-            self._wait(u)
-            if torch.is_grad_enabled() and self._post_pending[u] == 0:
-                return self._mark_inputs(u, args, kwargs)  # reentrant: this graph is backed
-            return None
-        if self._held:  # inside gathered(): run on the full values, no schedule
-            if torch.is_grad_enabled():  # its backward is refused (TRAINING_FORWARD_HELD)
-                self.reducer.grads_refused = TRAINING_FORWARD_HELD
-            if not any(u in held for held in self._held):
-                raise RuntimeError(
-                    f"zero_py stage 3: unit {self.units[u][0]!r} runs inside zero_py.gathered() "
-                    "without being gathered; gather the whole model: zero_py.gathered(model)")
-            return None
-        if u == 0:
-            self.reducer.grads_refused = None
-            self._begin_forward()
-        elif self._phase is None:
-            raise RuntimeError(
-                f"zero_py stage 3: unit {self.units[u][0]!r} was called outside the forward of "
-                "the model given to zero_py.initialize; call the model itself, or read the "
-                "parameters inside `with zero_py.gathered(model):`")
-        self._run(self.prefetch.need(u))
-        self._wait(u)
-        if torch.is_grad_enabled():
-            return self._mark_inputs(u, args, kwargs)
-        return None
-
-    def _mark_inputs(self, u: int, args, kwargs):
-        flat_args, spec = tree_flatten((args, kwargs))
-        at = [k for k, a in enumerate(flat_args)
-              if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not at:
-            return None  # nothing to hang the marker on: the end of backward frees the unit
-        self._post_pending[u] += 1
-        out = _PostBackward.apply(self, u, *[flat_args[k] for k in at])
-        if len(at) == 1:
-            out = (out,)
-        for k, t in zip(at, out):
-            flat_args[k] = t
-        return tree_unflatten(flat_args, spec)
-
-    def _post_forward(self, u: int, output):
-        if _in_backward():
-            return None  # recomputation: its backward follows, which frees the unit
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._make_pre_backward(u))
-        if self._held or self._phase is None:
-            return None  # inside gathered()
-        self._run(self.prefetch.done(u))
-        if u == 0:
-            training = self._phase == _C.PF_FORWARD
-            self._run(self.prefetch.end())
-            if training:
-                self._ran.update(self.prefetch.seen())
-            self._phase = None
-        return None
-
-    def _forward_ended(self) -> None:
-        """After the root's forward, returned or raised: a forward phase still open here is
-        one that raised (a returning one closed it in _post_forward). Ended as the next
-        forward would end it (_close_phase: its scheduled gathers issued, every unit freed)."""
-        if _in_backward() or self._held:
-            return
-        if self._phase in (_C.PF_FORWARD, _C.PF_FORWARD_EVAL):
-            with torch.no_grad():
-                self._close_phase()
-
-    def _make_pre_backward(self, u: int):
-        def hook(grad):
-            if torch.is_grad_enabled():
-                # the autograd engine runs a backward's hooks in grad mode only for
-                # create_graph=True; refused before anything is gathered or announced
-                raise RuntimeError(
-                    f"zero_py stage 3: a backward with create_graph=True reached unit "
-                    f"{self.units[u][0] or '(root)'!r} (e.g. torch.autograd.grad(..., "
-                    "create_graph=True) for a gradient penalty, or a double backward). Its "
-                    "graph of gradients would keep the unit's gathered parameters, which stage "
-                    "3 frees after the unit's backward, so the backward through it would read "
-                    "freed memory. Use stage 1 or 2 for double backward (their parameters stay "
-                    "whole), or compute the penalty without create_graph")
-            if self._phase != _C.PF_BACKWARD:
-                self._begin_backward()
-            self._run(self.prefetch.need(u))
-            self._wait(u)
-            return None
-        return hook
-
-    def _post_backward(self, u: int) -> None:
-        self._post_pending[u] -= 1
-        if self._post_pending[u] == 0 and self._phase == _C.PF_BACKWARD:
-            self._run(self.prefetch.done(u))
-            self._skip_ahead()
-
-    def _skip_ahead(self) -> None:
-        """In backward: gathers (and frees) at once the units of the schedule, from the
-        cursor on, that this rank will not need, up to the next one it will. Every rank
-        issues the common sequence of gathers; a rank that skips units would otherwise issue
-        theirs only when it needs a later unit or at the end of backward, while a peer that
-        needs them waits, and this rank may meanwhile wait for that peer's reductions: both
-        would wait for ever. Skipped at once, every gather a peer can need before this rank's
-        next wait is issued."""
-        self._reap()
-        while self._phase == _C.PF_BACKWARD and self._cursor < len(self._schedule):
-            u = self._schedule[self._cursor]
-            if u in self._backward_needs:
-                return
-            self._run(self.prefetch.need(u), lazy=True)
-            if self._cursor < len(self._schedule) and self._schedule[self._cursor] == u:
-                self._cursor += 1  # resident already: passed without a gather
-            self._run(self.prefetch.done(u), lazy=True)
-
-    def _reap(self, block: bool = False) -> None:
-        """Frees the skipped units whose gathers completed (all of them with block)."""
-        for u in list(self._lazy):
-            if block or all(w.is_completed() for w in self._pending.get(u, ())):
-                self._lazy.remove(u)
-                self._free(u)
-
-    # -- phases -------------------------------------------------------------------------------
-
-    def _set_order(self, order: List[int]) -> None:
-        self.prefetch.set_order(order)
-        self._order = list(order)
-
-    def _set_keep(self, keep: List[bool]) -> None:
-        self.prefetch.set_keep(keep)
-        self._keep = list(keep)
-
-    def _open_phase(self, phase: int) -> None:
-        """prefetch.begin(phase), and the phase's schedule as the C schedule has it
-        (prefetch.h): the order, or in backward the order reversed without the keep units."""
-        self.prefetch.begin(phase)
-        if phase == _C.PF_BACKWARD:
-            self._schedule = [u for u in reversed(self._order) if not self._keep[u]]
-        else:
-            self._schedule = list(self._order)
-        self._cursor = 0
-
-    def _close_phase(self) -> None:
-        """Ends a phase left open (a forward or backward that raised, a partial forward)."""
-        self._reap(block=True)
-        if self._phase == _BACKWARD_ENDING:
-            self._drained.wait()
-            for u in self._to_free:
-                self._free(u)
-            self._to_free = []
-        elif self._phase is not None:
-            self._run(self.prefetch.end())
-        self._phase = None
-
-    def _order_fill(self) -> Optional[torch.Tensor]:
-        self._order_carried = self._order_seen
-        if self._order_seen is None:
-            return None
-        return torch.tensor([len(self._order_seen)] + self._order_seen, dtype=torch.int64)
-
-    def _order_deliver(self, rows: torch.Tensor) -> None:
-        """Every rank's first uses (a rank without any: a zero row), as the Count that carried
-        them passed its checks on every rank alike."""
-        self._order_rows = rows.tolist()
-        if self._order_seen is self._order_carried:
-            self._order_seen = None
-
-    def _apply_order(self) -> None:
-        """The order merged from the last delivered first uses, on every rank alike."""
-        if self._order_rows is not None:
-            rows, self._order_rows = self._order_rows, None
-            order = merge_orders(rows, len(self.units))
-            used = {u for row in rows for u in row[1:1 + row[0]]}
-            self._set_order(order)
-            if self.reshard_after_forward:
-                # the last units of the forward are the first of the backward: keep them
-                # gathered in between rather than free them and gather them again at once.
-                # The last one always (it is resident there anyway, next to the unit before
-                # or after it), and the ones before it while they fit in what the prefetch
-                # budget lets backward hold beside the root (by default the root plus two
-                # units: the last two), so the peak stays the budget's
-                n = len(self.units)
-                keep = [u == 0 for u in range(n)]
-                room = self._budget - self._unit_bytes[0]
-                for k in reversed([k for k in order if k != 0 and k in used]):
-                    if any(keep[1:]) and self._unit_bytes[k] > room:
-                        break
-                    keep[k] = True
-                    room -= self._unit_bytes[k]
-                self._set_keep(keep)
-
-    def _begin_forward(self) -> None:
-        _forget_autocast_casts()
-        self.reducer.settle_failed_backward()
-        self._close_phase()
-        phase = _C.PF_FORWARD if torch.is_grad_enabled() else _C.PF_FORWARD_EVAL
-        problem = self.check_model()
-        # between finish() and the end of the step (clip_grad_norm_, then step()) a peer may
-        # be writing its shards with no version to wait for: a no_grad forward there is
-        # collective, as reads_alone() makes a state dict
-        self._eval_alone = self.reads_alone()
-        if phase == _C.PF_FORWARD or not self._eval_alone:
-            # its gathers are collective: every rank must be starting this forward (a no_grad
-            # forward gathers alone where the shards are in shared memory); a rank whose model
-            # changed refuses it in the announcement, so that every rank raises
-            self.reducer.announce_forward(phase == _C.PF_FORWARD_EVAL, problem)
-        elif problem is not None:
-            raise RuntimeError(problem)
-        # after the announcement, which may have carried the last backward's first uses
-        self._apply_order()
-        self._phase = phase
-        self._open_phase(self._phase)
-        self._post_pending = [0] * len(self.units)
-
-    def _begin_backward(self) -> None:
-        _forget_autocast_casts()
-        # a backward that raised before this one: its phase ends first (_failed_backward)
-        self.reducer.settle_failed_backward()
-        if self.reducer.sync_enabled:
-            self.reducer.check_complete()
-        self._close_phase()
-        self._phase = _C.PF_BACKWARD
-        self._open_phase(_C.PF_BACKWARD)
-        if self.reducer.begin_pass():  # queues the end of backward, which calls _end_backward
-            # the units this rank's forward did not run give no gradient: their buckets go
-            # now, as DDP's find_unused_parameters, not at the end (peers that ran them wait)
-            ran = set(self.prefetch.seen()) | self._ran | {self.persistent_unit}
-            self.reducer.mark_unused(i for i, u in enumerate(self.flat.param_unit)
-                                     if u not in ran)
-        # and backward needs no unit that its forwards did not run (recomputation included):
-        # those are gathered and freed as the schedule reaches them (_skip_ahead)
-        self._backward_needs = set(self.prefetch.seen()) | self._ran | {0}
-        self._ran = set()
-        self._skip_ahead()
-
-    def _drain_backward(self) -> None:
-        """At the end of backward, before the reducer's last reductions: issues the gathers
-        left in the phase's schedule (every rank issues them: a rank that skipped units must
-        not make its peers wait for them while it waits for reductions); their frees, which
-        wait for them, come after (_end_backward)."""
-        self._to_free = []
-        if self._phase != _C.PF_BACKWARD:
-            return
-        commands = list(self.prefetch.end())
-        drained = self._drained.prepare([u for kind, u in commands if kind == _C.PF_GATHER])
-        for kind, u in commands:
-            if kind != _C.PF_GATHER:
-                self._to_free.append(u)
-            elif drained and self._scheduled(u):  # for the peers only (drain.py)
-                self._drained.issue(u, "the end of the backward")
-            else:
-                self._gather(u, not drained and self._scheduled(u))
-        self._phase = _BACKWARD_ENDING
-
-    def _failed_backward(self) -> None:
-        """A backward that raised (GradReducer.settle_failed_backward, every rank at the same
-        point): its phase ends as the backward would have, the gathers left in its schedule
-        issued (every rank issues them) and every unit it holds freed."""
-        with torch.no_grad():
-            self._close_phase()
-        self._to_free = []
-        self._post_pending = [0] * len(self.units)
-
-    def _end_backward(self) -> None:
-        """After the reducer ended this backward's pass (or skipped it under no_sync())."""
-        if self._phase != _BACKWARD_ENDING:
-            return  # a backward through none of this model's units
-        with torch.no_grad():
-            self._drained.wait()
-            self._reap(block=True)
-            for u in self._to_free:
-                self._free(u)
-            self._to_free = []
-            self._phase = None
-            self._post_pending = [0] * len(self.units)
-            # agree on the next order: every rank's sequence of first uses rides on the next
-            # Count (a row each), merged on every rank alike (merge_orders, _apply_order)
-            self._order_seen = list(self.prefetch.seen())
 
     # -- commands -----------------------------------------------------------------------------
 
