@@ -53,14 +53,15 @@ class Buckets:
         # the planned size: a stage-3 parameter may already be its shard slice again here
         slot = self._bucket_buffer(b)[lo:lo + n]
         ws = self._averaged_over
+        flat = self.flat.flat_of(i, g)  # 1-D in the parameter's memory order (a view if it can)
         if ws > 1 and g.dtype == slot.dtype:
-            torch.div(self.flat.flat_of(i, g), ws, out=slot)  # DDP's averaging, before the sum
-        elif g.is_cuda and ws & (ws - 1) == 0 and g.is_contiguous() and _cuda_usable():
+            torch.div(flat, ws, out=slot)  # DDP's averaging, before the sum
+        elif g.is_cuda and ws & (ws - 1) == 0 and flat.is_contiguous() and _cuda_usable():
             # widening and averaging in one pass (the CUDA cast kernel); * (1 / ws) equals
             # / ws exactly when ws is a power of two
-            _cuda_cast(self.flat.flat_of(i, g), slot, 1.0 / ws)
+            _cuda_cast(flat, slot, 1.0 / ws)
         else:
-            slot.copy_(self.flat.flat_of(i, g))  # widened first when reducing in a wider dtype
+            slot.copy_(flat)  # widened first when reducing in a wider dtype
             if ws > 1:
                 slot.div_(ws)
         self._local_used[i] = 1
