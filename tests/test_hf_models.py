@@ -537,6 +537,7 @@ def test_torch_compile_stage3_second_model_of_a_class():
             assert r <= 1e-5, (rank, name, r)
 
 
+@pytest.mark.slow  # a torchrun of the example (~25 s): make test-long
 def test_example_script_stage3_exports(tmp_path):
     import transformers
 
