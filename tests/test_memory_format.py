@@ -140,6 +140,13 @@ def test_parameters_keep_their_memory_format_and_train_as_ddp():
                     assert rel <= RTOL, f"{where}: state {k} differs by {rel:.2e}"
 
 
+def _run(model, opt, batches):
+    for b in batches:
+        model(*b).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _round_trip(rank, world):
     """A full dict (consolidate_state_dict) saved at stage 2 and loaded at stage 3; a shard dict
     loaded back at stage 2; each continued for 3 steps against the uninterrupted run."""
@@ -147,27 +154,21 @@ def _round_trip(rank, world):
     gen = torch.Generator().manual_seed(7 + rank)
     batches = [_batch(gen) for _ in range(6)]
 
-    def run(model, opt, bs):
-        for b in bs:
-            model(*b).backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt = zero_py.initialize(_net(), torch.optim.AdamW, stage=2, lr=LR, bucket_bytes=1024)
-    run(model, opt, batches[:3])
+    _run(model, opt, batches[:3])
     full = [opt.consolidate_state_dict(to=0)]
     torch.distributed.broadcast_object_list(full, 0)  # every rank loads the full dict
     full = full[0]
     shard = opt.state_dict()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    run(model, opt, batches[3:])
+    _run(model, opt, batches[3:])
     want = _full(model)
     for stage, kind, sd in ((3, "full", full), (2, "shard", shard)):
         m, o = zero_py.initialize(_net(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
                                   bucket_bytes=1024)
         m.load_state_dict(weights)
         o.load_state_dict(sd)
-        run(m, o, batches[3:])
+        _run(m, o, batches[3:])
         got = _full(m)
         out[(stage, kind)] = max(
             _rel(got[n][1], want[n][1]) for n in want)
@@ -205,25 +206,19 @@ def _checkpoint(rank, world, tmp):
     gen = torch.Generator().manual_seed(11 + rank)
     batches = [_batch(gen) for _ in range(6)]
 
-    def run(model, opt, bs):
-        for b in bs:
-            model(*b).backward()
-            opt.step()
-            opt.zero_grad()
-
     out = {}
     path = os.path.join(tmp, "ck")
     model, opt = zero_py.initialize(_net(), torch.optim.AdamW, stage=2, lr=LR, bucket_bytes=1024)
-    run(model, opt, batches[:3])
+    _run(model, opt, batches[:3])
     zero_py.save_checkpoint(path, model, opt)
     out["saved"] = {n: v.clone() for n, v in zero_py.full_state_dict(model, rank=0).items()} \
         if rank == 0 else None
-    run(model, opt, batches[3:])
+    _run(model, opt, batches[3:])
     want = _full(model)
     m, o = zero_py.initialize(_net(seed=5), torch.optim.AdamW, stage=3, lr=LR)
     zero_py.load_checkpoint(path, m, o)
     out["loaded_strides"] = {n: s for n, (s, _) in _full(m).items()}
-    run(m, o, batches[3:])
+    _run(m, o, batches[3:])
     got = _full(m)
     out["resumed_rel"] = max(_rel(got[n][1], want[n][1]) for n in want)
     m, o = zero_py.initialize(_net(seed=5, channels_last=False), torch.optim.AdamW, stage=3,

@@ -201,6 +201,14 @@ def _scenarios(rank, world_size, root):
         return error, [p.detach().clone() for p in m.parameters()]
     (out["scale_error"], out["scale_then"]), out["scale_never"] = scaled(True), scaled(False)[1]
 
+    def accumulate_two_and_step(m, opt):
+        """Two micro-batches agreeing on every rank (the first under no_sync()), one step."""
+        for k in range(2):
+            with opt.no_sync() if k == 0 else contextlib.nullcontext():
+                models.mlp_loss(m, models.mlp_batch(
+                    torch.Generator().manual_seed(2 * rank + k))).backward()
+        opt.step()
+
     # stage 3's no_sync() entered on rank 0 only, around the forward and backward (a rank's
     # own accumulation counter) or around the backward alone, after a forward outside it or
     # inside it on both ranks: rank 1's backward reduced and rank 0's did not, so each waited
@@ -231,11 +239,7 @@ def _scenarios(rank, world_size, root):
                 errors.append(str(exc))
             errors.append(time.monotonic() - start)
             opt.zero_grad()
-        for k in range(2):
-            with opt.no_sync() if k == 0 else contextlib.nullcontext():
-                models.mlp_loss(m, models.mlp_batch(
-                    torch.Generator().manual_seed(2 * rank + k))).backward()
-        opt.step()
+        accumulate_two_and_step(m, opt)
         with zero_py.gathered(m):
             return errors, [p.detach().clone() for p in m.parameters()]
     out["no_sync_errors"], out["no_sync_then"] = no_sync_then_trained(
@@ -277,11 +281,7 @@ def _scenarios(rank, world_size, root):
             errors.append(time.monotonic() - start)
             errors.append(all(torch.equal(a, p) for a, p in zip(before, m.parameters())))
             opt.zero_grad()
-        for k in range(2):
-            with opt.no_sync() if k == 0 else contextlib.nullcontext():
-                models.mlp_loss(m, models.mlp_batch(
-                    torch.Generator().manual_seed(2 * rank + k))).backward()
-        opt.step()
+        accumulate_two_and_step(m, opt)
         return errors, [p.detach().clone() for p in m.parameters()]
     out["stage2_no_sync_errors"], out["stage2_no_sync_then"] = stage2_no_sync(
         2, ["backward", "step()"])
